@@ -1,0 +1,342 @@
+"""The daemon's configuration: one small dataclass per area of the TOML file.
+
+The file maps onto these dataclasses one to one (``[server]`` is ``ServerConfig``,
+each ``[[engines]]`` entry is an ``EngineConfig``, ...). ``load_config`` layers the
+sources, highest first: overrides (CLI flags) > ``HEADRACE_*`` env > file > defaults.
+
+Environment variables are ``HEADRACE_<SECTION>_<FIELD>`` for the scalar fields of
+``server``, ``data`` and ``batching`` (``HEADRACE_SERVER_PORT``, ``HEADRACE_DATA_DIR``,
+``HEADRACE_DATA_CACHE_DIR``, ``HEADRACE_BATCHING_MAX_WAIT_MS``...). ``HEADRACE_API_KEY``
+is a short alias for ``server.api_key``; when both are set, the full name
+``HEADRACE_SERVER_API_KEY`` wins (the more specific name always wins).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+ENV_PREFIX = "HEADRACE_"
+API_KEY_ALIAS = "HEADRACE_API_KEY"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+# Engine names are OpenAI model ids, so they must be safe in a URL path and JSON.
+ENGINE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
+
+
+class ConfigError(ValueError):
+    """A bad setting; ``str()`` is ``"<dotted key>: <problem>"``.
+
+    ``ConfigError("message")`` with no key is allowed for errors about no one key.
+    """
+
+    def __init__(self, key: str, problem: str = "") -> None:
+        if not problem:
+            key, problem = "", key
+        self.key, self.problem = key, problem
+        super().__init__(f"{key}: {problem}" if key else problem)
+
+    def under(self, prefix: str) -> ConfigError:
+        """The same error seen from the enclosing table ``prefix``."""
+        if not prefix:
+            return self
+        key = f"{prefix}{self.key}" if self.key.startswith("[") else f"{prefix}.{self.key}"
+        return ConfigError(key, self.problem)
+
+
+def _check(ok: bool, key: str, problem: str) -> None:
+    if not ok:
+        raise ConfigError(key, problem)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """``[server]``: the HTTP listener."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0 picks a free port (tests)
+    api_key: str = ""  # empty: no auth; else clients send "Authorization: Bearer <key>"
+    max_body_bytes: int = 4 * 1024 * 1024
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.port <= 65535, "port", f"must be in 0..65535, got {self.port}")
+        _check(self.max_body_bytes > 0, "max_body_bytes", "must be > 0")
+        _check(self.log_level in LOG_LEVELS, "log_level",
+               f"expected one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+
+
+def _xdg(var: str, fallback: str, env: Mapping[str, str]) -> Path:
+    # The XDG spec says relative values are invalid and must be ignored.
+    base = env.get(var, "")
+    root = Path(base) if base and os.path.isabs(base) else Path.home() / fallback
+    return root / "headrace"
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """``[data]``: where state (LanceDB tables...) and caches (converted models) live."""
+
+    dir: str = ""  # empty: $XDG_DATA_HOME/headrace or ~/.local/share/headrace
+    cache_dir: str = ""  # empty: $XDG_CACHE_HOME/headrace or ~/.cache/headrace
+
+    def data_path(self, env: Mapping[str, str] = os.environ) -> Path:
+        return Path(self.dir).expanduser() if self.dir else _xdg("XDG_DATA_HOME", ".local/share", env)
+
+    def cache_path(self, env: Mapping[str, str] = os.environ) -> Path:
+        return Path(self.cache_dir).expanduser() if self.cache_dir else _xdg("XDG_CACHE_HOME", ".cache", env)
+
+
+def _check_batching(b: BatchingConfig | BatchingOverride) -> None:
+    if b.policy is not None:
+        _check(bool(b.policy), "policy", "must not be empty")
+    for name in ("max_batch_size", "max_running"):
+        value = getattr(b, name)
+        _check(value is None or value >= 1, name, f"must be >= 1, got {value}")
+    _check(b.max_wait_ms is None or b.max_wait_ms >= 0, "max_wait_ms", f"must be >= 0, got {b.max_wait_ms}")
+
+
+@dataclass(frozen=True)
+class BatchingConfig:
+    """``[batching]``: how each engine's scheduler forms batches (global defaults)."""
+
+    policy: str = "fifo"  # a batch policy registered by a plugin
+    max_batch_size: int = 32
+    max_wait_ms: float = 5.0  # how long a partial batch may wait for more requests; 0: never
+    max_running: int = 64  # LLM admission: concurrent decoding requests; the rest queue
+
+    def __post_init__(self) -> None:
+        _check_batching(self)
+
+
+@dataclass(frozen=True)
+class BatchingOverride:
+    """``[engines.batching]``: per-engine overrides; unset (None) keys keep the global value."""
+
+    policy: str | None = None
+    max_batch_size: int | None = None
+    max_wait_ms: float | None = None
+    max_running: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_batching(self)
+
+    def apply(self, base: BatchingConfig) -> BatchingConfig:
+        given = {f.name: v for f in dataclasses.fields(self) if (v := getattr(self, f.name)) is not None}
+        return dataclasses.replace(base, **given)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One ``[[engines]]`` entry: a named model or tool served by an engine plugin."""
+
+    name: str  # the OpenAI model id clients use
+    plugin: str  # the engine plugin kind: "torch", "sentence-transformers", "lancedb"...
+    model: str = ""  # a path, or "pkg:<module>/<file>" inside an installed package
+    options: dict[str, Any] = field(default_factory=dict)  # passed as-is to the plugin
+    batching: BatchingOverride | None = None
+
+    def __post_init__(self) -> None:
+        _check(bool(self.name), "name", "required")
+        _check(bool(ENGINE_NAME_RE.match(self.name)), "name",
+               f"{self.name!r} is not a valid model id (letters, digits, '.', '_', ':', '-';"
+               " must start with a letter or digit)")
+        _check(bool(self.plugin), "plugin", "required")
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole configuration file."""
+
+    server: ServerConfig = field(default_factory=ServerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    engines: list[EngineConfig] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        seen: set[str] = set()
+        for i, engine in enumerate(self.engines):
+            _check(engine.name not in seen, f"engines[{i}].name", f"duplicate engine name {engine.name!r}")
+            seen.add(engine.name)
+
+    def engine(self, name: str) -> EngineConfig:
+        for engine in self.engines:
+            if engine.name == name:
+                return engine
+        raise KeyError(name)
+
+    def batching_for(self, engine_name: str) -> BatchingConfig:
+        """The global ``[batching]`` with this engine's own overrides applied."""
+        override = self.engine(engine_name).batching
+        return override.apply(self.batching) if override else self.batching
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for printing; the API key is redacted, unset overrides are left out."""
+        out = dataclasses.asdict(self)
+        if out["server"]["api_key"]:
+            out["server"]["api_key"] = "***"
+        for engine in out["engines"]:
+            given = {k: v for k, v in (engine.pop("batching") or {}).items() if v is not None}
+            if given:
+                engine["batching"] = given
+        return out
+
+
+# ----- dataclass-from-dict ----------------------------------------------------
+
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "a boolean"}
+
+
+def from_dict(cls: type, data: Any, path: str = "") -> Any:
+    """Build dataclass ``cls`` from plain data (parsed TOML), checking types by hints.
+
+    Errors name the offending key by its full dotted ``path``.
+    """
+    _check(isinstance(data, Mapping), path, f"expected a table, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    for key in data:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(_join(path, str(key)), f"unknown key{hint}")
+    kwargs = {}
+    for name, f in fields.items():
+        if name in data:
+            kwargs[name] = _convert(hints[name], data[name], _join(path, name))
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(_join(path, name), "required")
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:  # raised by __post_init__, relative to this table
+        raise e.under(path) from None
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _convert(tp: Any, value: Any, path: str) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        options = [a for a in args if a is not type(None)]
+        if len(options) != 1:
+            raise TypeError(f"{path}: unsupported union type {tp}")
+        return _convert(options[0], value, path)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, path)
+    if origin is list:
+        _check(isinstance(value, list), path, f"expected a list, got {value!r}")
+        return [_convert(args[0] if args else Any, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if tp is dict or origin is dict:
+        _check(isinstance(value, Mapping), path, f"expected a table, got {value!r}")
+        item = args[1] if args else Any
+        return {str(k): _convert(item, v, _join(path, str(k))) for k, v in value.items()}
+    if tp in _TYPE_NAMES:
+        # TOML writes `max_wait_ms = 5` as an int: accept it for a float. bool is a
+        # subclass of int, but `port = true` is a mistake: refuse it for numbers.
+        accepted = (int, float) if tp is float else tp
+        ok = isinstance(value, accepted) and (tp is bool or not isinstance(value, bool))
+        _check(ok, path, f"expected {_TYPE_NAMES[tp]}, got {value!r}")
+        return float(value) if tp is float else value
+    raise TypeError(f"{path}: unsupported field type {tp}")
+
+
+def _from_string(tp: Any, text: str) -> Any:
+    """Parse an env var or CLI string as a scalar field of type ``tp``."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+    if tp is bool:
+        return {"true": True, "1": True, "false": False, "0": False}[text.strip().lower()]
+    if tp in (int, float):
+        return tp(text.strip())
+    return text
+
+
+# ----- loading ----------------------------------------------------------------
+
+# The sections whose scalar fields env vars and dotted overrides may set.
+_SECTIONS: dict[str, type] = {"server": ServerConfig, "data": DataConfig, "batching": BatchingConfig}
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(str(path), "config file not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(str(path), f"invalid TOML: {e}") from None
+
+
+def _set(raw: dict[str, Any], section: str, name: str, value: Any, source: str) -> None:
+    hints = typing.get_type_hints(_SECTIONS[section])
+    if name not in hints:
+        close = difflib.get_close_matches(name, list(hints), n=1)
+        if source.startswith(ENV_PREFIX):
+            hint = f"; did you mean {ENV_PREFIX}{section.upper()}_{close[0].upper()}?" if close else ""
+            raise ConfigError(source, f"no setting {section}.{name}{hint}")
+        raise ConfigError(source, "unknown key" + (f"; did you mean {close[0]!r}?" if close else ""))
+    if isinstance(value, str) and hints[name] is not str:
+        try:
+            value = _from_string(hints[name], value)
+        except (ValueError, KeyError):
+            expected = _TYPE_NAMES.get(hints[name], "a valid value")
+            raise ConfigError(source, f"expected {expected}, got {value!r}") from None
+    table = raw.setdefault(section, {})
+    _check(isinstance(table, dict), section, f"expected a table, got {table!r}")
+    table[name] = value
+
+
+def _env_settings(env: Mapping[str, str]) -> list[tuple[str, str, str, str]]:
+    """(section, field, value, var name) for each HEADRACE_* var naming a section.
+
+    Vars that name no section (HEADRACE_PLUGINS...) belong to others and are skipped;
+    a var naming a section but no field of it is a typo and an error (in ``_set``).
+    """
+    found = []
+    if API_KEY_ALIAS in env:  # first, so HEADRACE_SERVER_API_KEY overwrites it
+        found.append(("server", "api_key", env[API_KEY_ALIAS], API_KEY_ALIAS))
+    for var in sorted(env):
+        if not var.startswith(ENV_PREFIX) or var == API_KEY_ALIAS:
+            continue
+        rest = var[len(ENV_PREFIX):].lower()
+        for section in _SECTIONS:
+            if rest.startswith(section + "_"):
+                found.append((section, rest[len(section) + 1:], env[var], var))
+    return found
+
+
+def load_config(
+    path: Path | None,
+    env: Mapping[str, str] = os.environ,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Load the config: ``overrides`` > ``HEADRACE_*`` in ``env`` > the file > defaults.
+
+    ``overrides`` are dotted keys such as ``{"server.port": 9001, "data.dir": "/x"}``;
+    string values are parsed by the field's type, like env values; None values are
+    skipped (a CLI flag that was not given).
+    """
+    raw = _read_file(Path(path)) if path is not None else {}
+    for section, name, value, var in _env_settings(env):
+        _set(raw, section, name, value, var)
+    for key, value in (overrides or {}).items():
+        if value is None:
+            continue
+        section, _, name = key.partition(".")
+        _check(section in _SECTIONS and bool(name), key,
+               f"unknown key; overrides are <{'|'.join(_SECTIONS)}>.<field>")
+        _set(raw, section, name, value, key)
+    return from_dict(Config, raw)

@@ -1,0 +1,102 @@
+"""Token sampling and incremental detokenisation for the torch LLM engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from headrace.plugins.protocols import SamplingParams
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    gen = torch.Generator()
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed)
+    return gen
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator]) -> list[int]:
+    """One token per row of ``logits`` (B, V), each row with its own params and RNG."""
+    greedy = logits.argmax(dim=-1).tolist()
+    sampled_rows = [i for i, p in enumerate(params) if p.temperature > 0]
+    if not sampled_rows:
+        return greedy
+    rows = torch.tensor(sampled_rows)
+    temps = torch.tensor([params[i].temperature for i in sampled_rows], dtype=torch.float32).unsqueeze(1)
+    probs = torch.softmax(logits[rows].float() / temps, dim=-1)
+    top_ps = torch.tensor([params[i].top_p for i in sampled_rows], dtype=torch.float32).unsqueeze(1)
+    if bool((top_ps < 1).any()):
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (always the top token).
+        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_ps
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    for j, i in enumerate(sampled_rows):
+        greedy[i] = int(torch.multinomial(probs[j], 1, generator=generators[i]).item())
+    return greedy
+
+
+@dataclass
+class Detokenizer:
+    """Turns a growing list of token ids into text deltas, and applies stop strings.
+
+    Decodes a short window of recent tokens so each step costs O(1), and holds
+    back text that is an incomplete UTF-8 sequence or could still become a stop
+    string.
+    """
+
+    tokenizer: object
+    stop: tuple[str, ...] = ()
+    ids: list[int] = field(default_factory=list)
+    text: str = ""  # everything decoded so far
+    emitted: int = 0  # chars of ``text`` already handed out
+    _prefix_offset: int = 0
+    _read_offset: int = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)  # type: ignore[attr-defined]
+
+    def add(self, token_id: int) -> tuple[str, bool]:
+        """Append a token; return (new text to emit, whether a stop string ended it)."""
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self.ids[self._prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.text += full[len(prefix) :]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self.ids)
+        return self._take()
+
+    def _take(self) -> tuple[str, bool]:
+        if self.stop:
+            window_start = max(0, self.emitted - max(map(len, self.stop)) + 1)
+            hits = [i for i in (self.text.find(s, window_start) for s in self.stop) if i >= 0]
+            if hits:
+                end = min(hits)
+                out, self.emitted = self.text[self.emitted : end], end
+                return out, True
+            hold = self._held_back()
+        else:
+            hold = 0
+        end = len(self.text) - hold
+        out = self.text[self.emitted : end] if end > self.emitted else ""
+        self.emitted = max(self.emitted, end)
+        return out, False
+
+    def _held_back(self) -> int:
+        """Length of the longest suffix of the text that begins some stop string."""
+        best = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(self.text)), best, -1):
+                if self.text.endswith(s[:n]):
+                    best = n
+                    break
+        return best
+
+    def flush(self) -> str:
+        out, self.emitted = self.text[self.emitted :], len(self.text)
+        return out

