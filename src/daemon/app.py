@@ -1,0 +1,100 @@
+"""The starlette application: routes, API-key check, readiness, and the engines' lifetime."""
+
+from __future__ import annotations
+
+import hmac
+from contextlib import asynccontextmanager
+import anyio
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from headrace import __version__
+from headrace.daemon.config import Config
+from headrace.daemon.errors import APIError, api_error_handler, internal_error_handler
+from headrace.daemon.metrics import Metrics
+from headrace.daemon.pool import EnginePool
+from headrace.daemon.routes_openai import chat_completions, completions, list_models
+from headrace.daemon.routes_retrieval import embeddings, rerank
+from headrace.plugins.manager import Registry, collect
+
+
+class APIKeyMiddleware:
+    """Bearer check on /v1/*; plain ASGI so streaming responses pass through untouched."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app, self.key = app, api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.key and scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            headers = dict(scope["headers"])
+            auth = headers.get(b"authorization", b"")
+            scheme, _, token = auth.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                message = "missing API key" if not auth else "incorrect API key"
+                await APIError(401, message, code="invalid_api_key").response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def health(request: Request) -> Response:
+    return JSONResponse({"status": "ok", "version": __version__})
+
+
+async def ready(request: Request) -> Response:
+    pool: EnginePool = request.app.state.pool
+    engines = {
+        s.name: {"state": s.state, **({"error": s.error} if s.error else {}),
+                 **({"load_seconds": round(s.load_seconds, 3)} if s.load_seconds is not None else {})}
+        for s in pool.slots.values()
+    }
+    return JSONResponse({"ready": pool.ready, "engines": engines}, status_code=200 if pool.ready else 503)
+
+
+async def metrics(request: Request) -> Response:
+    return Response(request.app.state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def not_found(request: Request, exc: Exception) -> Response:
+    return APIError(404, f"no route {request.method} {request.url.path}", code="not_found").response()
+
+
+async def method_not_allowed(request: Request, exc: Exception) -> Response:
+    return APIError(405, f"method {request.method} is not allowed on {request.url.path}",
+                    code="method_not_allowed").response()
+
+
+def create_app(config: Config, registry: Registry | None = None) -> Starlette:
+    registry = registry or collect()
+    metrics_ = Metrics()
+    pool = EnginePool(config, registry, metrics_)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette):
+        # The engines load in the background: /health answers at once, /ready once all are loaded.
+        async with anyio.create_task_group() as tg:
+            await tg.start(pool.run)
+            yield
+            tg.cancel_scope.cancel()
+
+    app = Starlette(
+        routes=[
+            Route("/health", health),
+            Route("/ready", ready),
+            Route("/metrics", metrics),
+            Route("/v1/models", list_models),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/embeddings", embeddings, methods=["POST"]),
+            Route("/v1/rerank", rerank, methods=["POST"]),
+        ],
+        exception_handlers={APIError: api_error_handler, 404: not_found, 405: method_not_allowed,
+                            Exception: internal_error_handler},
+        lifespan=lifespan,
+    )
+    app.state.config, app.state.pool, app.state.metrics, app.state.registry = config, pool, metrics_, registry
+    app.add_middleware(APIKeyMiddleware, api_key=config.server.api_key)
+    return app
+

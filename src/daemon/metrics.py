@@ -1,0 +1,95 @@
+"""Prometheus metrics: the vLLM request set under a ``headrace_`` prefix, plus batch sizes.
+
+Each app owns its own registry, so several apps (tests) never collide.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            "headrace_time_to_first_token_seconds", "Time to first token.", ["model"], registry=r, buckets=LATENCY_BUCKETS
+        )
+        self.itl = Histogram(
+            "headrace_inter_token_latency_seconds", "Time between output tokens.", ["model"], registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.e2e = Histogram(
+            "headrace_e2e_request_latency_seconds", "End-to-end request latency.", ["model"], registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.queue = Histogram(
+            "headrace_request_queue_time_seconds", "Time a request waits in its engine's queue.", ["model"],
+            registry=r, buckets=LATENCY_BUCKETS,
+        )
+        self.prompt_tokens = Counter("headrace_prompt_tokens", "Prompt tokens processed.", ["model"], registry=r)
+        self.generation_tokens = Counter("headrace_generation_tokens", "Tokens generated.", ["model"], registry=r)
+        self.batch_size = Histogram(
+            "headrace_batch_size", "Items per engine batch.", ["engine", "op"], registry=r, buckets=BATCH_BUCKETS
+        )
+        self._running: dict[str, Callable[[], int]] = {}
+        self._waiting: dict[str, Callable[[], int]] = {}
+        self._contexts: dict[str, Callable[[], int]] = {}
+        registry = self
+
+        class _Live:
+            def collect(self):
+                for name, help_, table in (
+                    ("headrace_num_requests_running", "Requests running on the engine.", registry._running),
+                    ("headrace_num_requests_waiting", "Requests waiting for the engine.", registry._waiting),
+                    ("headrace_llm_contexts", "KV contexts held by the LLM engine.", registry._contexts),
+                ):
+                    family = GaugeMetricFamily(name, help_, labels=["model"])
+                    for model, read in table.items():
+                        family.add_metric([model], read())
+                    yield family
+
+        r.register(_Live())
+
+    def watch(self, model: str, *, running: Callable[[], int], waiting: Callable[[], int],
+              contexts: Callable[[], int] | None = None) -> None:
+        """Read these gauges live at scrape time rather than mirror them."""
+        self._running[model], self._waiting[model] = running, waiting
+        if contexts is not None:
+            self._contexts[model] = contexts
+
+    def batch_observer(self, engine: str) -> Callable[[str, int], None]:
+        def observe(op: str, size: int) -> None:
+            self.batch_size.labels(engine, op).observe(size)
+
+        return observe
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # SchedulerObserver ---------------------------------------------------------
+
+    def queued(self, engine: str) -> None:
+        pass
+
+    def started(self, engine: str, queue_seconds: float) -> None:
+        self.queue.labels(engine).observe(queue_seconds)
+
+    def first_token(self, engine: str, seconds: float) -> None:
+        self.ttft.labels(engine).observe(seconds)
+
+    def next_token(self, engine: str, seconds: float) -> None:
+        self.itl.labels(engine).observe(seconds)
+
+    def finished(self, engine: str, seconds: float, prompt_tokens: int, generation_tokens: int) -> None:
+        self.e2e.labels(engine).observe(seconds)
+        if prompt_tokens:
+            self.prompt_tokens.labels(engine).inc(prompt_tokens)
+        if generation_tokens:
+            self.generation_tokens.labels(engine).inc(generation_tokens)

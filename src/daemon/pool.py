@@ -1,0 +1,149 @@
+"""The engines of one daemon: built from the config, loaded in order, each behind its scheduler."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from headrace.batching.llm import LLMScheduler
+from headrace.batching.scheduler import BatchScheduler
+from headrace.daemon import systemd
+from headrace.daemon.config import Config, ConfigError
+from headrace.daemon.metrics import Metrics
+from headrace.plugins.manager import Registry
+from headrace.plugins.protocols import EngineEnv, EngineSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineSlot:
+    name: str
+    plugin: str
+    engine: Any
+    scheduler: Any = None
+    state: str = "pending"  # pending | loading | ready | failed
+    error: str | None = None
+    load_seconds: float | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class EnginePool:
+    def __init__(self, config: Config, registry: Registry, metrics: Metrics) -> None:
+        self.config = config
+        self.registry = registry
+        self.metrics = metrics
+        self.slots: dict[str, EngineSlot] = {}
+        data_dir, cache_dir = config.data.data_path(), config.data.cache_path()
+        for i, ec in enumerate(config.engines):
+            factory = registry.engines.get(ec.plugin)
+            if factory is None:
+                known = ", ".join(sorted(registry.engines)) or "none"
+                raise ConfigError(f"engines[{i}].plugin", f"no engine plugin {ec.plugin!r} is loaded (loaded: {known})")
+            env = EngineEnv(
+                data_dir=data_dir,
+                cache_dir=cache_dir,
+                lookup=self._lookup,
+                observe_batch=metrics.batch_observer(ec.name),
+            )
+            try:
+                engine = factory(EngineSpec(name=ec.name, plugin=ec.plugin, model=ec.model, options=ec.options), env)
+            except (ValueError, FileNotFoundError) as exc:
+                raise ConfigError(f"engines[{i}]", str(exc)) from exc
+            self.slots[ec.name] = EngineSlot(ec.name, ec.plugin, engine)
+
+    def _lookup(self, name: str) -> Any:
+        slot = self.slots.get(name)
+        if slot is None or slot.state != "ready":
+            raise LookupError(f"engine {name!r} is not configured or not loaded yet (engines load in config order)")
+        return slot.engine
+
+    @property
+    def ready(self) -> bool:
+        return all(s.state == "ready" for s in self.slots.values())
+
+    async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+        """Load every engine in config order, start its scheduler, then serve until cancelled."""
+        async with anyio.create_task_group() as tg:
+            task_status.started()
+            for slot in self.slots.values():
+                slot.state = "loading"
+                start = time.monotonic()
+                try:
+                    await tg.start(slot.engine.run)
+                except Exception as exc:
+                    slot.state, slot.error = "failed", f"{type(exc).__name__}: {exc}"
+                    log.exception("engine %s failed to load", slot.name)
+                    continue
+                slot.load_seconds = time.monotonic() - start
+                slot.scheduler = self._scheduler_for(slot)
+                await tg.start(slot.scheduler.run)
+                slot.state = "ready"
+                log.info("engine %s ready in %.1fs", slot.name, slot.load_seconds)
+            if self.ready:
+                systemd.notify("READY=1")
+
+    def _scheduler_for(self, slot: EngineSlot) -> Any:
+        batching = self.config.batching_for(slot.name)
+        engine = slot.engine
+        if engine.kind == "llm":
+            scheduler = LLMScheduler(engine, max_running=batching.max_running, observer=self.metrics)
+            stats = getattr(engine, "stats", None)
+            self.metrics.watch(
+                slot.name,
+                running=lambda: scheduler.running,
+                waiting=lambda: scheduler.waiting,
+                contexts=(lambda: stats()["contexts"]) if stats else None,
+            )
+            return scheduler
+        policy_factory = self.registry.batch_policies.get(batching.policy)
+        if policy_factory is None:
+            raise ConfigError("batching.policy", f"no batch policy {batching.policy!r} is registered")
+        scheduler = BatchScheduler(
+            slot.name,
+            _runner_for(engine),
+            policy_factory(),
+            max_batch_size=batching.max_batch_size,
+            max_wait_ms=batching.max_wait_ms,
+            observer=self.metrics,
+        )
+        self.metrics.watch(slot.name, running=lambda: 0, waiting=lambda: scheduler.waiting)
+        return scheduler
+
+
+def _runner_for(engine: Any):
+    """How a batch of request payloads becomes one engine call."""
+    if engine.kind == "embed":
+
+        async def run_embed(payloads):
+            texts = [t for p in payloads for t in p]
+            vectors = await engine.embed(texts)
+            out, start = [], 0
+            for p in payloads:
+                out.append(vectors[start : start + len(p)])
+                start += len(p)
+            return out
+
+        return run_embed
+    if engine.kind == "rerank":
+
+        async def run_rerank(payloads):
+            pairs = [(q, d) for q, docs in payloads for d in docs]
+            scores = await engine.score_pairs(pairs)
+            out, start = [], 0
+            for _, docs in payloads:
+                out.append(scores[start : start + len(docs)])
+                start += len(docs)
+            return out
+
+        return run_rerank
+
+    async def run_each(payloads):
+        # Vector-store calls carry their own batch (many vectors per call).
+        return [await fn(*args) for fn, args in ((getattr(engine, p[0]), p[1:]) for p in payloads)]
+
+    return run_each

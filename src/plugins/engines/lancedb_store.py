@@ -1,0 +1,240 @@
+"""Vector store on embedded LanceDB (plugin kind ``lancedb``).
+
+One table per collection: ``id`` string, ``vector`` fixed-size float32 list,
+``text`` string (the payload's "text", full-text indexed) and ``payload`` (the
+whole payload as JSON). Vector search is exact (no ANN index) under the cosine
+metric; full-text search uses LanceDB's native BM25 index.
+
+Options: ``path`` (default ``<data_dir>/lancedb``), ``fts_reindex_rows``
+(fold new rows into the FTS index once this many are unindexed, default 256;
+until then LanceDB scans them directly, so they are searchable at once).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from pathlib import Path
+from typing import Any, Sequence
+
+import anyio
+import torch
+
+from headrace.plugins.hookspecs import hookimpl
+from headrace.plugins.protocols import EngineEnv, EngineSpec, SearchHit
+
+# LanceDB's own rule for table names, checked up front for a clearer message.
+_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+class CollectionNotFound(KeyError):
+    """A search named a collection that nothing was ever ingested into."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class LanceDBStore:
+    """A ``VectorStore``: every LanceDB call runs on one worker thread at a time."""
+
+    kind = "vector_store"
+
+    def __init__(self, spec: EngineSpec, env: EngineEnv) -> None:
+        self.name = spec.name
+        self._env = env
+        self.path = Path(spec.options.get("path") or env.data_dir / "lancedb").expanduser()
+        self._reindex_rows = int(spec.options.get("fts_reindex_rows", 256))
+        # The sync lancedb API is not meant for concurrent writers; serialise.
+        self._limiter = anyio.CapacityLimiter(1)
+        self._db: Any = None
+        self._tables: dict[str, Any] = {}
+
+    async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+        try:
+            self._db = await anyio.to_thread.run_sync(self._connect, limiter=self._limiter)
+            task_status.started()
+            await anyio.sleep_forever()
+        finally:
+            self._tables.clear()
+            self._db = None
+
+    def _connect(self) -> Any:
+        import lancedb
+
+        self.path.mkdir(parents=True, exist_ok=True)
+        return lancedb.connect(str(self.path))
+
+    async def _call(self, fn: Any, *args: Any) -> Any:
+        if self._db is None:
+            raise RuntimeError(f"vector store {self.name!r} is not running")
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+
+    # ----- public API -------------------------------------------------------------
+
+    async def ingest(self, collection: str, vectors: torch.Tensor, payloads: Sequence[dict[str, Any]]) -> list[str]:
+        _check_name(collection)
+        matrix = _as_matrix(vectors)
+        if matrix.shape[0] != len(payloads):
+            raise ValueError(f"ingest: {matrix.shape[0]} vectors but {len(payloads)} payloads")
+        if not payloads:
+            return []
+        rows = [_row(vec, payload) for vec, payload in zip(matrix.tolist(), payloads)]
+        self._env.observe_batch("ingest", len(rows))
+        return await self._call(self._ingest, collection, matrix.shape[1], rows)
+
+    async def search(self, collection: str, vectors: torch.Tensor, k: int) -> list[list[SearchHit]]:
+        matrix = _as_matrix(vectors)
+        if k < 1:
+            raise ValueError("k must be >= 1")
+        self._env.observe_batch("search", matrix.shape[0])
+        return await self._call(self._search, collection, matrix, k)
+
+    async def search_text(self, collection: str, query: str, k: int) -> list[SearchHit]:
+        if k < 1:
+            raise ValueError("k must be >= 1")
+        if not query.strip():
+            return []
+        self._env.observe_batch("search_text", 1)
+        return await self._call(self._search_text, collection, query, k)
+
+    # ----- worker-thread side -----------------------------------------------------------
+
+    def _table(self, collection: str) -> Any:
+        table = self._tables.get(collection)
+        if table is None:
+            try:
+                table = self._db.open_table(collection)
+            except ValueError:  # lancedb 0.40: "Table '<name>' was not found"
+                raise CollectionNotFound(
+                    f"vector store {self.name!r} has no collection {collection!r}; ingest into it first"
+                ) from None
+            self._tables[collection] = table
+        return table
+
+    def _ingest(self, collection: str, dim: int, rows: list[dict[str, Any]]) -> list[str]:
+        try:
+            table = self._table(collection)
+        except CollectionNotFound:
+            table = self._create(collection, dim, rows)
+            return [row["id"] for row in rows]
+        _check_dim(collection, _table_dim(table), dim)
+        table.add(rows)
+        self._refresh_fts(table)
+        return [row["id"] for row in rows]
+
+    def _create(self, collection: str, dim: int, rows: list[dict[str, Any]]) -> Any:
+        import pyarrow as pa
+        from lancedb.index import FTS
+
+        schema = pa.schema(
+            [
+                pa.field("id", pa.string(), nullable=False),
+                pa.field("vector", pa.list_(pa.float32(), dim)),
+                pa.field("text", pa.string()),
+                pa.field("payload", pa.string()),
+            ]
+        )
+        table = self._db.create_table(collection, data=rows, schema=schema)
+        # Native (non-Tantivy) inverted index; lancedb 0.40 removed Tantivy FTS.
+        table.create_index("text", config=FTS(), replace=True)
+        self._tables[collection] = table
+        return table
+
+    def _refresh_fts(self, table: Any) -> None:
+        # Unindexed rows are still found (LanceDB scans them), just more slowly;
+        # optimize() folds them into the index, but it also compacts the data
+        # files, so run it in batches rather than after every small ingest.
+        name = _fts_index_name(table)
+        if name is None:  # a table made outside headrace, say
+            from lancedb.index import FTS
+
+            table.create_index("text", config=FTS(), replace=True)
+            return
+        stats = table.index_stats(name)
+        if stats is not None and stats.num_unindexed_rows >= self._reindex_rows:
+            table.optimize()
+
+    def _search(self, collection: str, matrix: torch.Tensor, k: int) -> list[list[SearchHit]]:
+        table = self._table(collection)
+        _check_dim(collection, _table_dim(table), matrix.shape[1])
+        results = []
+        for query in matrix.tolist():
+            rows = (
+                table.search(query, vector_column_name="vector")
+                .distance_type("cosine")
+                .select(["id", "payload"])
+                .limit(k)
+                .to_list()
+            )
+            # LanceDB's cosine distance is 1 - cosine similarity.
+            results.append([_hit(row, 1.0 - float(row["_distance"])) for row in rows])
+        return results
+
+    def _search_text(self, collection: str, query: str, k: int) -> list[SearchHit]:
+        table = self._table(collection)
+        rows = (
+            table.search(query, query_type="fts", fts_columns="text")
+            .select(["id", "payload"])
+            .limit(k)
+            .to_list()
+        )
+        return [_hit(row, float(row["_score"])) for row in rows]
+
+
+# ----- helpers ------------------------------------------------------------------------
+
+
+def _check_name(collection: str) -> None:
+    if not _NAME.match(collection):
+        raise ValueError(f"collection name {collection!r} may only contain letters, digits, '_', '-' and '.'")
+
+
+def _as_matrix(vectors: torch.Tensor) -> torch.Tensor:
+    matrix = torch.as_tensor(vectors).detach().to(device="cpu", dtype=torch.float32)
+    if matrix.ndim == 1:
+        matrix = matrix.unsqueeze(0)
+    if matrix.ndim != 2 or matrix.shape[1] == 0:
+        raise ValueError(f"vectors must have shape (n, dim), got {tuple(matrix.shape)}")
+    return matrix
+
+
+def _check_dim(collection: str, expected: int, got: int) -> None:
+    if expected != got:
+        raise ValueError(f"collection {collection!r} holds {expected}-dimensional vectors, got {got}-dimensional")
+
+
+def _table_dim(table: Any) -> int:
+    return table.schema.field("vector").type.list_size
+
+
+def _fts_index_name(table: Any) -> str | None:
+    for index in table.list_indices():
+        if index.index_type == "FTS":
+            return index.name
+    return None
+
+
+def _row(vector: list[float], payload: dict[str, Any]) -> dict[str, Any]:
+    row_id = payload.get("id")
+    row_id = str(row_id) if row_id is not None else uuid.uuid4().hex
+    text = payload.get("text")
+    return {
+        "id": row_id,
+        "vector": vector,
+        "text": text if isinstance(text, str) else None,
+        "payload": json.dumps(payload),
+    }
+
+
+def _hit(row: dict[str, Any], score: float) -> SearchHit:
+    return SearchHit(id=row["id"], score=score, payload=json.loads(row["payload"]))
+
+
+def factory(spec: EngineSpec, env: EngineEnv) -> LanceDBStore:
+    return LanceDBStore(spec, env)
+
+
+@hookimpl
+def register_engines(register):
+    register("lancedb", factory)

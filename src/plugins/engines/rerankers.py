@@ -1,0 +1,230 @@
+"""Rerank engines: a sentence-transformers cross-encoder and a pointwise LLM judge.
+
+``cross-encoder`` scores (query, doc) pairs with a ``CrossEncoder`` loaded from
+the directory in ``engines.<name>.model``; scores are the raw logits.
+Options: ``batch_size`` (default 32), ``device`` (default "cpu").
+
+``llm-rerank`` asks another configured LLM engine (``options.llm``) whether each
+document is relevant and scores it sigmoid(logit "yes" - logit "no") from one
+prefill-only pass over the whole batch. Options: ``llm`` (required),
+``max_doc_tokens`` (default 384).
+
+Both also take ``score_pairs(pairs)``, (query, doc) pairs with mixed queries,
+which is how the daemon's batch scheduler hands them several requests at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import anyio
+import torch
+
+from headrace.plugins.engines.model_paths import resolve_model
+from headrace.plugins.hookspecs import hookimpl
+from headrace.plugins.protocols import EngineEnv, EngineSpec, LLMEngine
+
+# ----- cross-encoder -----------------------------------------------------------
+
+
+class CrossEncoderReranker:
+    """A ``RerankEngine`` over a local sentence-transformers CrossEncoder."""
+
+    kind = "rerank"
+
+    def __init__(self, spec: EngineSpec, env: EngineEnv) -> None:
+        self.name = spec.name
+        self._env = env
+        key = f"engines.{spec.name}.model"
+        if not spec.model:
+            raise ValueError(f"{key} is required for a cross-encoder: set it to a CrossEncoder model directory.")
+        self.path = resolve_model(spec.model, key=key)
+        self._batch_size = int(spec.options.get("batch_size", 32))
+        self._device = str(spec.options.get("device", "cpu"))
+        # One batch at a time on the device.
+        self._limiter = anyio.CapacityLimiter(1)
+        self._model: Any = None
+
+    async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+        try:
+            self._model = await anyio.to_thread.run_sync(self._load)
+            task_status.started()
+            await anyio.sleep_forever()
+        finally:
+            self._model = None
+
+    def _load(self) -> Any:
+        from sentence_transformers import CrossEncoder
+
+        # Identity: raw logits, so scores from different models are not squashed
+        # differently depending on what each saved as its default activation.
+        model = CrossEncoder(
+            str(self.path), device=self._device, local_files_only=True, activation_fn=torch.nn.Identity()
+        )
+        model.eval()
+        return model
+
+    async def score(self, query: str, docs: Sequence[str]) -> torch.Tensor:
+        return await self.score_pairs([(query, doc) for doc in docs])
+
+    async def score_pairs(self, pairs: Sequence[tuple[str, str]]) -> torch.Tensor:
+        """One score per (query, doc) pair: the scheduler's batch mixes queries."""
+        model = self._model
+        if model is None:
+            raise RuntimeError(f"rerank engine {self.name!r} is not running")
+        pairs = [(q, d) for q, d in pairs]
+        if not pairs:
+            return torch.empty(0, dtype=torch.float32)
+        self._env.observe_batch("rerank", len(pairs))
+        return await anyio.to_thread.run_sync(self._predict, model, pairs, limiter=self._limiter)
+
+    def _predict(self, model: Any, pairs: list[tuple[str, str]]) -> torch.Tensor:
+        scores = model.predict(pairs, batch_size=self._batch_size, convert_to_tensor=True, show_progress_bar=False)
+        # predict runs under inference_mode; clone so callers get an ordinary tensor.
+        return scores.reshape(len(pairs)).to(device="cpu", dtype=torch.float32).clone()
+
+
+# ----- LLM reranker --------------------------------------------------------------
+
+SYSTEM_PROMPT = (
+    "You judge whether a document is relevant to a search query. Answer with a single word: yes or no."
+)
+
+# The judge's first answer token may come capitalised or after a space
+# (SmolLM2 favours "Yes"/"No"); pooling the variants with logsumexp scores the
+# meaning, not the spelling.
+YES_VARIANTS = ("yes", "Yes", " yes", " Yes")
+NO_VARIANTS = ("no", "No", " no", " No")
+
+
+class LLMReranker:
+    """A ``RerankEngine`` that asks an LLM engine a yes/no relevance question per document."""
+
+    kind = "rerank"
+
+    def __init__(self, spec: EngineSpec, env: EngineEnv) -> None:
+        self.name = spec.name
+        self._env = env
+        self._llm_name = str(spec.options.get("llm") or "")
+        if not self._llm_name:
+            raise ValueError(f"engines.{spec.name}.options.llm is required: name the LLM engine that judges relevance.")
+        self._max_doc_tokens = int(spec.options.get("max_doc_tokens", 384))
+        if self._max_doc_tokens < 1:
+            raise ValueError(f"engines.{spec.name}.options.max_doc_tokens must be >= 1")
+        self._llm: Any = None
+        self._yes_ids: list[int] = []
+        self._no_ids: list[int] = []
+
+    async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+        try:
+            self._llm = self._find_llm()
+            self._yes_ids = single_token_ids(self._llm, YES_VARIANTS)
+            self._no_ids = single_token_ids(self._llm, NO_VARIANTS)
+            if not self._yes_ids or not self._no_ids or set(self._yes_ids) & set(self._no_ids):
+                raise ValueError(
+                    f"rerank engine {self.name!r}: LLM engine {self._llm_name!r} has no distinct single-token "
+                    "'yes' and 'no' answers; use another LLM for llm-rerank"
+                )
+            task_status.started()
+            await anyio.sleep_forever()
+        finally:
+            self._llm = None
+
+    def _find_llm(self) -> Any:
+        # The daemon's lookup raises LookupError for an unknown or not-yet-loaded
+        # engine (engines load in config order, so the LLM must come first).
+        try:
+            llm = self._env.lookup(self._llm_name)
+        except LookupError as exc:
+            raise LookupError(
+                f"engines.{self.name}.options.llm names {self._llm_name!r}, which is not a loaded engine "
+                f"(configure it before {self.name!r}): {exc}"
+            ) from exc
+        if llm is None:
+            raise LookupError(f"engines.{self.name}.options.llm names {self._llm_name!r}, but no such engine exists")
+        if getattr(llm, "kind", None) != "llm" or not isinstance(llm, LLMEngine):
+            raise TypeError(
+                f"engines.{self.name}.options.llm names {self._llm_name!r}, which is a "
+                f"{getattr(llm, 'kind', type(llm).__name__)!r} engine, not an LLM engine"
+            )
+        return llm
+
+    async def score(self, query: str, docs: Sequence[str]) -> torch.Tensor:
+        return await self.score_pairs([(query, doc) for doc in docs])
+
+    async def score_pairs(self, pairs: Sequence[tuple[str, str]]) -> torch.Tensor:
+        """One score per (query, doc) pair, all in one prefill-only LLM call."""
+        llm = self._llm
+        if llm is None:
+            raise RuntimeError(f"rerank engine {self.name!r} is not running")
+        if not pairs:
+            return torch.empty(0, dtype=torch.float32)
+        self._env.observe_batch("rerank", len(pairs))
+        prompts = [llm.chat_tokens(self._messages(q, self._truncate(llm, d))) for q, d in pairs]
+        logits = await llm.next_token_logits(prompts, self._yes_ids + self._no_ids)
+        logits = logits.to(device="cpu", dtype=torch.float32)
+        n_yes = len(self._yes_ids)
+        margin = torch.logsumexp(logits[:, :n_yes], dim=1) - torch.logsumexp(logits[:, n_yes:], dim=1)
+        return torch.sigmoid(margin)
+
+    @staticmethod
+    def _messages(query: str, doc: str) -> list[dict[str, str]]:
+        return [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {
+                "role": "user",
+                "content": f"Query: {query}\nDocument: {doc}\n"
+                "Is the document relevant to the query? Answer yes or no.",
+            },
+        ]
+
+    def _truncate(self, llm: Any, doc: str) -> str:
+        return truncate_to_tokens(llm, doc, self._max_doc_tokens)
+
+
+def single_token_ids(llm: Any, words: Sequence[str]) -> list[int]:
+    """Token ids of those ``words`` that the LLM's tokenizer encodes as one token."""
+    prefix = list(llm.encode(""))  # whatever encode prepends (a BOS, say)
+    ids: list[int] = []
+    for word in words:
+        toks = list(llm.encode(word))
+        if toks[: len(prefix)] == prefix:
+            toks = toks[len(prefix) :]
+        if len(toks) == 1 and toks[0] not in ids:
+            ids.append(toks[0])
+    return ids
+
+
+def truncate_to_tokens(llm: Any, text: str, max_tokens: int) -> str:
+    """The longest prefix of ``text`` (cut at a character) within ``max_tokens``.
+
+    The LLM protocol has no detokenizer, so cut characters instead: start from
+    the proportional guess and shrink until the prefix fits.
+    """
+    n = len(llm.encode(text))
+    if n <= max_tokens:
+        return text
+    cut = len(text) * max_tokens // n
+    while cut > 0:
+        n = len(llm.encode(text[:cut]))
+        if n <= max_tokens:
+            return text[:cut]
+        cut = min(cut - 1, cut * max_tokens // n)
+    return ""
+
+
+# ----- registration ------------------------------------------------------------------
+
+
+def cross_encoder_factory(spec: EngineSpec, env: EngineEnv) -> CrossEncoderReranker:
+    return CrossEncoderReranker(spec, env)
+
+
+def llm_rerank_factory(spec: EngineSpec, env: EngineEnv) -> LLMReranker:
+    return LLMReranker(spec, env)
+
+
+@hookimpl
+def register_engines(register):
+    register("cross-encoder", cross_encoder_factory)
+    register("llm-rerank", llm_rerank_factory)

@@ -1,0 +1,91 @@
+import os
+
+import pytest
+
+# Models ship inside installed packages; never reach for a model hub in tests.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+API_KEY = "test-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A real ``headrace serve`` process on 127.0.0.1."""
+
+    def __init__(self, config: Path, tmp: Path, api_key: str = "", env: dict | None = None) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self.log = tmp / "server.log"
+        args = [sys.executable, "-m", "headrace.daemon.cli", "serve", "--config", str(config),
+                "--port", str(self.port), "--data-dir", str(tmp / "data")]
+        if api_key:
+            args += ["--api-key", api_key]
+        self.proc = subprocess.Popen(args, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+
+    def wait_ready(self, timeout: float = 300) -> "Server":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log.read_text()}")
+            try:
+                if httpx.get(f"{self.base_url}/ready", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"server not ready after {timeout}s:\n{self.log.read_text()}")
+
+    def metrics(self) -> str:
+        return httpx.get(f"{self.base_url}/metrics").text
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """The default config's engines behind a real server, with an API key."""
+    tmp = tmp_path_factory.mktemp("server")
+    srv = Server(ROOT / "configs" / "default.toml", tmp, api_key=API_KEY)
+    try:
+        yield srv.wait_ready()
+    finally:
+        srv.stop()
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """The value of one sample in Prometheus text (0 when absent)."""
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        metric, _, rest = key.partition("{")
+        if metric == name and all(f'{k}="{v}"' in rest for k, v in labels.items()):
+            return float(value)
+    return 0.0

