@@ -137,6 +137,10 @@ class RerankEngine(Engine, Protocol):
         """One relevance score per document, higher is more relevant."""
         ...
 
+    async def score_pairs(self, pairs: Sequence[tuple[str, str]]) -> "torch.Tensor":
+        """One score per (query, document) pair: how a scheduler batches several requests."""
+        ...
+
 
 # ----- vector store ------------------------------------------------------------
 

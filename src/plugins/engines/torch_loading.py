@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -26,33 +27,39 @@ def parse_dtype(name: str, key: str) -> torch.dtype:
         raise ValueError(f"{key}: unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
 
 
-def _gguf_cache_dir(gguf: Path, cache_dir: Path, dtype: torch.dtype) -> Path:
+def _gguf_cache_dir(gguf: Path, cache_dir: Path) -> Path:
     stat = gguf.stat()
     # Keyed by content identity, so a changed file is converted again.
-    digest = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{dtype}".encode()).hexdigest()[:16]
+    digest = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     return cache_dir / "models" / f"{gguf.stem}-{digest}"
 
 
-def convert_gguf(gguf: Path, cache_dir: Path, dtype: torch.dtype) -> Path:
-    """Dequantise a GGUF once into a safetensors directory; return that directory."""
+def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
+    """Dequantise a GGUF once into a float32 safetensors directory; return that directory.
+
+    float32 keeps the dequantised values exact, so one copy serves every dtype.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target = _gguf_cache_dir(gguf, cache_dir, dtype)
+    target = _gguf_cache_dir(gguf, cache_dir)
     if (target / "config.json").exists() and (target / "model.safetensors").exists():
         return target
     log.info("converting %s to %s (once)", gguf, target)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # The dequantised weights are plain tensors now; saving with the GGUF
     # quantizer attached would try to write GGUF-packed weights.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    partial = target.with_name(target.name + ".partial")
+    partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
-    partial.rename(target)  # atomic: a crashed conversion never looks complete
+    try:
+        partial.rename(target)  # atomic: a crashed conversion never looks complete
+    except OSError:  # another process finished the same conversion first
+        shutil.rmtree(partial, ignore_errors=True)
     return target
 
 
@@ -61,7 +68,7 @@ def load_causal_lm(path: Path, cache_dir: Path, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if path.is_file() and path.suffix == ".gguf":
-        path = convert_gguf(path, cache_dir, dtype)
+        path = convert_gguf(path, cache_dir)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
