@@ -80,13 +80,14 @@ def collect(pm: pluggy.PluginManager | None = None) -> Registry:
     registry = Registry()
     for hook_name in HOOKS:
         table: dict[str, Any] = getattr(registry, hook_name.removeprefix("register_"))
-        # Oldest first, so a later plugin's duplicate is the one reported.
-        for impl in reversed(getattr(pm.hook, hook_name).get_hookimpls()):
+        owners: dict[str, str] = {}
+        # Registration order (built-ins first), so a later plugin's duplicate is the one reported.
+        for impl in getattr(pm.hook, hook_name).get_hookimpls():
 
             def register(name: str, obj: Any, _plugin: str = impl.plugin_name, _table=table, _hook=hook_name) -> None:
                 if name in _table:
-                    raise PluginError(f"{_plugin}: {_hook} name {name!r} is already registered")
-                _table[name] = obj
+                    raise PluginError(f"{_plugin}: {_hook} name {name!r} is already registered by {owners[name]}")
+                _table[name], owners[name] = obj, _plugin
                 registry.by_plugin.setdefault(_plugin, {}).setdefault(_hook, []).append(name)
 
             impl.function(register=register)

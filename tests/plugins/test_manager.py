@@ -1,0 +1,92 @@
+"""Plugin discovery: built-ins by module name, third parties by entry point, the allow-list."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import subprocess
+import sys
+
+import httpx
+import pluggy
+import pytest
+
+from conftest import ROOT, Server
+from headrace.plugins import hookspecs
+from headrace.plugins.manager import DEFAULT_PLUGINS, PluginError, collect, make_manager
+
+PLUGIN_DIR = ROOT / "plugins-contrib" / "headrace-hashembed"
+
+
+@pytest.fixture(scope="module")
+def hashembed():
+    """The example third-party plugin, pip-installed as a user would."""
+    try:
+        importlib.metadata.distribution("headrace-hashembed")
+    except importlib.metadata.PackageNotFoundError:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                        str(PLUGIN_DIR)], check=True)
+    return "hashembed"
+
+
+def plugins_output(**env: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "headrace.daemon.cli", "plugins"], capture_output=True, text=True,
+                         env={**os.environ, **env}, check=True)
+    return out.stdout
+
+
+def test_builtins_are_plugins():
+    registry = collect(make_manager())
+    assert {"torch", "sentence-transformers", "cross-encoder", "llm-rerank", "lancedb"} <= set(registry.engines)
+    assert "fifo" in registry.batch_policies
+    for module in DEFAULT_PLUGINS:
+        assert module in registry.by_plugin
+
+
+def test_installed_plugin_is_discovered(hashembed):
+    out = plugins_output()
+    assert "hashembed\n  register_engines: hash-embed" in out
+    assert "headrace.plugins.engines.torch_llm\n  register_engines: torch" in out
+
+
+def test_allow_list(hashembed):
+    assert "hashembed" not in plugins_output(HEADRACE_PLUGINS="")
+    assert "hashembed" in plugins_output(HEADRACE_PLUGINS="other, hashembed")
+    assert "hashembed" not in plugins_output(HEADRACE_PLUGINS="other")
+    # Built-ins load whatever the allow-list says.
+    assert "register_engines: torch" in plugins_output(HEADRACE_PLUGINS="")
+
+
+def test_duplicate_registration_names_the_plugin():
+    class Again:
+        @hookspecs.hookimpl
+        def register_batch_policies(self, register):
+            register("fifo", object)
+
+    pm = make_manager()
+    pm.register(Again(), name="again")
+    with pytest.raises(PluginError, match="again: register_batch_policies name 'fifo' is already registered"):
+        collect(pm)
+
+
+@pytest.mark.slow
+def test_installed_plugin_engine_is_served(hashembed, tmp_path):
+    config = tmp_path / "hash.toml"
+    config.write_text('[[engines]]\nname = "hash"\nplugin = "hash-embed"\n[engines.options]\ndimensions = 32\n')
+    server = Server(config, tmp_path).wait_ready(60)
+    try:
+        r = httpx.post(f"{server.base_url}/v1/embeddings", json={"model": "hash", "input": ["a river", "a mill"]})
+        assert r.status_code == 200, r.text
+        data = r.json()["data"]
+        assert len(data) == 2 and len(data[0]["embedding"]) == 32
+        assert data[0]["embedding"] != data[1]["embedding"]
+        models = httpx.get(f"{server.base_url}/v1/models").json()["data"]
+        assert [(m["id"], m["plugin"]) for m in models] == [("hash", "hash-embed")]
+    finally:
+        server.stop()
+
+
+def test_pluggy_is_only_used_at_startup():
+    # The registry is plain dicts of factories: the request path never calls a hook.
+    registry = collect()
+    assert all(not isinstance(f, pluggy.HookCaller) for f in registry.engines.values())
