@@ -143,7 +143,7 @@ def _runner_for(engine: Any):
         return run_rerank
 
     async def run_each(payloads):
-        # Vector-store calls carry their own batch (many vectors per call).
-        return [await fn(*args) for fn, args in ((getattr(engine, p[0]), p[1:]) for p in payloads)]
+        # Vector-store calls already carry many vectors each; a payload is (method, *args), run in order.
+        return [await getattr(engine, method)(*args) for method, *args in payloads]
 
     return run_each
