@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Engine benchmarks: LLM decode (direct vs HTTP), KV prefix reuse, embedding batching.
 
-Prints a table with targets and writes bench-results/engines.json. Each ratio is
-measured within one run; the direct LLM figures come first, and the engine is
-shut down before the HTTP server starts, so the two never share the 2 cores.
+Prints a table with targets and writes bench-results/engines.json. Every ratio
+is measured within one run. The direct LLM figures come first; that engine is
+shut down before the HTTP server starts, so the two never share the cores.
 
     python scripts/bench/engines.py [--quick] [--skip-http]
 """
@@ -25,7 +25,7 @@ import tomllib
 from pathlib import Path
 from time import perf_counter
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models ship in packages; never reach a hub
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models ship in packages; never reach for a hub
 
 import anyio
 import httpx
@@ -38,9 +38,9 @@ from headrace.plugins.protocols import EngineEnv, EngineSpec, SamplingParams
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "default.toml"
 OUT = ROOT / "bench-results" / "engines.json"
-CACHE = Path.home() / ".cache" / "headrace"  # the server's default: share the converted model
+CACHE = Path.home() / ".cache" / "headrace"  # the server's default: both share the converted model
 
-# Open-ended prompts, so most answers run to max_tokens rather than stopping at EOS.
+# Open-ended prompts, so answers run to max_tokens rather than stopping early at EOS.
 QUESTIONS = [
     "Write a detailed essay about the history of bridges.", "Explain how a steam engine works, step by step.",
     "Describe a walk through a busy market in Marrakesh.", "Write a long story about a lighthouse keeper.",
@@ -53,54 +53,62 @@ QUESTIONS = [
 ]
 
 
-def engine_entry(name: str) -> dict:
-    engines = tomllib.loads(CONFIG.read_text())["engines"]
-    return next(e for e in engines if e["name"] == name)
+def engine_spec(name: str) -> EngineSpec:
+    """The named [[engines]] entry of configs/default.toml, as the daemon would build it."""
+    e = next(e for e in tomllib.loads(CONFIG.read_text())["engines"] if e["name"] == name)
+    return EngineSpec(name=e["name"], plugin=e["plugin"], model=e.get("model", ""), options=e.get("options", {}))
 
 
-def env(tmp: Path, batches: list | None = None) -> EngineEnv:
+def engine_env(tmp: Path, batches: list | None = None) -> EngineEnv:
     observe = (lambda op, n: batches.append((op, n))) if batches is not None else (lambda op, n: None)
     return EngineEnv(data_dir=tmp, cache_dir=CACHE, lookup=lambda name: None, observe_batch=observe)
 
 
 def stdlib_sentences(n: int) -> list[str]:
     """Real, varied English sentences from the standard library's docstrings."""
-    import collections, email, functools, itertools, json as j, os as o, pathlib, shutil, subprocess as sp, textwrap
-    seen, out = set(), []
-    for mod in (o, j, collections, functools, itertools, pathlib, shutil, sp, textwrap, email, re, inspect):
+    import collections, email, functools, itertools, pathlib, shutil, textwrap
+    seen: dict[str, None] = {}
+    for mod in (os, json, collections, functools, itertools, pathlib, shutil, subprocess, textwrap, email, re, inspect):
         for obj in [mod, *(v for _, v in inspect.getmembers(mod) if callable(v))]:
-            doc = inspect.getdoc(obj) or ""
-            for s in re.split(r"(?<=[.!?])\s+", " ".join(doc.split())):
-                if 40 <= len(s) <= 300 and s not in seen and not s.startswith((">>>", "...")):
-                    seen.add(s)
-                    out.append(s)
-    if len(out) < n:
-        raise SystemExit(f"only {len(out)} docstring sentences, need {n}")
-    return out[:n]
+            for s in re.split(r"(?<=[.!?])\s+", " ".join((inspect.getdoc(obj) or "").split())):
+                if 40 <= len(s) <= 300 and not s.startswith((">>>", "...")):
+                    seen.setdefault(s)
+    if len(seen) < n:
+        raise SystemExit(f"only {len(seen)} docstring sentences, need {n}")
+    return list(seen)[:n]
 
 
-def median(xs):
+class CPUWatch:
+    """CPU used meanwhile, in cores: by this process, by ``pids``, and by everyone else.
+
+    The machine has 2 cores: another process's load skews every figure, so it is reported.
+    """
+
+    def __init__(self, pids=()) -> None:
+        self.pids = pids
+        self.t0, self.start = perf_counter(), self._ticks()
+
+    def _ticks(self) -> tuple[int, ...]:
+        f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+        procs = [Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split() for p in ("self", *self.pids)]
+        return (sum(f) - f[3] - f[4], *(int(s[11]) + int(s[12]) for s in procs))  # busy; utime+stime each
+
+    def cores(self) -> dict[str, float]:
+        scale = os.sysconf("SC_CLK_TCK") * (perf_counter() - self.t0)
+        busy, own, *others = [b - a for a, b in zip(self.start, self._ticks())]
+        return {"self": own / scale, "pids": sum(others) / scale,
+                "other_processes": max(0, busy - own - sum(others)) / scale}
+
+
+def median(xs) -> float:
     return statistics.median(xs) if xs else 0.0
 
 
-def summarize(rounds: list[list[tuple[int, float, float]]], walls: list[float]) -> dict:
-    """rounds: per request (tokens, first-token s, last-token s), times relative to the round start."""
-    tok_s, dec_s, ttft = [], [], []
-    for reqs, wall in zip(rounds, walls):
-        tok_s.append(sum(n for n, _, _ in reqs) / wall)
-        # Decode-only: sum of per-stream rates after each stream's first token (streams overlap).
-        dec_s.append(sum((n - 1) / (last - first) for n, first, last in reqs if n > 1 and last > first))
-        ttft += [first for _, first, _ in reqs]
-    return {"tokens": sum(n for r in rounds for n, _, _ in r), "tok_s": median(tok_s),
-            "decode_tok_s": median(dec_s), "ttft_p50_s": median(ttft), "wall_s": sum(walls), "rounds": len(rounds)}
-
-
-def round_prompts(c: int, r: int) -> list[int]:
-    """Which QUESTIONS round r at concurrency c uses: distinct, identical for direct and HTTP."""
-    return [(r * c + i) % len(QUESTIONS) for i in range(c)]
+# ----- LLM decode: one driver for both paths -----------------------------------------
 
 
 async def timed_round(one, idx: list[int]) -> tuple[list, float]:
+    """Run one request per prompt index concurrently; per request (tokens, first, last) from round start."""
     results: list = [None] * len(idx)
     t0 = perf_counter()
 
@@ -114,27 +122,29 @@ async def timed_round(one, idx: list[int]) -> tuple[list, float]:
     return results, perf_counter() - t0
 
 
-async def measure(one, concurrency, rounds, warmup) -> dict:
-    await warmup()
+async def measure(one, args) -> dict:
+    # Warm-up: a full-width batched round, then a solo request, so no shape is first seen while timed.
+    await timed_round(one, list(range(len(QUESTIONS))))
+    await one(0)
     out = {}
-    for c in concurrency:
-        rs, walls = [], []
-        for r in range(rounds):
-            res, wall = await timed_round(one, round_prompts(c, r))
-            rs.append(res)
-            walls.append(wall)
-        out[c] = summarize(rs, walls)
+    for c in args.concurrency:
+        tok_s, dec_s, ttft, tokens = [], [], [], 0
+        for r in range(args.rounds):
+            # Distinct prompts, the same ones for direct and HTTP.
+            reqs, wall = await timed_round(one, [(r * c + i) % len(QUESTIONS) for i in range(c)])
+            tokens += sum(n for n, _, _ in reqs)
+            tok_s.append(sum(n for n, _, _ in reqs) / wall)
+            # Decode-only: the sum of per-stream rates after each first token (the streams overlap).
+            dec_s.append(sum((n - 1) / (last - first) for n, first, last in reqs if n > 1 and last > first))
+            ttft += [first for _, first, _ in reqs]
+        out[c] = {"tokens": tokens, "tok_s": median(tok_s), "decode_tok_s": median(dec_s),
+                  "ttft_p50_s": median(ttft), "tok_s_rounds": tok_s}
     return out
 
 
-# ----- direct engine -----------------------------------------------------------
-
-
 def bench_direct(args, tmp: Path) -> tuple[dict, dict]:
-    entry = engine_entry("smollm2")
     batches: list = []
-    spec = EngineSpec(name="smollm2", plugin="torch", model=entry["model"], options=entry.get("options", {}))
-    engine = TorchLLM(spec, env(tmp, batches))
+    engine = TorchLLM(engine_spec("smollm2"), engine_env(tmp, batches))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     with start_blocking_portal() as portal:
         future, _ = portal.start_task(engine.run)
@@ -143,26 +153,18 @@ def bench_direct(args, tmp: Path) -> tuple[dict, dict]:
         async def one(i: int):
             n, first, last = 0, None, None
             async for d in engine.generate(prompts[i], params):
-                now = perf_counter()
+                last = perf_counter()
+                first = first or last
                 n += len(d.token_ids)
-                first = first or now
-                last = now
             return n, first, last
 
-        async def warmup():  # a batched round exercises prefill and decode shapes before timing
-            await timed_round(one, list(range(len(QUESTIONS))))
-
-        decode = portal.call(measure, one, args.concurrency, args.rounds, warmup)
+        cpu = CPUWatch()
+        decode = {"levels": portal.call(measure, one, args), "cpu_cores": cpu.cores()}
+        cpu = CPUWatch()
         prefix = portal.call(bench_prefix, engine, args, batches)
+        prefix["cpu_cores"] = cpu.cores()
         future.cancel()
     return decode, prefix
-
-
-async def wait_freed(engine) -> None:
-    deadline = time.monotonic() + 10
-    while engine.stats()["contexts"] and time.monotonic() < deadline:
-        await anyio.sleep(0.01)
-    assert engine.stats()["contexts"] == 0, engine.stats()
 
 
 async def bench_prefix(engine, args, batches: list) -> dict:
@@ -170,16 +172,25 @@ async def bench_prefix(engine, args, batches: list) -> dict:
     prefix = engine.encode(text)[: args.prefix_tokens]
     suffixes = [engine.encode(f"\nQuestion {i + 1}: {q}\nAnswer:") for i, q in enumerate(QUESTIONS)]
 
+    async def prefill_all(jobs) -> None:  # concurrent, so the engine batches them
+        async with anyio.create_task_group() as tg:
+            for job in jobs:
+                tg.start_soon(engine.prefill, *job)
+
+    async def free_all(ids) -> None:
+        for ctx in ids:
+            await engine.free(ctx)
+        deadline = time.monotonic() + 10  # frees are queued commands: wait until the worker ran them
+        while engine.stats()["contexts"] and time.monotonic() < deadline:
+            await anyio.sleep(0.01)
+        assert engine.stats()["contexts"] == 0, engine.stats()
+
     async def full() -> float:
         ids = [engine.new_context_id() for _ in suffixes]
         t0 = perf_counter()
-        async with anyio.create_task_group() as tg:
-            for ctx, s in zip(ids, suffixes):
-                tg.start_soon(engine.prefill, ctx, prefix + s)
+        await prefill_all([(ctx, prefix + s) for ctx, s in zip(ids, suffixes)])
         elapsed = perf_counter() - t0
-        for ctx in ids:
-            await engine.free(ctx)
-        await wait_freed(engine)
+        await free_all(ids)
         return elapsed
 
     async def shared() -> tuple[float, float]:
@@ -187,47 +198,34 @@ async def bench_prefix(engine, args, batches: list) -> dict:
         t0 = perf_counter()
         await engine.prefill(parent, prefix)
         t1 = perf_counter()
-        async with anyio.create_task_group() as tg:
-            for ctx, s in zip(ids, suffixes):
-                tg.start_soon(engine.prefill, ctx, s, parent)
+        await prefill_all([(ctx, s, parent) for ctx, s in zip(ids, suffixes)])
         t2 = perf_counter()
-        for ctx in [*ids, parent]:
-            await engine.free(ctx)
-        await wait_freed(engine)
+        await free_all([*ids, parent])
         return t2 - t0, t2 - t1
 
     await full(), await shared()  # warm-up
-    fulls, shareds, childs = [], [], []
     batches.clear()
+    fulls, shareds = [], []
     for _ in range(args.prefix_reps):
         fulls.append(await full())
-        total, children = await shared()
-        shareds.append(total)
-        childs.append(children)
-    sizes = sorted({n for op, n in batches if op == "prefill"})
-    f, s, ch = median(fulls), median(shareds), median(childs)
+        shareds.append(await shared())
+    f, s, ch = median(fulls), median(t for t, _ in shareds), median(c for _, c in shareds)
     return {"prefix_tokens": len(prefix), "suffix_tokens_avg": sum(map(len, suffixes)) / len(suffixes),
-            "contexts": len(suffixes), "reps": args.prefix_reps, "full_s": f, "shared_s": s,
-            "children_only_s": ch, "ratio": f / s, "ratio_children_only": f / ch, "prefill_batch_sizes": sizes}
-
-
-# ----- HTTP ----------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+            "contexts": len(suffixes), "reps": args.prefix_reps, "full_s": f, "shared_s": s, "children_only_s": ch,
+            "ratio": f / s, "ratio_children_only": f / ch,
+            "prefill_batch_sizes": sorted({n for op, n in batches if op == "prefill"})}
 
 
 def bench_http(args, tmp: Path) -> dict:
-    port = free_port()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     log = tmp / "server.log"
     cmd = [sys.executable, "-m", "headrace.daemon.cli", "serve", "--config", str(CONFIG), "--port", str(port),
            "--data-dir", str(tmp / "data")]
     # Drop HEADRACE_* overrides (an API key, say) so the server runs exactly configs/default.toml.
-    senv = {k: v for k, v in os.environ.items() if not k.startswith("HEADRACE_")}
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=senv, cwd=ROOT)
+    server_env = {k: v for k, v in os.environ.items() if not k.startswith("HEADRACE_")}
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=server_env, cwd=ROOT)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
@@ -240,7 +238,8 @@ def bench_http(args, tmp: Path) -> dict:
             except httpx.HTTPError:
                 pass
             time.sleep(0.3)
-        return anyio.run(http_measure, args, base)
+        cpu = CPUWatch([proc.pid])
+        return {"levels": anyio.run(http_measure, args, base), "cpu_cores": cpu.cores()}
     finally:
         proc.terminate()
         try:
@@ -265,31 +264,25 @@ async def http_measure(args, base: str) -> dict:
                         continue
                     chunk = json.loads(line[6:])
                     if chunk.get("usage"):
-                        n = chunk["usage"]["completion_tokens"]  # exact, unlike counting chunks
-                    ch = chunk.get("choices") or [{}]
-                    # The first chunk only carries the role, before any token exists.
-                    if ch[0].get("delta", {}).get("content") or ch[0].get("finish_reason"):
+                        n = chunk["usage"]["completion_tokens"]  # exact; chunks with no text are not sent
+                    choice = (chunk.get("choices") or [{}])[0]
+                    # The first chunk carries only the role, sent before any token exists.
+                    if choice.get("delta", {}).get("content") or choice.get("finish_reason"):
                         last = perf_counter()
                         first = first or last
             return n, first, last
 
-        async def warmup():
-            await timed_round(one, list(range(len(QUESTIONS))))
-
-        return await measure(one, args.concurrency, args.rounds, warmup)
+        return await measure(one, args)
 
 
 # ----- embeddings ------------------------------------------------------------------
 
 
 def bench_embed(args, tmp: Path) -> dict:
-    entry = engine_entry("all-minilm-l6-v2")
-    spec = EngineSpec(name=entry["name"], plugin=entry["plugin"], model=entry["model"],
-                      options=entry.get("options", {}))
-    engine = SentenceTransformerEmbedder(spec, env(tmp))
+    engine = SentenceTransformerEmbedder(engine_spec("all-minilm-l6-v2"), engine_env(tmp))
     sentences = stdlib_sentences(args.sentences)
 
-    async def run(batch: int) -> float:
+    async def rate(batch: int) -> float:
         t0 = perf_counter()
         for i in range(0, len(sentences), batch):
             await engine.embed(sentences[i : i + batch])
@@ -297,47 +290,62 @@ def bench_embed(args, tmp: Path) -> dict:
 
     with start_blocking_portal() as portal:
         future, _ = portal.start_task(engine.run)
-        portal.call(run, 32), portal.call(run, 1)  # warm-up both shapes
-        b1 = median([portal.call(run, 1) for _ in range(args.embed_reps)])
-        b32 = median([portal.call(run, 32) for _ in range(args.embed_reps)])
+        portal.call(rate, 32), portal.call(rate, 1)  # warm-up both shapes
+        cpu = CPUWatch()
+        rates = {b: median([portal.call(rate, b) for _ in range(args.embed_reps)]) for b in (1, 32, len(sentences))}
         future.cancel()
+    b1, b32, one_call = rates.values()
     return {"sentences": len(sentences), "avg_chars": sum(map(len, sentences)) / len(sentences),
-            "reps": args.embed_reps, "batch1_per_s": b1, "batch32_per_s": b32, "ratio": b32 / b1}
+            "reps": args.embed_reps, "batch1_per_s": b1, "batch32_per_s": b32, "ratio": b32 / b1,
+            "one_call_per_s": one_call, "cpu_cores": cpu.cores()}
 
 
 # ----- report ----------------------------------------------------------------------------
 
 
-def verdict(value: float, target: float) -> str:
-    return f"target >= {target:g}x  {'PASS' if value >= target else 'MISS'}"
+def verdict(value: float, target: float, unit: str = "x") -> str:
+    return f"target >= {target:g}{unit}  {'PASS' if value >= target else 'MISS'}"
+
+
+def cpu_note(section: dict) -> str:
+    other = section["cpu_cores"]["other_processes"]
+    return f"other processes used {other:.2f} cores meanwhile" + ("  ** CONTENDED: unreliable **" if other > 0.2 else "")
 
 
 def report(res: dict) -> None:
-    print(f"\n== LLM decode (smollm2 bf16, threads=2, greedy, max_tokens={res['max_tokens']}, "
-          f"median of {res['rounds']} rounds) ==")
+    direct, http = res["direct"], res["http"]
+    print(f"\n== LLM decode: smollm2 bf16, threads=2, greedy, max_tokens={res['max_tokens']}, "
+          f"median of {res['rounds']} rounds ==")
     print(f"{'conc':>4}  {'path':<6} {'tokens':>7} {'tok/s':>8} {'decode tok/s':>13} {'TTFT p50':>9}")
-    for c, d in res["direct"].items():
-        rows = [("direct", d)] + ([("http", res["http"][c])] if res.get("http") else [])
-        for name, m in rows:
+    for c, d in direct["levels"].items():
+        for name, m in [("direct", d)] + ([("http", http["levels"][c])] if http else []):
             print(f"{c:>4}  {name:<6} {m['tokens']:>7} {m['tok_s']:>8.1f} {m['decode_tok_s']:>13.1f} "
                   f"{m['ttft_p50_s'] * 1000:>7.0f}ms")
-        if res.get("http"):
+        if http:
             r = res["ratios"]["http_over_direct"][c]
-            print(f"{'':>4}  http/direct = {r:.3f}   {verdict(r, 0.9).replace('x', '')}")
+            print(f"{'':>4}  http/direct tok/s = {r:.3f}   {verdict(r, 0.9, '')}")
+    print(f"  direct: {cpu_note(direct)}")
+    if http:
+        cores = http["cpu_cores"]
+        print(f"  http:   {cpu_note(http)}; server {cores['pids']:.2f} cores, client {cores['self']:.2f} cores")
     p = res["prefix"]
-    print(f"\n== Prefix reuse ({p['contexts']} suffixes of ~{p['suffix_tokens_avg']:.0f} tokens on a "
-          f"{p['prefix_tokens']}-token prefix, median of {p['reps']}) ==")
-    print(f"  full prefills (batched)       {p['full_s'] * 1000:8.1f} ms")
-    print(f"  parent + {p['contexts']} children          {p['shared_s'] * 1000:8.1f} ms"
-          f"  (children only {p['children_only_s'] * 1000:.1f} ms)")
-    print(f"  speedup {p['ratio']:.2f}x  {verdict(p['ratio'], 5)}   (children only: {p['ratio_children_only']:.2f}x;"
-          f" prefill batch sizes seen {p['prefill_batch_sizes']})")
+    print(f"\n== Prefix reuse: {p['contexts']} suffixes of ~{p['suffix_tokens_avg']:.0f} tokens on one "
+          f"{p['prefix_tokens']}-token prefix, median of {p['reps']} ==")
+    print(f"  {p['contexts']} full prefills, concurrent  {p['full_s'] * 1000:8.1f} ms")
+    print(f"  parent + {p['contexts']} children        {p['shared_s'] * 1000:8.1f} ms"
+          f"   (children alone {p['children_only_s'] * 1000:.1f} ms)")
+    print(f"  speedup {p['ratio']:.2f}x   {verdict(p['ratio'], 5)}   (children alone: "
+          f"{p['ratio_children_only']:.2f}x; prefill batch sizes seen {p['prefill_batch_sizes']})")
+    print(f"  {cpu_note(p)}")
     e = res["embed"]
-    print(f"\n== Embeddings (all-MiniLM-L6-v2, {e['sentences']} docstring sentences, ~{e['avg_chars']:.0f} chars,"
-          f" median of {e['reps']}) ==")
+    print(f"\n== Embeddings: all-MiniLM-L6-v2, {e['sentences']} docstring sentences of ~{e['avg_chars']:.0f} chars, "
+          f"median of {e['reps']} ==")
     print(f"  batch 1   {e['batch1_per_s']:8.1f} sentences/s")
     print(f"  batch 32  {e['batch32_per_s']:8.1f} sentences/s")
-    print(f"  speedup {e['ratio']:.2f}x  {verdict(e['ratio'], 5)}")
+    print(f"  speedup {e['ratio']:.2f}x   {verdict(e['ratio'], 5)}")
+    print(f"  (for reference: all {e['sentences']} in one embed call, length-sorted by sentence-transformers: "
+          f"{e['one_call_per_s']:.1f} sentences/s)")
+    print(f"  {cpu_note(e)}")
 
 
 def main() -> None:
@@ -347,21 +355,22 @@ def main() -> None:
     args = ap.parse_args()
     q = args.quick
     args.concurrency = [1, 4] if q else [1, 4, 16]
-    args.max_tokens, args.rounds = (16, 1) if q else (64, 3)
+    args.max_tokens, args.rounds = (16, 1) if q else (64, 5)
     args.prefix_tokens, args.prefix_reps = 400, (1 if q else 5)
     args.sentences, args.embed_reps = (64, 1) if q else (256, 3)
 
     t_start = perf_counter()
     with tempfile.TemporaryDirectory(prefix="headrace-bench-") as tmp_s:
         tmp = Path(tmp_s)
-        direct, prefix = bench_direct(args, tmp)  # engine is shut down on return
+        direct, prefix = bench_direct(args, tmp)  # the engine is shut down on return
         embed = bench_embed(args, tmp)
         http = None if args.skip_http else bench_http(args, tmp)
     res = {"quick": q, "max_tokens": args.max_tokens, "rounds": args.rounds, "direct": direct, "http": http,
-           "prefix": prefix, "embed": embed, "ratios": {}}
+           "prefix": prefix, "embed": embed, "ratios": {"prefix_reuse": prefix["ratio"],
+                                                        "embed_batch32_over_batch1": embed["ratio"]}}
     if http:
-        res["ratios"]["http_over_direct"] = {c: http[c]["tok_s"] / direct[c]["tok_s"] for c in direct}
-    res["ratios"].update(prefix_reuse=prefix["ratio"], embed_batch32_over_batch1=embed["ratio"])
+        res["ratios"]["http_over_direct"] = {
+            c: http["levels"][c]["tok_s"] / d["tok_s"] for c, d in direct["levels"].items()}
     res["meta"] = {"python": sys.version.split()[0], "cpus": os.cpu_count(), "elapsed_s": perf_counter() - t_start,
                    "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     report(res)
