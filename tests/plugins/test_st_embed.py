@@ -102,3 +102,37 @@ async def test_concurrent_embeds_and_token_counts(tmp_path):
 
     assert sorted(results) == [0, 1, 2, 3]
     assert all(r.shape == (8, 384) for r in results.values())
+
+
+def test_pack_keeps_sequences_apart():
+    from headrace.plugins.engines.packing import pack
+
+    batch = pack([[1, 2, 3], [4, 5], [6, 7, 8, 9]], row_tokens=6, dtype=torch.float32)
+    # First fit, longest first: [6..9] + [4, 5] share a row, [1, 2, 3] gets its own.
+    assert batch.spans == [(1, 0, 3), (0, 4, 2), (0, 0, 4)]
+    assert batch.input_ids[0].tolist() == [6, 7, 8, 9, 4, 5]
+    assert batch.position_ids[0].tolist() == [0, 1, 2, 3, 0, 1]
+    allowed = batch.attention_mask[0, 0] == 0
+    assert allowed[0, :4].all() and not allowed[0, 4:].any()
+    assert allowed[5, 4:].all() and not allowed[5, :4].any()
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+@pytest.mark.parametrize("dtype, floor", [("float32", 0.99999), ("bfloat16", 0.999)])
+async def test_packed_batches_equal_one_at_a_time(tmp_path, dtype, floor):
+    """Padding-free packing gives each text the embedding it gets alone."""
+    from sentence_transformers import SentenceTransformer
+
+    texts = ["short", "a somewhat longer sentence about rivers and mills", "mid length text here",
+             "x " * 100, "The headrace carries water to the wheel."]
+    spec = EngineSpec(name="emb", plugin="sentence-transformers", options={"dtype": dtype, "pack_tokens": 64})
+    engine = st_embed.factory(spec, make_env(tmp_path, []))
+    reference = SentenceTransformer(str(resolve_model(st_embed.DEFAULT_MODEL)), device="cpu")
+    async with running(engine):
+        assert engine._packed
+        together = await engine.embed(texts)
+        alone = torch.cat([await engine.embed([t]) for t in texts])
+    direct = reference.encode(texts, convert_to_tensor=True, normalize_embeddings=True)
+    assert (together * alone).sum(-1).min() > floor
+    assert (together * direct).sum(-1).min() > floor

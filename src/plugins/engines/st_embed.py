@@ -1,7 +1,13 @@
 """Embedder engine on sentence-transformers (plugin kind ``sentence-transformers``).
 
 Options: ``batch_size`` (encode batch size, default 32), ``device`` (default
-"cpu"), ``threads`` (torch intra-op threads; process-wide, so set it once).
+"cpu"), ``threads`` (torch intra-op threads; process-wide, so set it once),
+``dtype`` ("float32" default, or "bfloat16"), ``pack_tokens`` (row length for
+padding-free batches, default 128; 0 turns packing off).
+
+A model made of a BERT-style transformer, mean pooling and normalisation (as
+all-MiniLM-L6-v2 is) runs padding-free: see ``packing.py``. Any other model goes
+through ``SentenceTransformer.encode``.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ import anyio
 import torch
 
 from headrace.plugins.engines.model_paths import resolve_model
+from headrace.plugins.engines.packing import mean_pool, pack
+from headrace.plugins.engines.torch_loading import parse_dtype
 from headrace.plugins.hookspecs import hookimpl
 from headrace.plugins.protocols import EngineEnv, EngineSpec
 
@@ -31,6 +39,9 @@ class SentenceTransformerEmbedder:
         self.path = resolve_model(spec.model or DEFAULT_MODEL, key=f"engines.{spec.name}.model")
         self._batch_size = int(spec.options.get("batch_size", 32))
         self._device = str(spec.options.get("device", "cpu"))
+        self._dtype = parse_dtype(str(spec.options.get("dtype", "float32")), f"engines.{spec.name}.options.dtype")
+        self._pack_tokens = int(spec.options.get("pack_tokens", 128))
+        self._packed = False
         threads = spec.options.get("threads")
         self._threads = int(threads) if threads else None
         # One encode at a time: concurrent batches on one device only contend.
@@ -52,8 +63,11 @@ class SentenceTransformerEmbedder:
     def _load(self) -> None:
         from sentence_transformers import SentenceTransformer
 
-        model = SentenceTransformer(str(self.path), device=self._device, local_files_only=True)
+        model = SentenceTransformer(
+            str(self.path), device=self._device, local_files_only=True, model_kwargs={"dtype": self._dtype}
+        )
         model.eval()
+        self._packed = self._pack_tokens > 0 and _packable(model)
         self.dimensions = int(model.get_embedding_dimension())
         # count_tokens runs on the event loop while encode may be using the
         # model's tokenizer on a worker thread; a fast tokenizer raises
@@ -83,6 +97,8 @@ class SentenceTransformerEmbedder:
         return await anyio.to_thread.run_sync(self._encode, model, texts, limiter=self._limiter)
 
     def _encode(self, model: Any, texts: list[str]) -> torch.Tensor:
+        if self._packed:
+            return self._encode_packed(model, texts)
         out = model.encode(
             texts,
             batch_size=self._batch_size,
@@ -93,6 +109,38 @@ class SentenceTransformerEmbedder:
         # encode runs under inference_mode; clone so callers get an ordinary
         # tensor they may modify in place.
         return out.to(device="cpu", dtype=torch.float32).clone()
+
+    def _encode_packed(self, model: Any, texts: list[str]) -> torch.Tensor:
+        transformer = model[0]
+        ids = transformer.tokenizer(texts, truncation=True, max_length=model.max_seq_length)["input_ids"]
+        out = []
+        with torch.inference_mode():
+            for start in range(0, len(ids), self._batch_size):
+                batch = pack(ids[start : start + self._batch_size], self._pack_tokens, self._dtype)
+                hidden = transformer.auto_model(
+                    input_ids=batch.input_ids.to(self._device),
+                    position_ids=batch.position_ids.to(self._device),
+                    attention_mask=batch.attention_mask.to(self._device),
+                    token_type_ids=torch.zeros_like(batch.input_ids).to(self._device),
+                ).last_hidden_state
+                out.append(mean_pool(hidden.cpu(), batch.spans))
+        return torch.nn.functional.normalize(torch.cat(out), dim=-1).clone()
+
+
+def _packable(model: Any) -> bool:
+    """Transformer + mean pooling (+ normalise) over a BERT-style encoder that takes 4D masks.
+
+    Checked by class name: sentence-transformers moves these classes between releases.
+    """
+    kinds = [type(m).__name__ for m in model]
+    if kinds[:2] != ["Transformer", "Pooling"] or any(k != "Normalize" for k in kinds[2:]):
+        return False
+    if getattr(model[1], "pooling_mode", None) != "mean":
+        return False
+    config = model[0].auto_model.config
+    absolute = getattr(config, "position_embedding_type", None) in (None, "absolute")
+    # RoBERTa-style models offset their position ids, so only BERT packs as is.
+    return config.model_type == "bert" and absolute
 
 
 def factory(spec: EngineSpec, env: EngineEnv) -> SentenceTransformerEmbedder:
