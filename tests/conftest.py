@@ -101,3 +101,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+from contextlib import asynccontextmanager
+
+
+@asynccontextmanager
+async def running(*engines):
+    """Engines started in a task group (each ready when ``run`` reports it), cancelled on exit."""
+    import anyio
+
+    async with anyio.create_task_group() as tg:
+        for engine in engines:
+            await tg.start(engine.run)
+        yield engines[0] if len(engines) == 1 else engines
+        tg.cancel_scope.cancel()

@@ -12,6 +12,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from headrace import __version__
+from headrace.daemon import systemd
 from headrace.daemon.config import Config
 from headrace.daemon.errors import APIError, api_error_handler, internal_error_handler
 from headrace.daemon.metrics import Metrics
@@ -77,6 +78,7 @@ def create_app(config: Config, registry: Registry | None = None) -> Starlette:
         async with anyio.create_task_group() as tg:
             await tg.start(pool.run)
             yield
+            systemd.notify("STOPPING=1")
             tg.cancel_scope.cancel()
 
     app = Starlette(

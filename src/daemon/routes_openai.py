@@ -49,10 +49,14 @@ def _check_length(slot: Any, tokens: list[int]) -> None:
                           param="messages", code="context_length_exceeded")
 
 
-async def chat_completions(request: Request) -> Response:
+async def _llm_request(request: Request, fields: set[str], what: str) -> tuple[dict[str, Any], Any]:
     body = await rq.read_json(request, request.app.state.config.server.max_body_bytes)
-    rq.check_fields(body, rq.CHAT_FIELDS)
-    slot = engine_for(request, rq.model_name(body), "llm", "chat completions")
+    rq.check_fields(body, fields)
+    return body, engine_for(request, rq.model_name(body), "llm", what)
+
+
+async def chat_completions(request: Request) -> Response:
+    body, slot = await _llm_request(request, rq.CHAT_FIELDS, "chat completions")
     messages = rq.chat_messages(body)
     spec = rq.stream_spec(body)
     params = rq.sampling(body, DEFAULT_MAX_TOKENS, chat=True)
@@ -62,9 +66,7 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def completions(request: Request) -> Response:
-    body = await rq.read_json(request, request.app.state.config.server.max_body_bytes)
-    rq.check_fields(body, rq.COMPLETION_FIELDS)
-    slot = engine_for(request, rq.model_name(body), "llm", "completions")
+    body, slot = await _llm_request(request, rq.COMPLETION_FIELDS, "completions")
     prompt = rq.completion_prompt(body)
     spec = rq.stream_spec(body)
     params = rq.sampling(body, 16, chat=False)  # OpenAI's default for completions

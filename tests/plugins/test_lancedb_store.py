@@ -1,6 +1,5 @@
 """The LanceDB vector store: collections, cosine search, full-text search, errors."""
 
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
@@ -10,6 +9,8 @@ import torch
 from headrace.plugins.engines import lancedb_store
 from headrace.plugins.engines.lancedb_store import CollectionNotFound
 from headrace.plugins.protocols import EngineEnv, EngineSpec, VectorStore
+
+from conftest import running
 
 pytestmark = pytest.mark.anyio
 
@@ -21,13 +22,6 @@ DOCS = [
 ]
 
 
-@asynccontextmanager
-async def running(*engines):
-    async with anyio.create_task_group() as tg:
-        for engine in engines:
-            await tg.start(engine.run)
-        yield
-        tg.cancel_scope.cancel()
 
 
 def make_store(tmp_path: Path, **options) -> lancedb_store.LanceDBStore:

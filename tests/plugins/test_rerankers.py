@@ -1,6 +1,5 @@
 """Rerank engines: the cross-encoder against CrossEncoder.predict, and the LLM judge."""
 
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
@@ -11,6 +10,8 @@ from headrace.plugins.engines import rerankers
 from headrace.plugins.engines.model_paths import resolve_model
 from headrace.plugins.protocols import EngineEnv, EngineSpec, RerankEngine
 
+from conftest import running
+
 QUERY = "What is the capital of France?"
 DOCS = [
     "Paris is the capital and largest city of France.",
@@ -19,13 +20,6 @@ DOCS = [
 ]
 
 
-@asynccontextmanager
-async def running(*engines):
-    async with anyio.create_task_group() as tg:
-        for engine in engines:
-            await tg.start(engine.run)
-        yield
-        tg.cancel_scope.cancel()
 
 
 def make_env(tmp_path: Path, seen: list | None = None, engines: dict | None = None) -> EngineEnv:

@@ -1,6 +1,5 @@
 """The sentence-transformers embedder engine, against the model loaded directly."""
 
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
@@ -11,6 +10,8 @@ from headrace.plugins.engines import st_embed
 from headrace.plugins.engines.model_paths import ModelNotFound, resolve_model
 from headrace.plugins.protocols import EmbedEngine, EngineEnv, EngineSpec
 
+from conftest import running
+
 TEXTS = [
     "The cat sat on the mat.",
     "A feline rested on the rug.",
@@ -20,12 +21,6 @@ TEXTS = [
 ]
 
 
-@asynccontextmanager
-async def running(engine):
-    async with anyio.create_task_group() as tg:
-        await tg.start(engine.run)
-        yield engine
-        tg.cancel_scope.cancel()
 
 
 def make_env(tmp_path: Path, seen: list) -> EngineEnv:
