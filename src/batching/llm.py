@@ -30,6 +30,28 @@ class LLMScheduler:
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()  # admission needs no loop of its own
 
+    async def prefill(self, ctx: str, tokens: Sequence[int], parent: str | None = None) -> None:
+        """A prefill primitive: fills a context (a fork when ``parent`` is given)."""
+        async with self._slots:
+            await self.engine.prefill(ctx, tokens, parent)
+
+    async def decode(self, ctx: str, params: SamplingParams) -> AsyncIterator[TokenDelta]:
+        """A decode primitive on a prefilled context; the context is freed when the iterator closes."""
+        arrival = time.monotonic()
+        generated = 0
+        async with self._slots:
+            self._observer.started(self.name, time.monotonic() - arrival)
+            try:
+                async for delta in self.engine.decode(ctx, params):
+                    generated += len(delta.token_ids)
+                    yield delta
+            finally:
+                await self.engine.free(ctx)
+                self._observer.finished(self.name, time.monotonic() - arrival, 0, generated)
+
+    async def free(self, ctx: str) -> None:
+        await self.engine.free(ctx)
+
     async def generate(self, tokens: Sequence[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
         """Queue, then stream the engine's deltas. Close the iterator to abort the request."""
         arrival = time.monotonic()

@@ -111,6 +111,9 @@ class BatchingConfig:
     max_batch_size: int = 32
     max_wait_ms: float = 5.0  # how long a partial batch may wait for more requests; 0: never
     max_running: int = 64  # LLM admission: concurrent decoding requests; the rest queue
+    # Batch size past which throughput stops rising (from `headrace profile`); 0: unknown.
+    # Stage decomposition splits a larger batchable primitive into stages of this size.
+    max_efficient_batch_size: int = 0
 
     def __post_init__(self) -> None:
         _check_batching(self)
@@ -124,6 +127,7 @@ class BatchingOverride:
     max_batch_size: int | None = None
     max_wait_ms: float | None = None
     max_running: int | None = None
+    max_efficient_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         _check_batching(self)

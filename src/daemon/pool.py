@@ -62,6 +62,24 @@ class EnginePool:
             raise LookupError(f"engine {name!r} is not configured or not loaded yet (engines load in config order)")
         return slot.engine
 
+    def resolve(self, name: str) -> tuple[Any, Any]:
+        """(engine, scheduler) of a ready engine, for the graph executor."""
+        slot = self.slots.get(name)
+        if slot is None or slot.state != "ready":
+            raise LookupError(f"engine {name!r} is not configured or not ready")
+        return slot.engine, slot.scheduler
+
+    def engines_by_kind(self) -> dict[str, str]:
+        """The first ready engine of each kind: a workflow's default engines."""
+        out: dict[str, str] = {}
+        for slot in self.slots.values():
+            if slot.state == "ready":
+                out.setdefault(slot.engine.kind, slot.name)
+        return out
+
+    def max_efficient_batch(self, name: str) -> int | None:
+        return self.config.batching_for(name).max_efficient_batch_size or None
+
     @property
     def ready(self) -> bool:
         return all(s.state == "ready" for s in self.slots.values())

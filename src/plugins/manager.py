@@ -27,6 +27,8 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "headrace.plugins.engines.rerankers",
     "headrace.plugins.engines.lancedb_store",
     "headrace.batching.policies",
+    "headrace.graph.passes",
+    "headrace.graph.workflows.builtin",
 )
 
 HOOKS: tuple[str, ...] = tuple(

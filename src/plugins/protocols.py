@@ -98,6 +98,10 @@ class LLMEngine(Engine, Protocol):
         """Apply the model's chat template, ready for the assistant's turn."""
         ...
 
+    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> str:
+        """The chat template applied as text (special tokens spelled out), ready for the assistant's turn."""
+        ...
+
     async def prefill(self, ctx: ContextId, tokens: Sequence[int], parent: ContextId | None = None) -> None:
         """Fill a new KV context; a child reuses its parent's KV as its prefix."""
         ...

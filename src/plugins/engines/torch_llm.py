@@ -180,6 +180,9 @@ class TorchLLM:
         out = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
+    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> str:
+        return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+
     def new_context_id(self) -> ContextId:
         return f"{self.name}-ctx-{next(self._ctx_ids)}"
 

@@ -1,0 +1,231 @@
+"""The graph executor: dispatch on in-degree, streamed regions, aggregation, conditions.
+
+One run is one task group. A node is dispatched when all its parents in its
+scope are done; it awaits its inputs from the run's store, runs its primitive
+through the engine's scheduler, and stores its outputs. A partial decode
+starts one instance of its region (the primitives that pipelining put
+downstream of it) per piece, as soon as the piece is parsed; the region's
+aggregate waits for every piece of that key. A condition picks a branch; the
+nodes of the other branches are never dispatched (their outputs take their
+defaults). Cancelling the run cancels everything in flight and frees its KV
+contexts.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import anyio
+
+from headrace.graph.graph import Graph, Node, Op
+from headrace.graph.ops import NodeError, OpContext, aggregate, run_op
+from headrace.graph.store import Store
+
+Emit = Callable[[dict[str, Any]], None]
+
+
+@dataclass
+class NodeRecord:
+    node: str
+    op: str
+    engine: str | None
+    key: tuple
+    state: str = "running"  # running | done | skipped | failed | cancelled
+    started: float | None = None
+    finished: float | None = None
+
+    def to_json(self, origin: float) -> dict[str, Any]:
+        return {
+            "node": self.node, "op": self.op, "engine": self.engine, "key": list(self.key), "state": self.state,
+            "start": None if self.started is None else round(self.started - origin, 6),
+            "end": None if self.finished is None else round(self.finished - origin, 6),
+        }
+
+
+@dataclass
+class Run:
+    workflow: str
+    graph: Graph
+    inputs: dict[str, Any]
+    outputs: tuple[str, ...]
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    status: str = "queued"  # queued | running | succeeded | failed | cancelled
+    result: Any = None
+    error: str | None = None
+    created: float = field(default_factory=time.time)
+    started: float = field(default_factory=time.monotonic)
+    finished: float | None = None
+    records: list[NodeRecord] = field(default_factory=list)
+    cancel_scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    done: anyio.Event = field(default_factory=anyio.Event)
+    emit: Emit = lambda event: None
+
+
+class Executor:
+    def __init__(self, resolve: Callable[[str], tuple[Any, Any]]) -> None:
+        self.resolve = resolve
+
+    async def execute(self, run: Run) -> Any:
+        """Run to completion; sets the run's status, result or error. Cancellation propagates."""
+        graph = run.graph
+        store = Store(run.inputs, declares={v for n in graph.nodes.values() for v in n.outputs})
+        ctx = OpContext(run.id, self.resolve)
+        run.status, run.started = "running", time.monotonic()
+        run.emit({"event": "run.started", "run": run.id, "workflow": run.workflow})
+        try:
+            with run.cancel_scope:
+                top = {n for n, node in graph.nodes.items() if node.region is None}
+                await self._run_set(run, top, store, ctx, ())
+                run.result = {var: store.peek(var) for var in run.outputs}
+                run.status = "succeeded"
+            if run.status != "succeeded":
+                run.status, run.error = "cancelled", "cancelled"
+        except anyio.get_cancelled_exc_class():
+            run.status, run.error = "cancelled", "cancelled"
+            raise
+        except Exception as exc:  # the node that failed is named in the message
+            cause = first_error(exc)
+            run.status, run.error = "failed", str(cause) if isinstance(cause, NodeError) else f"{type(cause).__name__}: {cause}"
+        finally:
+            run.finished = time.monotonic()
+            for record in run.records:
+                if record.state == "running":
+                    record.state, record.finished = "cancelled", run.finished
+            with anyio.CancelScope(shield=True):
+                for engine, context in list(ctx.contexts):
+                    await self.resolve(engine)[1].free(context)
+            store.clear()
+            if run.status == "succeeded":
+                run.emit({"event": "run.finished", "run": run.id, "result": run.result})
+            else:
+                run.emit({"event": "run.failed", "run": run.id, "status": run.status, "error": run.error})
+            run.done.set()
+        return run.result
+
+    async def _run_set(self, run: Run, members: set[str], store: Store, ctx: OpContext, key: tuple) -> None:
+        """Dispatch ``members`` (one scope: the run, or one piece of a region) by in-degree."""
+        graph = run.graph
+        indegree = {n: len([p for p in graph.parents(n) if p in members]) for n in members}
+        skipped: set[str] = set()
+
+        async def finish(node_id: str, tg: anyio.abc.TaskGroup) -> None:
+            for child in graph.children(node_id):
+                if child in members:
+                    indegree[child] -= 1
+                    if indegree[child] == 0:
+                        tg.start_soon(dispatch, child, tg)
+
+        async def dispatch(node_id: str, tg: anyio.abc.TaskGroup) -> None:
+            node = graph.nodes[node_id]
+            if node_id in skipped:
+                for var in node.outputs:
+                    store.set(var, node.params.get("default"))
+                self._record(run, node, key, "skipped")
+            else:
+                label = await self._run_node(run, node, store, ctx, key)
+                if node.op == Op.CONDITION:
+                    for branch, nodes in graph.branches.get(node_id, {}).items():
+                        if branch != label:
+                            skipped.update(nodes)
+            await finish(node_id, tg)
+
+        async with anyio.create_task_group() as tg:
+            for n in sorted(members):
+                if indegree[n] == 0:
+                    tg.start_soon(dispatch, n, tg)
+
+    async def _run_node(self, run: Run, node: Node, store: Store, ctx: OpContext, key: tuple) -> Any:
+        record = self._record(run, node, key, "running")
+        run.emit({"event": "node.started", "run": run.id, "node": node.id, "key": list(key), "engine": node.engine})
+        try:
+            if node.op == Op.AGGREGATE:
+                outputs = {node.outputs[0]: await self._aggregate(node, store)}
+            elif node.op == Op.CONDITION:
+                value = await store.get(node.inputs[0])
+                label = node.params["predicate"](value)
+                outputs = {node.outputs[0]: ("true" if label else "false") if isinstance(label, bool) else label}
+            else:
+                scope = {var: await store.get(var) for var in node.inputs}
+                for var in node.params.get("reads", ()):
+                    scope[var] = await store.get(var)
+                if node.op == Op.PARTIAL_DECODE:
+                    outputs = await self._stream(run, node, scope, store, ctx, key)
+                else:
+                    outputs = await run_op(node, scope, ctx, key)
+        except anyio.get_cancelled_exc_class():
+            record.state, record.finished = "cancelled", time.monotonic()
+            raise
+        except NodeError:
+            record.state, record.finished = "failed", time.monotonic()
+            raise
+        except Exception as exc:
+            record.state, record.finished = "failed", time.monotonic()
+            inner = first_error(exc)
+            if isinstance(inner, NodeError):  # a primitive inside this one's region failed
+                raise inner from None
+            raise NodeError(f"node {node.id!r} ({node.op} on {node.engine or 'no engine'}) failed: "
+                            f"{type(exc).__name__}: {exc}") from exc
+        for var, value in outputs.items():
+            store.set(var, value)
+        record.state, record.finished = "done", time.monotonic()
+        run.emit({"event": "node.finished", "run": run.id, "node": node.id, "key": list(key),
+                  "seconds": round(record.finished - record.started, 6)})
+        return outputs.get(node.outputs[0]) if node.outputs else None
+
+    async def _stream(self, run: Run, node: Node, scope: dict, store: Store, ctx: OpContext, key: tuple) -> dict:
+        """A partial decode: each parsed piece starts one instance of the node's region at once."""
+        graph = run.graph
+        region = {n for n, m in graph.nodes.items() if m.region == node.id}
+        collected = self._collectors(graph, node.id)
+        piece_var = node.outputs[0]
+        declares = {v for n in region for v in graph.nodes[n].outputs}
+
+        async with anyio.create_task_group() as tg:
+
+            async def instance(piece: str, piece_key: tuple) -> None:
+                local = store.child({piece_var: piece}, declares)
+                await self._run_set(run, region, local, ctx, piece_key)
+                for var, parts in collected.items():
+                    parts[piece_key[-1]] = local.peek(var)
+
+            async def on_piece(_node: Node, piece: str, piece_key: tuple) -> None:
+                run.emit({"event": "node.partial", "run": run.id, "node": node.id, "key": list(piece_key),
+                          "piece": piece})
+                if region:
+                    tg.start_soon(instance, piece, piece_key)
+
+            piece_ctx = OpContext(ctx.run_id, ctx.resolve, ctx.contexts, on_piece)
+            outputs = await run_op(node, scope, piece_ctx, key)
+        store.set(f"{node.id}.pieces", collected)
+        return outputs
+
+    @staticmethod
+    def _collectors(graph: Graph, source: str) -> dict[str, dict[int, Any]]:
+        return {n.inputs[0]: {} for n in graph.nodes.values() if n.op == Op.AGGREGATE and n.params.get("source") == source}
+
+    async def _aggregate(self, node: Node, store: Store) -> Any:
+        source = node.params.get("source")
+        if source is not None:  # the pieces of one streamed key, in piece order
+            pieces = await store.get(f"{source}.pieces")
+            parts = [v for _, v in sorted(pieces[node.inputs[0]].items())]
+        else:  # stages or branches: every input, in order
+            parts = [await store.get(var) for var in node.inputs]
+        return aggregate(node.params.get("op", "concat"), parts, node.params)
+
+    @staticmethod
+    def _record(run: Run, node: Node, key: tuple, state: str) -> NodeRecord:
+        now = time.monotonic()
+        record = NodeRecord(node.id, str(node.op), node.engine, key, state, now, None if state == "running" else now)
+        run.records.append(record)
+        return record
+
+
+def first_error(exc: BaseException) -> BaseException:
+    """The first real error inside (nested) exception groups from task groups."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        nodes = [e for e in exc.exceptions if isinstance(first_error(e), NodeError)]
+        exc = nodes[0] if nodes else exc.exceptions[0]
+    return exc

@@ -1,0 +1,249 @@
+"""How each primitive runs: read its inputs from the run's scope, call its engine's scheduler.
+
+Every engine call goes through the engine's scheduler with the node's metadata,
+so batch policies see the primitive (run, node, depth), not an anonymous request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Mapping
+
+import torch
+
+from headrace.graph.graph import Node, Op
+from headrace.graph.parsers import make_parser
+from headrace.graph.prompts import PromptTemplate
+from headrace.plugins.protocols import SamplingParams
+
+SENTINEL = "\x00HEADRACE\x00"
+
+
+class NodeError(RuntimeError):
+    """A primitive failed; the message names the node and the cause."""
+
+
+@dataclass
+class OpContext:
+    run_id: str
+    resolve: Callable[[str], tuple[Any, Any]]  # engine name -> (engine, scheduler)
+    contexts: set[tuple[str, str]] = field(default_factory=set)  # (engine, ctx) to free when the run ends
+    on_piece: Callable[[Node, str, tuple], Awaitable[None]] | None = None
+
+    def meta(self, node: Node, key: tuple = ()) -> dict[str, Any]:
+        return {"run": self.run_id, "node": node.id, "depth": node.depth, "key": key, "size": node.size}
+
+
+def chunk_text(docs: Any, size: int, overlap: int) -> list[str]:
+    """Word windows of ``size`` with ``overlap`` words shared between neighbours."""
+    docs = [docs] if isinstance(docs, str) else list(docs)
+    step = max(1, size - overlap)
+    chunks = []
+    for doc in docs:
+        words = doc.split()
+        for start in range(0, max(1, len(words) - overlap), step):
+            piece = " ".join(words[start : start + size])
+            if piece:
+                chunks.append(piece)
+    return chunks
+
+
+def _texts(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    return [str(v) for v in value]
+
+
+def chat_frame(engine: Any, system: str | None) -> tuple[str, str]:
+    """The chat template's text before and after the user's message."""
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": SENTINEL}]
+    head, _, tail = engine.chat_prompt(messages).partition(SENTINEL)
+    return head, tail
+
+
+async def run_op(node: Node, scope: Mapping[str, Any], ctx: OpContext, key: tuple = ()) -> dict[str, Any]:
+    """Execute one primitive; returns the values of its outputs."""
+    handler = HANDLERS.get(node.op)
+    if handler is None:
+        raise NodeError(f"node {node.id!r}: {node.op} is run by the executor, not by an op handler")
+    return await handler(node, scope, ctx, key)
+
+
+def _engine(node: Node, ctx: OpContext) -> tuple[Any, Any]:
+    if not node.engine:
+        raise NodeError(f"node {node.id!r} ({node.op}) names no engine")
+    return ctx.resolve(node.engine)
+
+
+async def _chunk(node, scope, ctx, key):
+    chunks = chunk_text(scope[node.inputs[0]], node.params.get("words", 256), node.params.get("overlap", 30))
+    if "slice" in node.params:
+        chunks = chunks[slice(*node.params["slice"])]
+    return {node.outputs[0]: chunks}
+
+
+async def _embed(node, scope, ctx, key):
+    _, sched = _engine(node, ctx)
+    texts = _texts(scope[node.inputs[0]])
+    if "slice" in node.params:
+        texts = texts[slice(*node.params["slice"])]
+    if not texts:
+        return {node.outputs[0]: torch.empty(0, 0)}
+    return {node.outputs[0]: await sched.submit(texts, len(texts), ctx.meta(node, key))}
+
+
+async def _ingest(node, scope, ctx, key):
+    _, sched = _engine(node, ctx)
+    vectors, texts = scope[node.inputs[0]], _texts(scope[node.inputs[1]])
+    if "slice" in node.params:
+        texts = texts[slice(*node.params["slice"])]
+    collection = node.params.get("collection") or f"run_{ctx.run_id}"
+    payloads = [{"text": t} for t in texts]
+    await sched.submit(("ingest", collection, vectors, payloads), len(texts), ctx.meta(node, key))
+    return {node.outputs[0]: collection}
+
+
+def _dedupe(texts: list[str]) -> list[str]:
+    return list(dict.fromkeys(texts))
+
+
+async def _search(node, scope, ctx, key):
+    _, sched = _engine(node, ctx)
+    vectors, collection = scope[node.inputs[0]], scope[node.inputs[1]]
+    if vectors.dim() == 1:
+        vectors = vectors.unsqueeze(0)
+    hits = await sched.submit(("search", collection, vectors, node.params.get("k", 3)), len(vectors), ctx.meta(node, key))
+    return {node.outputs[0]: _dedupe([h.payload["text"] for row in hits for h in row])}
+
+
+async def _text_search(node, scope, ctx, key):
+    _, sched = _engine(node, ctx)
+    collection = scope[node.inputs[1]] if len(node.inputs) > 1 else node.params["collection"]
+    out = []
+    for query in _texts(scope[node.inputs[0]]):
+        hits = await sched.submit(("search_text", collection, query, node.params.get("k", 3)), 1, ctx.meta(node, key))
+        out.extend(h.payload["text"] for h in hits)
+    return {node.outputs[0]: _dedupe(out)}
+
+
+async def _rerank(node, scope, ctx, key):
+    _, sched = _engine(node, ctx)
+    query, docs = str(scope[node.inputs[0]]), _texts(scope[node.inputs[1]])
+    if not docs:
+        return {node.outputs[0]: []}
+    scores = await sched.submit((query, docs), len(docs), ctx.meta(node, key))
+    order = torch.argsort(scores.float(), descending=True, stable=True)[: node.params.get("top_n", 3)]
+    return {node.outputs[0]: [docs[i] for i in order.tolist()]}
+
+
+def _prompt_tokens(engine: Any, node: Node, scope: Mapping[str, Any], part: str) -> list[int]:
+    """Tokens of a prompt, or of its split-off prefix or rest (see the prefill-split pass)."""
+    head, tail = chat_frame(engine, node.params.get("system"))
+    text = PromptTemplate(node.params["prompt"]).render(scope)
+    if part == "prefix":
+        return engine.encode(head + text)
+    if part == "rest":
+        return engine.encode(text + tail)
+    return engine.encode(head + text + tail)
+
+
+async def _prefill(node, scope, ctx, key):
+    engine, sched = _engine(node, ctx)
+    part = {Op.PARTIAL_PREFILL: "prefix", Op.FULL_PREFILL: "rest"}.get(node.op, "all")
+    tokens = _prompt_tokens(engine, node, scope, part)
+    parent = scope[node.params["parent"]] if node.op == Op.FULL_PREFILL else None
+    context = engine.new_context_id()
+    ctx.contexts.add((node.engine, context))
+    await sched.prefill(context, tokens, parent)
+    return {node.outputs[0]: context}
+
+
+def sampling(node: Node) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=node.params.get("max_tokens", 128),
+        temperature=node.params.get("temperature", 0.0),
+        top_p=node.params.get("top_p", 1.0),
+        seed=node.params.get("seed"),
+        stop=tuple(node.params.get("stop", ())),
+    )
+
+
+async def _decode(node, scope, ctx, key):
+    _, sched = _engine(node, ctx)
+    context = scope[node.inputs[0]]
+    parser = make_parser(node.splittable) if node.splittable else None
+    pieces: list[str] = []
+    text = []
+    limit = node.params.get("max_pieces")  # enough pieces: stop decoding early
+
+    async def emit(new: list[str]) -> None:
+        for piece in new:
+            if limit is not None and len(pieces) >= limit:
+                return
+            pieces.append(piece)
+            if ctx.on_piece is not None and node.op == Op.PARTIAL_DECODE:
+                await ctx.on_piece(node, piece, key + (len(pieces) - 1,))
+
+    deltas = sched.decode(context, sampling(node))
+    try:
+        async for delta in deltas:
+            text.append(delta.text)
+            if parser is not None:
+                await emit(parser.feed(delta.text))
+                if limit is not None and len(pieces) >= limit:
+                    break
+    finally:
+        await deltas.aclose()
+        ctx.contexts.discard((node.engine, context))
+    if parser is not None:
+        await emit(parser.finish())
+        return {node.outputs[0]: pieces}
+    return {node.outputs[0]: "".join(text).strip()}
+
+
+async def _function(node, scope, ctx, key):
+    result = node.params["fn"](*(scope[v] for v in node.inputs))
+    if hasattr(result, "__await__"):
+        result = await result
+    if len(node.outputs) == 1:
+        return {node.outputs[0]: result}
+    return dict(zip(node.outputs, result, strict=True))
+
+
+HANDLERS: dict[Op, Callable[..., Awaitable[dict[str, Any]]]] = {
+    Op.CHUNK: _chunk,
+    Op.EMBED: _embed,
+    Op.INGEST: _ingest,
+    Op.SEARCH: _search,
+    Op.TEXT_SEARCH: _text_search,
+    Op.RERANK: _rerank,
+    Op.PREFILL: _prefill,
+    Op.PARTIAL_PREFILL: _prefill,
+    Op.FULL_PREFILL: _prefill,
+    Op.DECODE: _decode,
+    Op.PARTIAL_DECODE: _decode,
+    Op.FUNCTION: _function,
+}
+
+
+def aggregate(op: str, parts: list[Any], params: Mapping[str, Any]) -> Any:
+    """ALTO's aggregation operators over the pieces of one key, in piece order."""
+    if op == "concat":
+        out: list[Any] = []
+        for p in parts:
+            if isinstance(p, torch.Tensor):
+                return torch.cat([q for q in parts if q.numel()])
+            out.extend(p if isinstance(p, list) else [p])
+        return _dedupe(out) if params.get("dedupe") and all(isinstance(x, str) for x in out) else out
+    if op == "last":
+        return parts[-1]
+    if op == "sum":
+        return sum(parts)
+    if op == "count":
+        return len(parts)
+    if op == "topk":
+        items = [x for p in parts for x in (p if isinstance(p, list) else [p])]
+        return sorted(items, key=lambda x: x[0], reverse=True)[: params.get("k", 3)]
+    if op == "filter":
+        return [p for p in parts if params["keep"](p)]
+    raise NodeError(f"unknown aggregate op {op!r}")

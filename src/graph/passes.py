@@ -1,0 +1,199 @@
+"""The four built-in optimization passes (Ayo §4.2), a plugin like any other.
+
+Each pass rewrites the graph in place and returns what it changed (a list of
+short descriptions, empty when nothing matched); the pass manager runs them to
+a fixpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from headrace.graph.graph import Graph, Node, Op
+from headrace.graph.prompts import PromptTemplate
+from headrace.plugins.hookspecs import hookimpl
+
+STREAMABLE = {Op.EMBED, Op.SEARCH, Op.TEXT_SEARCH}
+STAGEABLE = {Op.EMBED: 0, Op.INGEST: 0}  # op -> index of the input that is split into stages
+
+
+@dataclass
+class PassEnv:
+    """What passes may know beyond the graph."""
+
+    # Engine name -> its max efficient batch size (None: unknown, never split).
+    max_efficient_batch: Callable[[str], int | None] = lambda engine: None
+    inputs: set[str] = field(default_factory=set)  # the run's input variables, available at once
+
+
+class GraphPass(Protocol):
+    name: str
+
+    def apply(self, graph: Graph, env: PassEnv) -> list[str]: ...
+
+
+class PruneDependencies:
+    """Pass 1: drop every edge not backed by a data dependency, so independent branches run in parallel."""
+
+    name = "prune_dependencies"
+
+    def apply(self, graph: Graph, env: PassEnv) -> list[str]:
+        order = sorted((e for e in graph.edges if e.var is None), key=lambda e: (e.src, e.dst))
+        graph.edges -= set(order)
+        return [f"{e.src} -> {e.dst}" for e in order]
+
+
+class StageDecomposition:
+    """Pass 2: split an oversized batchable primitive into stages that pipeline into the next one."""
+
+    name = "stage_decomposition"
+
+    def apply(self, graph: Graph, env: PassEnv) -> list[str]:
+        changes = []
+        for node in list(graph.nodes.values()):
+            if node.op != Op.EMBED or node.region or "slice" in node.params or not node.engine:
+                continue
+            limit = env.max_efficient_batch(node.engine)
+            if not limit or node.size <= limit:
+                continue
+            stages = math.ceil(node.size / limit)
+            slices = [(i * limit, min(node.size, (i + 1) * limit)) for i in range(stages)]
+            out = node.outputs[0]
+            self._split(graph, node, slices, out)
+            changes.append(f"{node.id}: {stages} stages of <= {limit}")
+            for consumer in [graph.nodes[c] for c in graph.consumers(out)]:
+                if consumer.op == Op.INGEST and consumer.inputs[0] == out and "slice" not in consumer.params:
+                    self._split(graph, consumer, slices, out)
+                    changes.append(f"{consumer.id}: {stages} stages pipelined after {node.id}")
+        graph.rewire()
+        return changes
+
+    @staticmethod
+    def _split(graph: Graph, node: Node, slices: list[tuple[int, int]], source_var: str) -> None:
+        """Replace ``node`` by one stage per slice and an aggregate that restores its output."""
+        graph.remove(node.id)
+        parts = []
+        for i, (start, end) in enumerate(slices):
+            inputs = tuple(f"{v}#{i}" if v == source_var and node.op != Op.EMBED else v for v in node.inputs)
+            stage = Node(
+                id=f"{node.id}#{i}", op=node.op, engine=node.engine, inputs=inputs,
+                outputs=tuple(f"{v}#{i}" for v in node.outputs),
+                params={**node.params, "slice": (start, end)}, component=node.component,
+                batchable=True, size=end - start,
+            )
+            if node.op == Op.INGEST:  # vectors arrive already sliced by their embed stage
+                stage.params["slice"] = (start, end)
+            graph.add(stage)
+            parts.append(stage.outputs[0])
+        op = "concat" if node.op == Op.EMBED else "last"
+        graph.add(Node(id=f"{node.id}.agg", op=Op.AGGREGATE, inputs=tuple(parts), outputs=node.outputs[:1],
+                       params={"op": op}, component=node.component))
+
+
+class PrefillSplit:
+    """Pass 3: prefill the part of a prompt that is ready before its inputs, in parallel with upstream work."""
+
+    name = "prefill_split"
+    MIN_CHARS = 16  # a shorter prefix is not worth a context of its own
+
+    def apply(self, graph: Graph, env: PassEnv) -> list[str]:
+        changes = []
+        for node in list(graph.nodes.values()):
+            if node.op != Op.PREFILL:
+                continue
+            template = PromptTemplate(node.params["prompt"])
+            prefix, rest = template.split(env.inputs)
+            if len(prefix.strip()) < self.MIN_CHARS or not PromptTemplate(rest).inputs:
+                continue
+            head = Node(
+                id=f"{node.id}.partial", op=Op.PARTIAL_PREFILL, engine=node.engine,
+                inputs=PromptTemplate(prefix).inputs, outputs=(f"{node.id}.partial.ctx",),
+                params={**node.params, "prompt": prefix}, component=node.component,
+                size=len(prefix), prefix_hash=template.prefix_hash(), region=node.region,
+            )
+            graph.add(head)
+            node.op = Op.FULL_PREFILL
+            node.params = {**node.params, "prompt": rest, "parent": head.outputs[0]}
+            node.inputs = (*PromptTemplate(rest).inputs, head.outputs[0])
+            changes.append(f"{node.id}: prefix of {len(prefix)} chars prefilled early as {head.id}")
+        if changes:
+            graph.rewire()
+        return changes
+
+
+class DecodePipelining:
+    """Pass 4: a splittable decode streams each parsed piece to its batchable consumers at once."""
+
+    name = "decode_pipelining"
+
+    def apply(self, graph: Graph, env: PassEnv) -> list[str]:
+        changes = []
+        for node in list(graph.nodes.values()):
+            if node.op != Op.DECODE or not node.splittable:
+                continue
+            piece = node.outputs[0]
+            region = {c for c in graph.consumers(piece) if graph.nodes[c].op in STREAMABLE and graph.nodes[c].region is None}
+            if not region:
+                continue
+            self._grow(graph, node, region)
+            node.op = Op.PARTIAL_DECODE
+            node.outputs = (piece, f"{node.id}.pieces")
+            for n in region:
+                graph.nodes[n].region = node.id
+            exits = self._exits(graph, region)
+            for var in exits:
+                self._aggregate(graph, node, region, var)
+            graph.rewire()
+            changes.append(f"{node.id}: streams {node.splittable} pieces into {', '.join(sorted(region))}")
+        return changes
+
+    @staticmethod
+    def _grow(graph: Graph, source: Node, region: set[str]) -> None:
+        """Extend the region through batchable primitives fed only by it and by finished-earlier work."""
+        downstream = graph.descendants(source.id)
+        grew = True
+        while grew:
+            grew = False
+            produced = {v for n in region for v in graph.nodes[n].outputs}
+            for n in graph.nodes.values():
+                if n.id in region or n.op not in STREAMABLE or n.region is not None:
+                    continue
+                fed = [v for v in n.inputs if v in produced]
+                others = [graph.producer(v) for v in n.inputs if v not in produced and v != source.outputs[0]]
+                if fed and all(p is None or p not in downstream for p in others):
+                    region.add(n.id)
+                    grew = True
+
+    @staticmethod
+    def _exits(graph: Graph, region: set[str]) -> list[str]:
+        out = []
+        for n in sorted(region):
+            for var in graph.nodes[n].outputs:
+                if any(c not in region for c in graph.consumers(var)):
+                    out.append(var)
+        return out
+
+    @staticmethod
+    def _aggregate(graph: Graph, source: Node, region: set[str], var: str) -> None:
+        """Per-piece values of ``var`` become ``var.piece``; an aggregate restores ``var`` from all of them."""
+        local = f"{var}.piece"
+        for n in region:
+            node = graph.nodes[n]
+            node.outputs = tuple(local if v == var else v for v in node.outputs)
+            node.inputs = tuple(local if v == var else v for v in node.inputs)
+        graph.add(Node(
+            id=f"{source.id}.{var}.agg", op=Op.AGGREGATE, inputs=(local,), outputs=(var,),
+            params={"op": "concat", "dedupe": True, "source": source.id, "reads": (f"{source.id}.pieces",)},
+            component=source.component,
+        ))
+
+
+BUILTIN_PASSES = (PruneDependencies, StageDecomposition, PrefillSplit, DecodePipelining)
+
+
+@hookimpl
+def register_passes(register):
+    for cls in BUILTIN_PASSES:
+        register(cls.name, cls())

@@ -1,0 +1,75 @@
+"""Prompt templates with Parrot's semantic-variable placeholders.
+
+``{{input:name}}`` is filled from the variable ``name``; ``{{output:name}}``
+marks where the model's answer goes, and names the variable it becomes. The
+placeholders make a prompt's data dependencies explicit, and the text before
+the first input that is not yet available is a prefix that can be prefilled
+early (Parrot §5.3, Ayo's prefill split).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+PLACEHOLDER = re.compile(r"\{\{(input|output):([A-Za-z_][A-Za-z0-9_]*)\}\}")
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return "\n\n".join(_text(v) for v in value)
+    return str(value)
+
+
+@dataclass(frozen=True)
+class PromptTemplate:
+    text: str
+
+    def __post_init__(self) -> None:
+        outputs = [m for m in PLACEHOLDER.finditer(self.text) if m.group(1) == "output"]
+        if len(outputs) > 1:
+            raise ValueError("a prompt has at most one {{output:...}} placeholder")
+        if outputs and self.text[outputs[0].end():].strip():
+            raise ValueError("{{output:...}} must end the prompt: the answer is generated after it")
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        seen: dict[str, None] = {}
+        for m in PLACEHOLDER.finditer(self.text):
+            if m.group(1) == "input":
+                seen.setdefault(m.group(2))
+        return tuple(seen)
+
+    @property
+    def output(self) -> str | None:
+        for m in PLACEHOLDER.finditer(self.text):
+            if m.group(1) == "output":
+                return m.group(2)
+        return None
+
+    def render(self, values: Mapping[str, Any]) -> str:
+        """The prompt text up to the output placeholder, every input filled in."""
+
+        def fill(m: re.Match) -> str:
+            if m.group(1) == "output":
+                return ""
+            if m.group(2) not in values:
+                raise KeyError(f"prompt input {m.group(2)!r} has no value")
+            return _text(values[m.group(2)])
+
+        return PLACEHOLDER.sub(fill, self.text).rstrip(" ")
+
+    def split(self, available: set[str]) -> tuple[str, str]:
+        """(prefix, rest): the prefix holds only inputs in ``available``, and ends where the first missing one starts."""
+        for m in PLACEHOLDER.finditer(self.text):
+            if m.group(1) == "output" or m.group(2) not in available:
+                return self.text[: m.start()], self.text[m.start():]
+        return self.text, ""
+
+    def prefix_hash(self) -> str:
+        """Hash of the static text before the first placeholder (Parrot's PrefixHash)."""
+        m = PLACEHOLDER.search(self.text)
+        static = self.text[: m.start()] if m else self.text
+        return hashlib.sha1(static.encode()).hexdigest()[:12]

@@ -1,0 +1,113 @@
+"""Workflows: a name, JSON schemas for inputs and config, and a builder of p-graphs.
+
+Plugins register workflows through ``register_workflows``. Inputs and config are
+validated against the schemas (a small subset of JSON Schema: object, string,
+integer, number, boolean, array, enum, minimum/maximum, minItems, required,
+defaults); a bad value raises ``WorkflowInputError`` naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from headrace.graph.graph import Graph
+
+# (inputs, config, engines by kind) -> p-graph
+Builder = Callable[[dict[str, Any], dict[str, Any], Mapping[str, str]], Graph]
+
+# Config every workflow accepts, handled by the executor and the daemon.
+COMMON_CONFIG: dict[str, Any] = {
+    "optimize": {
+        "type": "object",
+        "properties": {
+            "passes": {"type": "array", "items": {"type": "string"}, "description": "passes to run (default: all)"},
+        },
+        "default": {},
+    },
+    "engines": {
+        "type": "object",
+        "description": "engine name per kind (llm, embed, rerank, vector_store); default: the first of each kind",
+        "default": {},
+    },
+    "batch_policy": {"type": "string", "description": "override the engines' batch policy for this run"},
+}
+
+
+class WorkflowInputError(ValueError):
+    def __init__(self, field_: str, problem: str) -> None:
+        super().__init__(f"{field_}: {problem}")
+        self.field = field_
+
+
+@dataclass
+class Workflow:
+    name: str
+    description: str
+    inputs: dict[str, Any]  # JSON schema properties
+    build: Builder
+    config: dict[str, Any] = field(default_factory=dict)
+    required: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ("answer",)
+    kinds: tuple[str, ...] = ("llm",)  # engine kinds the workflow needs
+
+    def schema(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "description": self.description,
+            "inputs": {"type": "object", "properties": self.inputs, "required": list(self.required)},
+            "config": {"type": "object", "properties": {**self.config, **COMMON_CONFIG}},
+            "outputs": list(self.outputs),
+        }
+
+    def validate(self, inputs: Any, config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        return (_object(inputs, self.inputs, self.required, "inputs"),
+                _object(config, {**self.config, **COMMON_CONFIG}, (), "config"))
+
+
+TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list, "object": dict}
+
+
+def _object(value: Any, properties: Mapping[str, Any], required: tuple[str, ...], path: str) -> dict[str, Any]:
+    if value is None:
+        value = {}
+    if not isinstance(value, dict):
+        raise WorkflowInputError(path, "must be an object")
+    for key in value:
+        if key not in properties:
+            raise WorkflowInputError(f"{path}.{key}", f"unknown field; expected one of {sorted(properties)}")
+    out = {}
+    for key, schema in properties.items():
+        where = f"{path}.{key}"
+        if key not in value:
+            if key in required:
+                raise WorkflowInputError(where, "required")
+            if "default" in schema:
+                out[key] = schema["default"]
+            continue
+        out[key] = _check(value[key], schema, where)
+    return out
+
+
+def _check(value: Any, schema: Mapping[str, Any], where: str) -> Any:
+    kind = schema.get("type")
+    if kind:
+        expected = TYPES[kind]
+        if not isinstance(value, expected) or (isinstance(value, bool) and kind in ("integer", "number")):
+            raise WorkflowInputError(where, f"must be {'an' if kind[0] in 'aeiou' else 'a'} {kind}, got {value!r}")
+    if "enum" in schema and value not in schema["enum"]:
+        raise WorkflowInputError(where, f"must be one of {schema['enum']}, got {value!r}")
+    if "minimum" in schema and value < schema["minimum"]:
+        raise WorkflowInputError(where, f"must be >= {schema['minimum']}")
+    if "maximum" in schema and value > schema["maximum"]:
+        raise WorkflowInputError(where, f"must be <= {schema['maximum']}")
+    if kind == "string" and schema.get("minLength") and len(value) < schema["minLength"]:
+        raise WorkflowInputError(where, "must not be empty")
+    if kind == "array":
+        if len(value) < schema.get("minItems", 0):
+            raise WorkflowInputError(where, f"needs at least {schema['minItems']} item(s)")
+        if "items" in schema:
+            value = [_check(v, schema["items"], f"{where}[{i}]") for i, v in enumerate(value)]
+    if kind == "object" and "properties" in schema:
+        value = _object(value, schema["properties"], tuple(schema.get("required", ())), where)
+    return value

@@ -1,0 +1,1 @@
+"""The built-in workflows (a plugin: registered through ``register_workflows``)."""

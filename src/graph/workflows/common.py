@@ -1,0 +1,84 @@
+"""Pieces the built-in workflows share: indexing and the three synthesis modes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from headrace.graph.components import Component, GraphBuilder
+from headrace.graph.ops import chunk_text
+
+SYNTHESIS_MODES = ("tree", "refine", "one_shot")
+
+CHUNK_CONFIG = {
+    "chunk_size": {"type": "integer", "minimum": 16, "default": 256, "description": "words per chunk"},
+    "chunk_overlap": {"type": "integer", "minimum": 0, "default": 30},
+    "max_tokens": {"type": "integer", "minimum": 1, "maximum": 1024, "default": 96,
+                   "description": "tokens per LLM answer"},
+}
+DOCUMENTS = {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1}
+QUESTION = {"type": "string", "minLength": 1}
+
+chunk = Component("chunk", "chunk", inputs=("documents",), outputs=("chunks",))
+embed_chunks = Component("embed_chunks", "embed", inputs=("chunks",), outputs=("chunk_vectors",), batchable=True)
+ingest = Component("ingest", "ingest", inputs=("chunk_vectors", "chunks"), outputs=("collection",), batchable=True)
+
+
+def index(b: GraphBuilder, inputs: dict[str, Any], config: dict[str, Any]) -> int:
+    """Chunk, embed and ingest the run's documents; returns the number of chunks."""
+    n = len(chunk_text(inputs["documents"], config["chunk_size"], config["chunk_overlap"]))
+    b.emit(chunk, size=n, words=config["chunk_size"], overlap=config["chunk_overlap"])
+    b.emit(embed_chunks, size=n)
+    b.emit(ingest, size=n)
+    return n
+
+
+def split_list(name: str, source: str, n: int) -> Component:
+    """A function primitive that spreads a list over ``n`` variables (missing ones are empty)."""
+    return Component(name, "function", inputs=(source,), outputs=tuple(f"{source}_{i}" for i in range(n)),
+                     config={"fn": lambda items: tuple((list(items) + [""] * n)[:n])})
+
+
+ANSWER = ("Answer the question using the context.\nQuestion: {{input:question}}\n"
+          "Context:\n{{input:context}}\nAnswer: {{output:answer}}")
+REFINE = ("Refine the answer to the question with the new context.\nQuestion: {{input:question}}\n"
+          "Existing answer: {{input:previous}}\nNew context:\n{{input:context}}\nRefined answer: {{output:answer}}")
+COMBINE_HEAD = "Combine these answers to the question into one answer.\nQuestion: {{input:question}}\n"
+ONE_SHOT = ("Answer the question using the contexts.\nQuestion: {{input:question}}\n"
+            "Contexts:\n{{input:contexts}}\nAnswer: {{output:answer}}")
+
+answer = Component("answer", "llm", prompt=ANSWER)
+refine = Component("refine", "llm", prompt=REFINE)
+one_shot = Component("answer", "llm", prompt=ONE_SHOT)
+
+
+def synthesize(b: GraphBuilder, mode: str, contexts: str, n: int, config: dict[str, Any], fan_in: int = 3) -> list[Component]:
+    """Emit the synthesis over ``n`` contexts in ``contexts``; the final text lands in ``answer``."""
+    llm = {"max_tokens": config["max_tokens"]}
+    if mode == "one_shot" or n <= 1:
+        b.emit(one_shot, rename={"contexts": contexts}, **llm)
+        return [one_shot]
+    spread = split_list("spread", contexts, n)
+    b.emit(spread)
+    if mode == "refine":
+        b.emit(answer, suffix="_0", rename={"context": f"{contexts}_0", "answer": "answer_0"}, **llm)
+        for i in range(1, n):
+            last = "answer" if i == n - 1 else f"answer_{i}"
+            b.emit(refine, suffix=f"_{i}", rename={"context": f"{contexts}_{i}", "previous": f"answer_{i - 1}",
+                                                   "answer": last}, **llm)
+        return [spread, answer, refine]
+    # tree: one leaf per context, then combine fan_in at a time until one answer remains
+    level = [f"leaf_{i}" for i in range(n)]
+    for i in range(n):
+        b.emit(answer, suffix=f"_{i}", rename={"context": f"{contexts}_{i}", "answer": level[i]}, **llm)
+    depth = 0
+    while len(level) > 1:
+        groups = [level[i : i + fan_in] for i in range(0, len(level), fan_in)]
+        nxt = []
+        for g, group in enumerate(groups):
+            out = "answer" if len(groups) == 1 else f"tree_{depth}_{g}"
+            body = "".join(f"Answer {j + 1}: {{{{input:{v}}}}}\n" for j, v in enumerate(group))
+            combine = Component(f"combine_{depth}_{g}", "llm", prompt=COMBINE_HEAD + body + f"Combined answer: {{{{output:{out}}}}}")
+            b.emit(combine, **llm)
+            nxt.append(out)
+        level, depth = nxt, depth + 1
+    return [spread, answer]
