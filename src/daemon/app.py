@@ -19,6 +19,8 @@ from headrace.daemon.metrics import Metrics
 from headrace.daemon.pool import EnginePool
 from headrace.daemon.routes_openai import chat_completions, completions, list_models
 from headrace.daemon.routes_retrieval import embeddings, rerank
+from headrace.daemon.routes_workflows import cancel_run, create_run, get_run, list_workflows, run_graph
+from headrace.graph.service import WorkflowService
 from headrace.plugins.manager import Registry, collect
 
 
@@ -71,14 +73,20 @@ def create_app(config: Config, registry: Registry | None = None) -> Starlette:
     registry = registry or collect()
     metrics_ = Metrics()
     pool = EnginePool(config, registry, metrics_)
+    workflows = WorkflowService(registry.workflows, registry.passes, pool.resolve, pool.engines_by_kind,
+                                pool.max_efficient_batch)
+    metrics_.watch_optimizer(workflows.optimizer.stats)
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
         # The engines load in the background: /health answers at once, /ready once all are loaded.
         async with anyio.create_task_group() as tg:
             await tg.start(pool.run)
-            yield
-            systemd.notify("STOPPING=1")
+            async with anyio.create_task_group() as runs:  # every workflow run is a task of this group
+                app.state.run_group = runs
+                yield
+                systemd.notify("STOPPING=1")
+                runs.cancel_scope.cancel()
             tg.cancel_scope.cancel()
 
     app = Starlette(
@@ -91,12 +99,18 @@ def create_app(config: Config, registry: Registry | None = None) -> Starlette:
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/embeddings", embeddings, methods=["POST"]),
             Route("/v1/rerank", rerank, methods=["POST"]),
+            Route("/v1/workflows", list_workflows),
+            Route("/v1/workflows/{name}/runs", create_run, methods=["POST"]),
+            Route("/v1/runs/{run_id}", get_run),
+            Route("/v1/runs/{run_id}", cancel_run, methods=["DELETE"]),
+            Route("/v1/runs/{run_id}/graph", run_graph),
         ],
         exception_handlers={APIError: api_error_handler, 404: not_found, 405: method_not_allowed,
                             Exception: internal_error_handler},
         lifespan=lifespan,
     )
     app.state.config, app.state.pool, app.state.metrics, app.state.registry = config, pool, metrics_, registry
+    app.state.workflows = workflows
     app.add_middleware(APIKeyMiddleware, api_key=config.server.api_key)
     return app
 

@@ -5,10 +5,10 @@ Each app owns its own registry, so several apps (tests) never collide.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256)
@@ -63,6 +63,18 @@ class Metrics:
         self._running[model], self._waiting[model] = running, waiting
         if contexts is not None:
             self._contexts[model] = contexts
+
+    def watch_optimizer(self, stats: Any) -> None:
+        """The e-graph cache's hit rate and graph-building time, read at scrape time."""
+
+        class _Optimizer:
+            def collect(self):
+                yield CounterMetricFamily("headrace_egraph_cache_hits", "E-graph cache hits.", value=stats.hits)
+                yield CounterMetricFamily("headrace_egraph_cache_misses", "E-graph cache misses.", value=stats.misses)
+                yield CounterMetricFamily("headrace_graph_build_seconds", "Time spent building and optimizing graphs.",
+                                          value=stats.build_seconds)
+
+        self.registry.register(_Optimizer())
 
     def batch_observer(self, engine: str) -> Callable[[str, int], None]:
         def observe(op: str, size: int) -> None:

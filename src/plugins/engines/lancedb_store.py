@@ -163,7 +163,7 @@ class LanceDBStore:
             rows = (
                 table.search(query, vector_column_name="vector")
                 .distance_type("cosine")
-                .select(["id", "payload"])
+                .select(["id", "payload", "_distance"])
                 .limit(k)
                 .to_list()
             )

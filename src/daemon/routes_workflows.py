@@ -1,0 +1,120 @@
+"""The workflow REST API: list workflows, start runs (plain, SSE, background), inspect and cancel them."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncIterator
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from headrace.daemon import requests as rq
+from headrace.daemon.errors import APIError, bad_request
+from headrace.graph.executor import Run
+from headrace.graph.service import UnknownWorkflow, WorkflowService, seconds, timeline
+from headrace.graph.workflow import WorkflowInputError
+
+RUN_FIELDS = {"inputs", "config", "stream", "background"}
+
+
+def _service(request: Request) -> WorkflowService:
+    if not request.app.state.pool.ready:
+        raise APIError(503, "the engines are still loading", code="not_ready")
+    return request.app.state.workflows
+
+
+def run_json(run: Run) -> dict[str, Any]:
+    return {
+        "id": run.id, "object": "workflow.run", "workflow": run.workflow, "status": run.status,
+        "result": _jsonable(run.result), "error": run.error, "created": int(run.created),
+        "seconds": round(seconds(run), 6), "nodes": timeline(run),
+        "passes": [{"pass": name, "changes": changes} for name, changes in getattr(run, "applied", [])],
+    }
+
+
+def _jsonable(value: Any) -> Any:
+    try:
+        json.dumps(value)
+        return value
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _run(request: Request) -> Run:
+    run = request.app.state.workflows.runs.get(request.path_params["run_id"])
+    if run is None:
+        raise APIError(404, f"no run {request.path_params['run_id']!r}", param="run_id", code="run_not_found")
+    return run
+
+
+async def list_workflows(request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": request.app.state.workflows.describe()})
+
+
+async def create_run(request: Request) -> Response:
+    service = _service(request)
+    body = await rq.read_json(request, request.app.state.config.server.max_body_bytes)
+    rq.check_fields(body, RUN_FIELDS)
+    stream = rq.field(body, "stream", bool, False)
+    background = rq.field(body, "background", bool, False)
+    try:
+        run = service.prepare(request.path_params["name"], body.get("inputs"), body.get("config"))
+    except UnknownWorkflow as exc:
+        raise APIError(404, str(exc), param="name", code="workflow_not_found") from None
+    except WorkflowInputError as exc:
+        raise bad_request(str(exc), param=exc.field) from None
+    events = service.subscribe(run.id) if stream else None
+    request.app.state.run_group.start_soon(service.execute, run)
+    if background and not stream:
+        return JSONResponse(run_json(run), status_code=202)
+    if stream:
+        return StreamingResponse(_events(request, run, events, background), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    await _wait_or_cancel(request, run, background)
+    return JSONResponse(run_json(run))
+
+
+async def _wait_or_cancel(request: Request, run: Run, background: bool) -> None:
+    """Wait for the run; a client that goes away first cancels it (unless it asked for background)."""
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            if not background:
+                run.cancel_scope.cancel()
+
+        tg.start_soon(watch)
+        await run.done.wait()
+        tg.cancel_scope.cancel()
+
+
+async def _events(request: Request, run: Run, events: Any, background: bool) -> AsyncIterator[str]:
+    try:
+        async with events:
+            async for event in events:
+                yield f"event: {event['event']}\ndata: {json.dumps(_jsonable(event))}\n\n"
+    finally:
+        # The stream ended: either the run finished, or the client left (the generator is closed).
+        if not run.done.is_set() and not background:
+            run.cancel_scope.cancel()
+
+
+async def get_run(request: Request) -> Response:
+    return JSONResponse(run_json(_run(request)))
+
+
+async def cancel_run(request: Request) -> Response:
+    run = _run(request)
+    run.cancel_scope.cancel()
+    with anyio.move_on_after(10):
+        await run.done.wait()
+    return JSONResponse(run_json(run))
+
+
+async def run_graph(request: Request) -> Response:
+    run = _run(request)
+    if request.query_params.get("format") == "dot":
+        return Response(run.graph.to_dot(), media_type="text/vnd.graphviz")
+    return JSONResponse({"run": run.id, "graph": run.graph.to_json(), "dot": run.graph.to_dot()})
