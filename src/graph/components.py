@@ -98,12 +98,12 @@ class GraphBuilder:
             prefill = self.graph.add(Node(
                 id=f"{node_id}.prefill", op=Op.PREFILL, engine=engine, inputs=template.inputs,
                 outputs=(f"{node_id}.ctx",), params={**config, "prompt": prompt}, component=component.name,
-                size=max(size, len(prompt) // 4), prefix_hash=template.prefix_hash(),
+                size=max(size, len(prompt) // 4), prefix_hash=template.prefix_hash(), batchable=component.batchable,
             ))
             last = self.graph.add(Node(
                 id=node_id, op=Op.DECODE, engine=engine, inputs=(f"{node_id}.ctx",),
                 outputs=(template.output,), params=config, component=component.name,
-                splittable=component.splittable, size=config.get("max_tokens", 128),
+                splittable=component.splittable, size=config.get("max_tokens", 128), batchable=component.batchable,
             ))
             head = prefill.id
         else:
@@ -118,8 +118,22 @@ class GraphBuilder:
         self._ends[component.name] = (first, last.id)
         return last
 
+    def map(self, source: Node, *components: Component) -> None:
+        """Run the primitives of ``components`` once per item of ``source``'s list output."""
+        from headrace.graph.passes import map_over  # the same region machinery that pipelining uses
+
+        names = {c.name for c in components}
+        members = {n.id for n in self.graph.nodes.values() if n.component in names}
+        self.graph.rewire()
+        map_over(self.graph, source, members)
+
     def branch(self, condition: Node, label: str, *nodes: Node) -> None:
+        """``nodes`` run only when ``condition`` picks ``label``; they wait for its decision (a data edge)."""
         self.graph.branches.setdefault(condition.id, {}).setdefault(label, []).extend(n.id for n in nodes)
+        for node in nodes:
+            reads = tuple(node.params.get("reads", ()))
+            if condition.outputs[0] not in reads:
+                node.params["reads"] = (*reads, condition.outputs[0])
 
     def finish(self, template: Template) -> Graph:
         """Wire data edges from the variables, plus ``>>`` order edges between consecutive components."""

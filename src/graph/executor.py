@@ -151,8 +151,8 @@ class Executor:
                 scope = {var: await store.get(var) for var in node.inputs}
                 for var in node.params.get("reads", ()):
                     scope[var] = await store.get(var)
-                if node.op == Op.PARTIAL_DECODE:
-                    outputs = await self._stream(run, node, scope, store, ctx, key)
+                if any(m.region == node.id for m in run.graph.nodes.values()):
+                    outputs = await self._map(run, node, scope, store, ctx, key)
                 else:
                     outputs = await run_op(node, scope, ctx, key)
         except anyio.get_cancelled_exc_class():
@@ -167,7 +167,7 @@ class Executor:
             if isinstance(inner, NodeError):  # a primitive inside this one's region failed
                 raise inner from None
             raise NodeError(f"node {node.id!r} ({node.op} on {node.engine or 'no engine'}) failed: "
-                            f"{type(exc).__name__}: {exc}") from exc
+                            f"{type(inner).__name__}: {inner}") from exc
         for var, value in outputs.items():
             store.set(var, value)
         record.state, record.finished = "done", time.monotonic()
@@ -175,31 +175,38 @@ class Executor:
                   "seconds": round(record.finished - record.started, 6)})
         return outputs.get(node.outputs[0]) if node.outputs else None
 
-    async def _stream(self, run: Run, node: Node, scope: dict, store: Store, ctx: OpContext, key: tuple) -> dict:
-        """A partial decode: each parsed piece starts one instance of the node's region at once."""
+    async def _map(self, run: Run, node: Node, scope: dict, store: Store, ctx: OpContext, key: tuple) -> dict:
+        """Run the node's region once per item of its list output.
+
+        A partial decode starts each instance as soon as its piece is parsed;
+        any other node (a decode without pipelining) starts them once the list is complete.
+        """
         graph = run.graph
         region = {n for n, m in graph.nodes.items() if m.region == node.id}
         collected = self._collectors(graph, node.id)
-        piece_var = node.outputs[0]
+        item_var = node.outputs[0]
         declares = {v for n in region for v in graph.nodes[n].outputs}
 
         async with anyio.create_task_group() as tg:
 
-            async def instance(piece: str, piece_key: tuple) -> None:
-                local = store.child({piece_var: piece}, declares)
-                await self._run_set(run, region, local, ctx, piece_key)
+            async def instance(item: Any, item_key: tuple) -> None:
+                local = store.child({item_var: item}, declares)
+                await self._run_set(run, region, local, ctx, item_key)
                 for var, parts in collected.items():
-                    parts[piece_key[-1]] = local.peek(var)
+                    parts[item_key[-1]] = local.peek(var)
 
             async def on_piece(_node: Node, piece: str, piece_key: tuple) -> None:
                 run.emit({"event": "node.partial", "run": run.id, "node": node.id, "key": list(piece_key),
                           "piece": piece})
-                if region:
-                    tg.start_soon(instance, piece, piece_key)
+                tg.start_soon(instance, piece, piece_key)
 
-            piece_ctx = OpContext(ctx.run_id, ctx.resolve, ctx.contexts, on_piece)
-            outputs = await run_op(node, scope, piece_ctx, key)
-        store.set(f"{node.id}.pieces", collected)
+            streamed = node.op == Op.PARTIAL_DECODE
+            outputs = await run_op(node, scope, OpContext(ctx.run_id, ctx.resolve, ctx.contexts,
+                                                          on_piece if streamed else None), key)
+            if not streamed:
+                for i, item in enumerate(outputs[item_var]):
+                    tg.start_soon(instance, item, key + (i,))
+        outputs[f"{node.id}.pieces"] = collected
         return outputs
 
     @staticmethod

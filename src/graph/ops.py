@@ -205,9 +205,11 @@ async def _function(node, scope, ctx, key):
     result = node.params["fn"](*(scope[v] for v in node.inputs))
     if hasattr(result, "__await__"):
         result = await result
-    if len(node.outputs) == 1:
-        return {node.outputs[0]: result}
-    return dict(zip(node.outputs, result, strict=True))
+    # A function that feeds a region also has a "<id>.pieces" output, which the executor sets.
+    outputs = [v for v in node.outputs if not v.endswith(".pieces")]
+    if len(outputs) == 1:
+        return {outputs[0]: result}
+    return dict(zip(outputs, result, strict=True))
 
 
 HANDLERS: dict[Op, Callable[..., Awaitable[dict[str, Any]]]] = {

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-from headrace.graph.graph import Graph
+from headrace.graph.graph import Graph, _jsonable
 from headrace.graph.passes import GraphPass, PassEnv
 
 
@@ -55,7 +56,7 @@ class Optimizer:
         if hit is not None:
             self._cache.move_to_end(key)
             self.stats.hits += 1
-            result = Optimized(hit.graph.copy(), hit.applied, cached=True)
+            result = Optimized(self._rebind(hit.graph.copy(), pgraph), hit.applied, cached=True)
         else:
             self.stats.misses += 1
             graph = pgraph.copy()
@@ -76,6 +77,18 @@ class Optimizer:
             result = Optimized(graph, applied)
         self.stats.build_seconds += time.perf_counter() - start
         return result
+
+    @staticmethod
+    def _rebind(graph: Graph, pgraph: Graph) -> Graph:
+        """Params the key cannot see (functions, predicates) come from this run's p-graph, not the cached one's.
+
+        A pass keeps a node's id or derives the new ids from it (``<id>#<stage>``, ``<id>.partial``).
+        """
+        for node in graph.nodes.values():
+            origin = pgraph.nodes.get(node.id) or pgraph.nodes.get(re.sub(r"(#\d+|\.partial)$", "", node.id))
+            if origin is not None:
+                node.params.update({k: v for k, v in origin.params.items() if not _jsonable(v)})
+        return graph
 
     @staticmethod
     def _key(graph: Graph, env: PassEnv, names: list[str]) -> str:

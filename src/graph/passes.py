@@ -73,6 +73,10 @@ class StageDecomposition:
     @staticmethod
     def _split(graph: Graph, node: Node, slices: list[tuple[int, int]], source_var: str) -> None:
         """Replace ``node`` by one stage per slice and an aggregate that restores its output."""
+        # Only pruning drops order-only edges: the stages keep the node's predecessors, its successors
+        # wait for the aggregate.
+        order_in = [e.src for e in graph.in_edges(node.id) if e.var is None]
+        order_out = [e.dst for e in graph.out_edges(node.id) if e.var is None]
         graph.remove(node.id)
         parts = []
         for i, (start, end) in enumerate(slices):
@@ -87,9 +91,13 @@ class StageDecomposition:
                 stage.params["slice"] = (start, end)
             graph.add(stage)
             parts.append(stage.outputs[0])
+            for src in order_in:
+                graph.connect(src, stage.id)
         op = "concat" if node.op == Op.EMBED else "last"
-        graph.add(Node(id=f"{node.id}.agg", op=Op.AGGREGATE, inputs=tuple(parts), outputs=node.outputs[:1],
-                       params={"op": op}, component=node.component))
+        agg = graph.add(Node(id=f"{node.id}.agg", op=Op.AGGREGATE, inputs=tuple(parts), outputs=node.outputs[:1],
+                             params={"op": op}, component=node.component))
+        for dst in order_out:
+            graph.connect(agg.id, dst)
 
 
 class PrefillSplit:
@@ -111,7 +119,9 @@ class PrefillSplit:
                 id=f"{node.id}.partial", op=Op.PARTIAL_PREFILL, engine=node.engine,
                 inputs=PromptTemplate(prefix).inputs, outputs=(f"{node.id}.partial.ctx",),
                 params={**node.params, "prompt": prefix}, component=node.component,
-                size=len(prefix), prefix_hash=template.prefix_hash(), region=node.region,
+                # Its inputs are the run's own, so it runs once, at the top: every
+                # per-item full prefill forks the one shared prefix (Parrot's context fork).
+                size=len(prefix), prefix_hash=template.prefix_hash(), region=None,
             )
             graph.add(head)
             node.op = Op.FULL_PREFILL
@@ -123,8 +133,60 @@ class PrefillSplit:
         return changes
 
 
+def region_of(graph: Graph, source: str) -> set[str]:
+    return {n for n, node in graph.nodes.items() if node.region == source}
+
+
+def map_over(graph: Graph, source: Node, members: set[str]) -> list[str]:
+    """Make ``members`` run once per item of ``source``'s list output; aggregates restore what leaves.
+
+    Inside the region each member sees one item under the source's output name;
+    a value that leaves the region is renamed ``<var>.piece`` there and an
+    aggregate (concat, in item order) gives the rest of the graph ``<var>``.
+    """
+    for n in members:
+        graph.nodes[n].region = source.id
+    if f"{source.id}.pieces" not in source.outputs:
+        source.outputs = (*source.outputs, f"{source.id}.pieces")
+    region = region_of(graph, source.id)
+    # The executor orders a region's primitives only among themselves: what the template put after one
+    # of them waits for the source instead, which finishes after the region's last instance.
+    for e in [e for e in graph.edges if e.var is None and e.src in region and e.dst not in region]:
+        graph.edges.discard(e)
+        if e.dst != source.id:
+            graph.connect(source.id, e.dst)
+    exits = []
+    for n in sorted(region):
+        for var in graph.nodes[n].outputs:
+            if not var.endswith(".piece") and any(c not in region for c in graph.consumers(var)):
+                exits.append((n, var))
+    for producer, var in exits:
+        local = f"{var}.piece"
+        for n in region:
+            node = graph.nodes[n]
+            node.outputs = tuple(local if v == var else v for v in node.outputs)
+            node.inputs = tuple(local if v == var else v for v in node.inputs)
+        retrieval = graph.nodes[producer].op in (Op.SEARCH, Op.TEXT_SEARCH)
+        graph.add(Node(
+            id=f"{source.id}.{var}.agg", op=Op.AGGREGATE, inputs=(local,), outputs=(var,),
+            # Retrieval results from several pieces overlap; per-piece answers stay aligned with their pieces.
+            params={"op": "concat", "dedupe": retrieval, "source": source.id, "reads": (f"{source.id}.pieces",)},
+            component=source.component, region=source.region,
+        ))
+    graph.rewire()
+    return sorted(region)
+
+
 class DecodePipelining:
-    """Pass 4: a splittable decode streams each parsed piece to its batchable consumers at once."""
+    """Pass 4: a splittable decode streams each parsed piece to its batchable consumers at once.
+
+    The region that runs once per piece holds what the workflow already maps over
+    the decode's items (an LLM component applied per claim, say), plus the
+    decode's embed and search consumers and the embeds and searches they feed. The
+    decode becomes a partial decode: the region starts on the first piece, not
+    after the last. A splittable decode inside a region becomes a nested region
+    on a later round: ALTO's claim -> query -> search fan-out.
+    """
 
     name = "decode_pipelining"
 
@@ -134,60 +196,43 @@ class DecodePipelining:
             if node.op != Op.DECODE or not node.splittable:
                 continue
             piece = node.outputs[0]
-            region = {c for c in graph.consumers(piece) if graph.nodes[c].op in STREAMABLE and graph.nodes[c].region is None}
+            region = region_of(graph, node.id)
+            region |= {c for c in graph.consumers(piece) if self._joins(graph.nodes[c], node)}
             if not region:
                 continue
             self._grow(graph, node, region)
             node.op = Op.PARTIAL_DECODE
-            node.outputs = (piece, f"{node.id}.pieces")
-            for n in region:
-                graph.nodes[n].region = node.id
-            exits = self._exits(graph, region)
-            for var in exits:
-                self._aggregate(graph, node, region, var)
-            graph.rewire()
-            changes.append(f"{node.id}: streams {node.splittable} pieces into {', '.join(sorted(region))}")
+            members = map_over(graph, node, region)
+            changes.append(f"{node.id}: streams {node.splittable} pieces into {', '.join(members)}")
         return changes
 
     @staticmethod
-    def _grow(graph: Graph, source: Node, region: set[str]) -> None:
-        """Extend the region through batchable primitives fed only by it and by finished-earlier work."""
+    def _joins(candidate: Node, source: Node) -> bool:
+        """A primitive that gives the same result per piece as over the whole list, in the source's scope.
+
+        Embeds and searches are: they treat list items independently. An LLM call over a list is
+        not (it sees the items together), so only the workflow's own ``map`` makes one per-item.
+        """
+        return candidate.region == source.region and candidate.op in STREAMABLE
+
+    @classmethod
+    def _grow(cls, graph: Graph, source: Node, region: set[str]) -> None:
+        """Extend the region through primitives fed by it, whose other inputs do not wait on the source."""
         downstream = graph.descendants(source.id)
         grew = True
         while grew:
             grew = False
             produced = {v for n in region for v in graph.nodes[n].outputs}
             for n in graph.nodes.values():
-                if n.id in region or n.op not in STREAMABLE or n.region is not None:
+                if n.id in region or n.region != source.region:
                     continue
                 fed = [v for v in n.inputs if v in produced]
+                if not fed or not cls._joins(n, source):
+                    continue
                 others = [graph.producer(v) for v in n.inputs if v not in produced and v != source.outputs[0]]
-                if fed and all(p is None or p not in downstream for p in others):
+                if all(p is None or p not in downstream for p in others):
                     region.add(n.id)
                     grew = True
-
-    @staticmethod
-    def _exits(graph: Graph, region: set[str]) -> list[str]:
-        out = []
-        for n in sorted(region):
-            for var in graph.nodes[n].outputs:
-                if any(c not in region for c in graph.consumers(var)):
-                    out.append(var)
-        return out
-
-    @staticmethod
-    def _aggregate(graph: Graph, source: Node, region: set[str], var: str) -> None:
-        """Per-piece values of ``var`` become ``var.piece``; an aggregate restores ``var`` from all of them."""
-        local = f"{var}.piece"
-        for n in region:
-            node = graph.nodes[n]
-            node.outputs = tuple(local if v == var else v for v in node.outputs)
-            node.inputs = tuple(local if v == var else v for v in node.inputs)
-        graph.add(Node(
-            id=f"{source.id}.{var}.agg", op=Op.AGGREGATE, inputs=(local,), outputs=(var,),
-            params={"op": "concat", "dedupe": True, "source": source.id, "reads": (f"{source.id}.pieces",)},
-            component=source.component,
-        ))
 
 
 BUILTIN_PASSES = (PruneDependencies, StageDecomposition, PrefillSplit, DecodePipelining)

@@ -1,9 +1,12 @@
 """Registers the built-in workflows."""
 
 from headrace.graph.workflows.rag import ADVANCED, NAIVE
+from headrace.graph.workflows.search import CONTEXTUAL, SEARCH_GEN
+from headrace.graph.workflows.summary import CHAIN, MAP_REDUCE
+from headrace.graph.workflows.verify import FACT_VERIFY
 from headrace.plugins.hookspecs import hookimpl
 
-BUILTIN = (NAIVE, ADVANCED)
+BUILTIN = (NAIVE, ADVANCED, MAP_REDUCE, CHAIN, SEARCH_GEN, CONTEXTUAL, FACT_VERIFY)
 
 
 @hookimpl

@@ -175,7 +175,7 @@ class LanceDBStore:
         table = self._table(collection)
         rows = (
             table.search(query, query_type="fts", fts_columns="text")
-            .select(["id", "payload"])
+            .select(["id", "payload", "_score"])
             .limit(k)
             .to_list()
         )
