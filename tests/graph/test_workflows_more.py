@@ -20,7 +20,6 @@ from headrace.graph.service import WorkflowService
 from headrace.graph.workflow import WorkflowInputError
 from headrace.graph.workflows.search import CONTEXTUAL, SEARCH_GEN, join_contexts, parse_judgement
 from headrace.graph.workflows.summary import CHAIN, MAP_REDUCE
-from headrace.plugins.manager import collect
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINES = {"llm": "smollm2", "embed": "all-minilm-l6-v2", "vector_store": "lancedb", "rerank": "smollm2-rerank"}
@@ -35,11 +34,6 @@ def words(text: str) -> int:
 
 
 # offline: schemas, graph shapes, errors ---------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def registry():
-    return collect()
 
 
 def offline_service(registry) -> WorkflowService:
@@ -145,34 +139,6 @@ def test_bad_inputs(registry, name, inputs, config, field):
 # end to end on the real engines ----------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def live(tmp_path_factory, registry):
-    """(portal, service): the default config's engines, loaded once for this module."""
-    from anyio.from_thread import start_blocking_portal
-
-    from headrace.daemon.config import load_config
-    from headrace.daemon.metrics import Metrics
-    from headrace.daemon.pool import EnginePool
-
-    data = tmp_path_factory.mktemp("workflows_more")
-    cfg = load_config(ROOT / "configs" / "default.toml", env={}, overrides={"data.dir": str(data)})
-    pool = EnginePool(cfg, registry, Metrics())
-    with start_blocking_portal() as portal:
-        fut, _ = portal.start_task(pool.run)
-        deadline = time.monotonic() + 300
-        while not pool.ready:
-            failed = {s.name: s.error for s in pool.slots.values() if s.state == "failed"}
-            assert not failed, f"engines failed to load: {failed}"
-            assert time.monotonic() < deadline, "engines not ready after 300 s"
-            time.sleep(0.1)
-        svc = WorkflowService(registry.workflows, registry.passes, pool.resolve, pool.engines_by_kind,
-                              pool.max_efficient_batch)
-        try:
-            yield portal, svc
-        finally:
-            fut.cancel()
-
-
 def records(run, op: str | None = None, prefix: str = "") -> dict:
     """The run's node records by node id (top-level scope), optionally one op's, ids starting with prefix."""
     return {r.node: r for r in run.records if (op is None or r.op == op) and r.node.startswith(prefix)}
@@ -187,7 +153,7 @@ def check_ok(run, output: str) -> str:
 
 @pytest.mark.slow
 def test_map_reduce_summary_live(live):
-    portal, svc = live
+    portal, svc, _ = live
     run = portal.call(svc.run, "map_reduce_summary", {"document": STATS_DOC},
                       {"chunk_size": 100, "max_tokens": 24})
     check_ok(run, "summary")
@@ -203,7 +169,7 @@ def test_map_reduce_summary_live(live):
 
 @pytest.mark.slow
 def test_chain_summary_live(live):
-    portal, svc = live
+    portal, svc, _ = live
     run = portal.call(svc.run, "chain_summary", {"document": JSON_DOC}, {"chunk_size": 128, "max_tokens": 24})
     check_ok(run, "summary")
     steps = records(run, "decode", "step_")
@@ -220,7 +186,7 @@ def test_chain_summary_live(live):
 
 def search_run(live, question: str, mode: str, passes: list[str] | None = None):
     """Run search_gen and capture the judge's reply and the branch taken (spying on the decide function)."""
-    portal, svc = live
+    portal, svc, _ = live
     config = {"search": mode, "max_tokens": 24, "k": 2}
     if passes is not None:
         config["optimize"] = {"passes": passes}
@@ -274,7 +240,7 @@ def test_search_gen_direct_branch(live, passes):
 
 @pytest.mark.slow
 def test_contextual_retrieval_live(live):
-    portal, svc = live
+    portal, svc, _ = live
     docs = [JSON_DOC, inspect.getdoc(statistics.median)]
     run = portal.call(svc.run, "contextual_retrieval", {"question": "How do I decode a JSON document?",
                                                         "documents": docs},

@@ -1,0 +1,125 @@
+"""The workflow REST API against a real server: runs, SSE events, cancel, graph, disconnect."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from conftest import API_KEY, metric_value
+
+pytestmark = pytest.mark.slow
+
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+DOCS = ["A headrace is the channel that carries water to a mill wheel.",
+        "The tailrace carries the water away from the wheel, back to the river."]
+INPUTS = {"question": "What does a headrace carry?", "documents": DOCS}
+
+
+def post(server, path, body, **kw):
+    return httpx.post(f"{server.base_url}{path}", json=body, headers=HEADERS, timeout=120, **kw)
+
+
+def get(server, path):
+    return httpx.get(f"{server.base_url}{path}", headers=HEADERS, timeout=30)
+
+
+def test_lists_workflows_with_schemas(server):
+    data = get(server, "/v1/workflows").json()["data"]
+    names = {w["name"] for w in data}
+    assert {"naive_rag", "advanced_rag", "search_gen", "contextual_retrieval", "map_reduce_summary",
+            "chain_summary", "fact_verify"} <= names
+    naive = next(w for w in data if w["name"] == "naive_rag")
+    assert naive["inputs"]["required"] == ["question", "documents"]
+    assert naive["config"]["properties"]["top_k"]["default"] == 3
+
+
+def test_bad_input_is_400_naming_the_field(server):
+    r = post(server, "/v1/workflows/naive_rag/runs", {"inputs": {"question": "q"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "inputs.documents"
+    r = post(server, "/v1/workflows/naive_rag/runs", {"inputs": INPUTS, "config": {"top_k": "three"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "config.top_k"
+    r = post(server, "/v1/workflows/nope/runs", {"inputs": {}})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "workflow_not_found"
+    r = post(server, "/v1/workflows/naive_rag/runs", {"inputs": INPUTS, "bogus": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bogus"
+
+
+def test_run_then_inspect_and_graph(server):
+    r = post(server, "/v1/workflows/naive_rag/runs", {"inputs": INPUTS, "config": {"max_tokens": 16}})
+    assert r.status_code == 200, r.text
+    run = r.json()
+    assert run["status"] == "succeeded" and run["result"]["answer"].strip()
+    again = get(server, f"/v1/runs/{run['id']}").json()
+    assert again["status"] == "succeeded" and again["nodes"]
+    node = again["nodes"][0]
+    assert {"node", "op", "engine", "start", "end", "state"} <= set(node)
+    graph = get(server, f"/v1/runs/{run['id']}/graph").json()
+    assert any(n["op"] == "partial_prefill" for n in graph["graph"]["nodes"])
+    assert graph["dot"].startswith("digraph")
+    dot = httpx.get(f"{server.base_url}/v1/runs/{run['id']}/graph?format=dot", headers=HEADERS)
+    assert dot.headers["content-type"].startswith("text/vnd.graphviz")
+    assert get(server, "/v1/runs/unknown").status_code == 404
+
+
+def read_events(response):
+    event = None
+    for line in response.iter_lines():
+        if line.startswith("event: "):
+            event = line[7:]
+        elif line.startswith("data: "):
+            yield event, json.loads(line[6:])
+
+
+def test_stream_sends_run_and_node_events(server):
+    body = {"inputs": INPUTS, "config": {"max_tokens": 16, "n_queries": 2}, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/workflows/advanced_rag/runs", json=body, headers=HEADERS,
+                      timeout=120) as r:
+        events = list(read_events(r))
+    kinds = [e for e, _ in events]
+    assert kinds[0] == "run.started" and kinds[-1] == "run.finished"
+    assert {"node.started", "node.finished"} <= set(kinds)
+    assert any(e == "node.partial" and d["node"] == "expand" for e, d in events)
+    assert events[-1][1]["result"]["answer"].strip()
+
+
+def test_background_run_and_cancel(server):
+    body = {"inputs": INPUTS, "config": {"max_tokens": 300}, "background": True}
+    r = post(server, "/v1/workflows/advanced_rag/runs", body)
+    assert r.status_code == 202 and r.json()["status"] in ("queued", "running")
+    run_id = r.json()["id"]
+    time.sleep(1.0)
+    r = httpx.delete(f"{server.base_url}/v1/runs/{run_id}", headers=HEADERS, timeout=30)
+    assert r.status_code == 200 and r.json()["status"] == "cancelled"
+    wait_for_no_contexts(server)
+
+
+def wait_for_no_contexts(server):
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        if metric_value(server.metrics(), "headrace_llm_contexts", model="smollm2") == 0:
+            return
+        time.sleep(0.1)
+    raise AssertionError("LLM contexts were not freed")
+
+
+def test_disconnect_cancels_a_streaming_run(server):
+    body = {"inputs": INPUTS, "config": {"max_tokens": 300}, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/workflows/advanced_rag/runs", json=body, headers=HEADERS,
+                      timeout=60) as r:
+        events = read_events(r)
+        _, first = next(events)
+        run_id = first["run"]
+    deadline = time.monotonic() + 15
+    while get(server, f"/v1/runs/{run_id}").json()["status"] == "running" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert get(server, f"/v1/runs/{run_id}").json()["status"] == "cancelled"
+    wait_for_no_contexts(server)
+
+
+def test_graph_metrics(server):
+    m = server.metrics()
+    assert metric_value(m, "headrace_egraph_cache_misses_total") >= 1
+    assert "headrace_graph_build_seconds_total" in m

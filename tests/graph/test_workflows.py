@@ -1,0 +1,133 @@
+"""naive_rag, advanced_rag and fact_verify end to end on the real models; streaming, cancel and failure."""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import pytest
+
+pytestmark = pytest.mark.slow
+
+DOCS = [
+    "A headrace is the channel that carries water from a river or pond to a water wheel. The water then "
+    "turns the wheel, which drives the mill's machinery.",
+    "The tailrace carries the water away from the wheel after it has done its work, back to the river.",
+    "Paris is the capital and largest city of France. The Eiffel Tower stands in Paris.",
+]
+QUESTION = "What does a headrace carry?"
+
+
+def by_node(run) -> dict:
+    out: dict = {}
+    for r in run.records:
+        out.setdefault(r.node, []).append(r)
+    return out
+
+
+def test_naive_rag_tree(live):
+    portal, svc, _ = live
+    run = portal.call(svc.run, "naive_rag", {"question": QUESTION, "documents": DOCS}, {"max_tokens": 24})
+    assert run.status == "succeeded", run.error
+    assert run.result["answer"].strip()
+    nodes = by_node(run)
+    # tree synthesis over 3 contexts: 3 leaves and a root that starts after all of them
+    leaves = [nodes[f"answer_{i}"][0] for i in range(3)]
+    root = nodes["combine_0_0"][0]
+    assert root.started >= max(r.finished for r in leaves)
+    # dependency pruning: the question's embed does not wait for indexing
+    assert nodes["embed_question"][0].started < nodes["ingest"][0].finished
+    # prefill split: each leaf's instruction and question were prefilled before retrieval finished
+    assert nodes["answer_0.prefill.partial"][0].started < nodes["search"][0].finished
+
+
+def test_advanced_rag_streams_expansion_into_embeds(live):
+    portal, svc, _ = live
+    run = portal.call(svc.run, "advanced_rag", {"question": QUESTION, "documents": DOCS},
+                      {"max_tokens": 24, "n_queries": 3})
+    assert run.status == "succeeded", run.error
+    nodes = by_node(run)
+    expand = nodes["expand"][0]
+    assert expand.op == "partial_decode"
+    embeds = sorted(nodes.get("embed_queries", []), key=lambda r: r.started)
+    assert embeds, "the expansion yielded no query"
+    # Streaming, by timestamps: the first downstream embed starts before the expansion decode ends.
+    assert embeds[0].started < expand.finished
+    assert [r.key for r in embeds] == [(i,) for i in range(len(embeds))]
+    assert run.result["answer"].strip()
+
+
+def test_advanced_rag_without_passes_is_a_module_chain(live):
+    portal, svc, _ = live
+    run = portal.call(svc.run, "advanced_rag", {"question": QUESTION, "documents": DOCS},
+                      {"max_tokens": 16, "optimize": {"passes": []}})
+    assert run.status == "succeeded", run.error
+    nodes = by_node(run)
+    assert nodes["expand"][0].op == "decode"
+    # no pipelining: one embed of every query, after the whole expansion
+    assert len(nodes["embed_queries"]) == 1
+    assert nodes["embed_queries"][0].started >= nodes["expand"][0].finished
+    # no pruning: each component waits for the one before it
+    assert nodes["expand.prefill"][0].started >= nodes["ingest"][0].finished
+
+
+def test_fact_verify_reports_a_verdict_per_claim(live):
+    portal, svc, _ = live
+    run = portal.call(svc.run, "fact_verify", {"question": "What is the capital of France?", "documents": DOCS},
+                      {"max_tokens": 24, "max_claims": 2})
+    assert run.status == "succeeded", run.error
+    report = run.result["report"]
+    assert report and all(set(item) == {"claim", "verdict", "supported"} for item in report)
+    nodes = by_node(run)
+    # nested keys: claim i -> query j
+    assert all(len(r.key) == 2 for r in nodes["search"])
+    assert len(nodes["verdict"]) == len(report)
+
+
+def test_cancel_frees_contexts(live):
+    portal, svc, pool = live
+    llm = pool.slots["smollm2"].engine
+
+    async def start_and_cancel():
+        run = svc.prepare("advanced_rag", {"question": QUESTION, "documents": DOCS}, {"max_tokens": 200})
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(svc.execute, run)
+            while not any(r.node == "expand" for r in run.records):
+                await anyio.sleep(0.01)
+            svc.cancel(run.id)
+        return run
+
+    run = portal.call(start_and_cancel)
+    assert run.status == "cancelled"
+    assert not [r for r in run.records if r.state == "running"]
+    deadline = time.monotonic() + 10
+    while llm.stats()["contexts"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert llm.stats() == {"contexts": 0, "decoding": 0, "waiting": 0}
+
+
+def test_failure_names_the_node_and_other_runs_go_on(live):
+    portal, svc, _ = live
+
+    async def two_runs():
+        # The embed role pointed at the LLM engine: its embed primitive fails.
+        bad = svc.prepare("naive_rag", {"question": QUESTION, "documents": DOCS},
+                          {"engines": {"embed": "smollm2"}, "max_tokens": 8})
+        good = svc.prepare("naive_rag", {"question": QUESTION, "documents": DOCS}, {"max_tokens": 8})
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(svc.execute, bad)
+            tg.start_soon(svc.execute, good)
+        return bad, good
+
+    bad, good = portal.call(two_runs)
+    assert bad.status == "failed" and "embed" in bad.error and "smollm2" in bad.error
+    assert good.status == "succeeded", good.error
+
+
+def test_egraph_cache_hits_for_the_same_shape(live):
+    portal, svc, _ = live
+    before = svc.optimizer.stats.hits
+    for question in ("What is a tailrace?", "What turns the wheel?"):
+        run = portal.call(svc.prepare, "naive_rag", {"question": question, "documents": DOCS}, {"max_tokens": 8})
+        svc.runs.pop(run.id)
+    assert svc.optimizer.stats.hits >= before + 1
