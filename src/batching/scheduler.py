@@ -29,7 +29,10 @@ class BatchScheduler:
         max_batch_size: int,
         max_wait_ms: float,
         observer: SchedulerObserver | None = None,
+        policies: Mapping[str, BatchPolicy] | None = None,
     ) -> None:
+        # Policies a request may ask for by name (a run's override of the engine's policy).
+        self.policies = dict(policies or {})
         self.name = name
         self._runner = runner
         self.policy = policy
@@ -64,7 +67,8 @@ class BatchScheduler:
                 self._arrived = anyio.Event()
                 await self._arrived.wait()
             await self._fill()
-            batch = self.policy.select(self._queue, self.max_batch_size) or self._queue[:1]
+            policy = self.policies.get(self._queue[0].meta.get("policy"), self.policy)
+            batch = policy.select(self._queue, self.max_batch_size) or self._queue[:1]
             for item in batch:
                 self._queue.remove(item)
             await self._run_batch(batch)

@@ -74,7 +74,7 @@ def create_app(config: Config, registry: Registry | None = None) -> Starlette:
     metrics_ = Metrics()
     pool = EnginePool(config, registry, metrics_)
     workflows = WorkflowService(registry.workflows, registry.passes, pool.resolve, pool.engines_by_kind,
-                                pool.max_efficient_batch)
+                                pool.max_efficient_batch, policies=registry.batch_policies)
     metrics_.watch_optimizer(workflows.optimizer.stats)
 
     @asynccontextmanager
@@ -83,7 +83,7 @@ def create_app(config: Config, registry: Registry | None = None) -> Starlette:
         async with anyio.create_task_group() as tg:
             await tg.start(pool.run)
             async with anyio.create_task_group() as runs:  # every workflow run is a task of this group
-                app.state.run_group = runs
+                workflows.task_group = runs
                 yield
                 systemd.notify("STOPPING=1")
                 runs.cancel_scope.cancel()

@@ -128,6 +128,7 @@ class EnginePool:
             max_batch_size=batching.max_batch_size,
             max_wait_ms=batching.max_wait_ms,
             observer=self.metrics,
+            policies={name: factory() for name, factory in self.registry.batch_policies.items()},
         )
         self.metrics.watch(slot.name, running=lambda: 0, waiting=lambda: scheduler.waiting)
         return scheduler

@@ -62,7 +62,7 @@ async def chat_completions(request: Request) -> Response:
     params = rq.sampling(body, DEFAULT_MAX_TOKENS, chat=True)
     tokens = slot.engine.chat_tokens(messages)
     _check_length(slot, tokens)
-    return await _respond(slot, tokens, params, spec, chat=True)
+    return await _respond(request, slot, tokens, params, spec, chat=True)
 
 
 async def completions(request: Request) -> Response:
@@ -72,13 +72,15 @@ async def completions(request: Request) -> Response:
     params = rq.sampling(body, 16, chat=False)  # OpenAI's default for completions
     tokens = slot.engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
     _check_length(slot, tokens)
-    return await _respond(slot, tokens, params, spec, chat=False)
+    return await _respond(request, slot, tokens, params, spec, chat=False)
 
 
-async def _respond(slot: Any, tokens: list[int], params: SamplingParams, spec: rq.StreamSpec, chat: bool) -> Response:
+async def _respond(request: Request, slot: Any, tokens: list[int], params: SamplingParams, spec: rq.StreamSpec,
+                   chat: bool) -> Response:
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
-    deltas = slot.scheduler.generate(tokens, params)
+    # A one-request run through the graph executor: the same batching path as workflows.
+    deltas = request.app.state.workflows.generate(slot.name, tokens, params)
     if not spec.stream:
         text, generated, finish = [], 0, None
         async with aclosing(deltas):

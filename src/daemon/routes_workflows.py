@@ -65,7 +65,7 @@ async def create_run(request: Request) -> Response:
     except WorkflowInputError as exc:
         raise bad_request(str(exc), param=exc.field) from None
     events = service.subscribe(run.id) if stream else None
-    request.app.state.run_group.start_soon(service.execute, run)
+    service.start(run)
     if background and not stream:
         return JSONResponse(run_json(run), status_code=202)
     if stream:

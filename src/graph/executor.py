@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Awaitable, Callable
 
 import anyio
 
@@ -62,6 +62,8 @@ class Run:
     cancel_scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
     done: anyio.Event = field(default_factory=anyio.Event)
     emit: Emit = lambda event: None
+    on_delta: Callable[[Node, Any], Awaitable[None]] | None = None  # LLM token deltas as they decode
+    policy: str | None = None  # this run's batch policy, overriding the engines' own
 
 
 class Executor:
@@ -72,7 +74,7 @@ class Executor:
         """Run to completion; sets the run's status, result or error. Cancellation propagates."""
         graph = run.graph
         store = Store(run.inputs, declares={v for n in graph.nodes.values() for v in n.outputs})
-        ctx = OpContext(run.id, self.resolve)
+        ctx = OpContext(run.id, self.resolve, on_delta=run.on_delta, policy=run.policy)
         run.status, run.started = "running", time.monotonic()
         run.emit({"event": "run.started", "run": run.id, "workflow": run.workflow})
         try:
@@ -201,8 +203,7 @@ class Executor:
                 tg.start_soon(instance, piece, piece_key)
 
             streamed = node.op == Op.PARTIAL_DECODE
-            outputs = await run_op(node, scope, OpContext(ctx.run_id, ctx.resolve, ctx.contexts,
-                                                          on_piece if streamed else None), key)
+            outputs = await run_op(node, scope, replace(ctx, on_piece=on_piece if streamed else None), key)
             if not streamed:
                 for i, item in enumerate(outputs[item_var]):
                     tg.start_soon(instance, item, key + (i,))

@@ -29,9 +29,15 @@ class OpContext:
     resolve: Callable[[str], tuple[Any, Any]]  # engine name -> (engine, scheduler)
     contexts: set[tuple[str, str]] = field(default_factory=set)  # (engine, ctx) to free when the run ends
     on_piece: Callable[[Node, str, tuple], Awaitable[None]] | None = None
+    on_delta: Callable[[Node, Any], Awaitable[None]] | None = None  # token deltas, for a streamed response
+    policy: str | None = None
 
     def meta(self, node: Node, key: tuple = ()) -> dict[str, Any]:
-        return {"run": self.run_id, "node": node.id, "depth": node.depth, "key": key, "size": node.size}
+        """What the engine's scheduler and its batch policy see: the primitive, not an anonymous request."""
+        meta = {"run": self.run_id, "node": node.id, "depth": node.depth, "key": key, "size": node.size}
+        if self.policy:
+            meta["policy"] = self.policy
+        return meta
 
 
 def chunk_text(docs: Any, size: int, overlap: int) -> list[str]:
@@ -150,7 +156,8 @@ def _prompt_tokens(engine: Any, node: Node, scope: Mapping[str, Any], part: str)
 async def _prefill(node, scope, ctx, key):
     engine, sched = _engine(node, ctx)
     part = {Op.PARTIAL_PREFILL: "prefix", Op.FULL_PREFILL: "rest"}.get(node.op, "all")
-    tokens = _prompt_tokens(engine, node, scope, part)
+    # A request that arrives already tokenized (an OpenAI chat) carries its tokens.
+    tokens = node.params["tokens"] if "tokens" in node.params else _prompt_tokens(engine, node, scope, part)
     parent = scope[node.params["parent"]] if node.op == Op.FULL_PREFILL else None
     context = engine.new_context_id()
     ctx.contexts.add((node.engine, context))
@@ -159,6 +166,8 @@ async def _prefill(node, scope, ctx, key):
 
 
 def sampling(node: Node) -> SamplingParams:
+    if isinstance(node.params.get("sampling"), SamplingParams):
+        return node.params["sampling"]
     return SamplingParams(
         max_tokens=node.params.get("max_tokens", 128),
         temperature=node.params.get("temperature", 0.0),
@@ -187,6 +196,8 @@ async def _decode(node, scope, ctx, key):
     deltas = sched.decode(context, sampling(node))
     try:
         async for delta in deltas:
+            if ctx.on_delta is not None:
+                await ctx.on_delta(node, delta)
             text.append(delta.text)
             if parser is not None:
                 await emit(parser.feed(delta.text))

@@ -9,17 +9,23 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
-from typing import Any, Callable, Mapping
+from typing import Any, AsyncIterator, Callable, Iterable, Mapping
 
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
 from headrace.graph.executor import Executor, Run
+from headrace.graph.graph import Graph, Node, Op
 from headrace.graph.optimizer import Optimizer
 from headrace.graph.passes import GraphPass, PassEnv
 from headrace.graph.workflow import Workflow, WorkflowInputError
+from headrace.plugins.protocols import SamplingParams, TokenDelta
 
 EVENT_BUFFER = 1024  # events per subscriber; a run emits a few per node and piece
+
+
+class RequestFailed(RuntimeError):
+    """An LLM request run failed; the message names the primitive and the cause."""
 
 
 class UnknownWorkflow(KeyError):
@@ -36,7 +42,9 @@ class WorkflowService:
         engines_by_kind: Callable[[], dict[str, str]],
         max_efficient_batch: Callable[[str], int | None] = lambda engine: None,
         keep_runs: int = 1000,
+        policies: Iterable[str] = (),
     ) -> None:
+        self.policies = set(policies)
         self.workflows = dict(workflows)
         self.optimizer = Optimizer(passes)
         self.executor = Executor(resolve)
@@ -45,6 +53,7 @@ class WorkflowService:
         self.runs: OrderedDict[str, Run] = OrderedDict()
         self._keep = keep_runs
         self._subscribers: dict[str, list[MemoryObjectSendStream]] = {}
+        self.task_group: anyio.abc.TaskGroup | None = None  # set by the owner (the daemon's lifespan)
 
     def describe(self) -> list[dict[str, Any]]:
         return [w.schema() for w in self.workflows.values()]
@@ -64,12 +73,15 @@ class WorkflowService:
         if unknown:
             raise WorkflowInputError("config.optimize.passes", f"unknown pass(es) {sorted(unknown)}; "
                                      f"known: {sorted(self.optimizer.passes)}")
+        policy = config.get("batch_policy")
+        if policy is not None and policy not in self.policies:
+            raise WorkflowInputError("config.batch_policy", f"unknown batch policy {policy!r}; known: {sorted(self.policies)}")
         pgraph = workflow.build(inputs, config, engines)
         env = PassEnv(max_efficient_batch=self._max_efficient_batch, inputs=set(inputs))
         optimized = self.optimizer.optimize(pgraph, env, passes)
         run = Run(workflow=name, graph=optimized.graph, inputs=inputs, outputs=workflow.outputs)
         run.applied = optimized.applied  # type: ignore[attr-defined]
-        run.policy = config.get("batch_policy")  # type: ignore[attr-defined]
+        run.policy = policy
         run.emit = lambda event, _id=run.id: self._broadcast(_id, event)
         self.runs[run.id] = run
         while len(self.runs) > self._keep:
@@ -82,6 +94,49 @@ class WorkflowService:
     async def execute(self, run: Run) -> Run:
         await self.executor.execute(run)
         return run
+
+    def start(self, run: Run) -> None:
+        """Execute in the owner's task group (the daemon's, for every run it serves)."""
+        if self.task_group is None:
+            raise RuntimeError("the workflow service has no task group to run in")
+        self.task_group.start_soon(self.execute, run)
+
+    async def generate(self, engine: str, tokens: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
+        """One LLM request as a run of two primitives (prefill, decode), its token deltas streamed back.
+
+        Plain OpenAI requests take this path so they share the executor, the schedulers and
+        cancellation with workflows. Closing the iterator cancels the run and frees its context.
+        """
+        graph = Graph("request")
+        graph.add(Node("prefill", Op.PREFILL, engine=engine, outputs=("prefill.ctx",), params={"tokens": tokens},
+                       size=len(tokens)))
+        graph.add(Node("decode", Op.DECODE, engine=engine, inputs=("prefill.ctx",), outputs=("text",),
+                       params={"sampling": params}, size=params.max_tokens))
+        graph.rewire()
+        graph.compute_depths()
+        run = Run(workflow="request", graph=graph, inputs={}, outputs=())
+        send, receive = anyio.create_memory_object_stream(params.max_tokens + 1)
+
+        async def forward(node: Node, delta: TokenDelta) -> None:
+            await send.send(delta)
+
+        async def execute() -> None:
+            async with send:
+                await self.executor.execute(run)
+
+        run.on_delta = forward
+        if self.task_group is None:
+            raise RuntimeError("the workflow service has no task group to run in")
+        self.task_group.start_soon(execute)
+        try:
+            async with receive:
+                async for delta in receive:
+                    yield delta
+        finally:
+            run.cancel_scope.cancel()  # a no-op once the run is over
+        await run.done.wait()
+        if run.status == "failed":
+            raise RequestFailed(run.error or "the request failed")
 
     async def run(self, name: str, inputs: Any, config: Any = None) -> Run:
         return await self.execute(self.prepare(name, inputs, config))

@@ -39,7 +39,7 @@ def live(tmp_path_factory, registry):
             assert time.monotonic() < deadline, "engines not ready after 300 s"
             time.sleep(0.1)
         svc = WorkflowService(registry.workflows, registry.passes, pool.resolve, pool.engines_by_kind,
-                              pool.max_efficient_batch)
+                              pool.max_efficient_batch, policies=registry.batch_policies)
         try:
             yield portal, svc, pool
         finally:

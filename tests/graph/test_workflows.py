@@ -131,3 +131,14 @@ def test_egraph_cache_hits_for_the_same_shape(live):
         run = portal.call(svc.prepare, "naive_rag", {"question": question, "documents": DOCS}, {"max_tokens": 8})
         svc.runs.pop(run.id)
     assert svc.optimizer.stats.hits >= before + 1
+
+
+def test_run_may_override_the_batch_policy(live):
+    portal, svc, _ = live
+    run = portal.call(svc.run, "naive_rag", {"question": QUESTION, "documents": DOCS},
+                      {"max_tokens": 8, "batch_policy": "topology"})
+    assert run.status == "succeeded", run.error
+    from headrace.graph.workflow import WorkflowInputError
+
+    with pytest.raises(WorkflowInputError, match="unknown batch policy"):
+        portal.call(svc.prepare, "naive_rag", {"question": QUESTION, "documents": DOCS}, {"batch_policy": "nope"})
