@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -11,6 +12,9 @@ from typing import Sequence
 
 from headrace import __version__
 from headrace.daemon.config import ConfigError, load_config
+from headrace.graph.executor import first_error
+from headrace.graph.service import UnknownWorkflow
+from headrace.graph.workflow import WorkflowInputError
 from headrace.plugins.manager import PluginError, collect
 
 
@@ -25,6 +29,17 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", help="server.api_key (or HEADRACE_API_KEY)")
     serve.add_argument("--data-dir", help="data.dir")
     serve.add_argument("--log-level", help="server.log_level")
+    run = sub.add_parser("run", help="run a workflow in this process and print its result and node timings")
+    run.add_argument("workflow")
+    run.add_argument("--input", action="append", default=[], metavar="KEY=VALUE",
+                     help="a workflow input (JSON, or @file for a file's text); repeat a key for a list")
+    run.add_argument("--config", type=Path, help="the run's config as a JSON file")
+    run.add_argument("--daemon-config", type=Path, default=os.environ.get("HEADRACE_CONFIG", "configs/default.toml"),
+                     help="the engines to load (default: $HEADRACE_CONFIG or configs/default.toml)")
+    prof = sub.add_parser("profile", help="measure an engine's max efficient batch size")
+    prof.add_argument("engine")
+    prof.add_argument("--max-batch", type=int, default=256, help="largest batch size to try")
+    prof.add_argument("--daemon-config", type=Path, default=os.environ.get("HEADRACE_CONFIG", "configs/default.toml"))
     sub.add_parser("plugins", help="list the loaded plugins and what each registers")
     sub.add_parser("version", help="print the version")
     return parser
@@ -38,10 +53,39 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "plugins":
             return _plugins()
+        if args.command in ("run", "profile"):
+            return _local(args)
         return _serve(args)
-    except (ConfigError, PluginError) as exc:
+    except (ConfigError, PluginError, WorkflowInputError, UnknownWorkflow) as exc:
         print(f"headrace: {exc}", file=sys.stderr)
         return 2
+    except BaseExceptionGroup as group:  # raised through a task group: report the cause
+        cause = first_error(group)
+        if isinstance(cause, (ConfigError, PluginError, WorkflowInputError, UnknownWorkflow)):
+            print(f"headrace: {cause}", file=sys.stderr)
+            return 2
+        raise
+
+
+def _local(args: argparse.Namespace) -> int:
+    import anyio
+
+    from headrace.daemon import local
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    logging.basicConfig(level="WARNING")
+    config = load_config(args.daemon_config)
+    if args.command == "profile":
+        if args.engine not in {e.name for e in config.engines}:
+            raise ConfigError("engine", f"no engine named {args.engine!r} in {args.daemon_config}")
+        return anyio.run(local.profile, config, args.engine, args.max_batch)
+    run_config = {}
+    if args.config is not None:
+        try:
+            run_config = json.loads(args.config.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError("--config", f"{args.config}: {exc}") from None
+    return anyio.run(local.run_workflow, config, args.workflow, args.input, run_config)
 
 
 def _plugins() -> int:
