@@ -29,7 +29,7 @@ def run_json(run: Run) -> dict[str, Any]:
         "id": run.id, "object": "workflow.run", "workflow": run.workflow, "status": run.status,
         "result": _jsonable(run.result), "error": run.error, "created": int(run.created),
         "seconds": round(seconds(run), 6), "nodes": timeline(run),
-        "passes": [{"pass": name, "changes": changes} for name, changes in getattr(run, "applied", [])],
+        "passes": [{"pass": name, "changes": changes} for name, changes in run.applied],
     }
 
 

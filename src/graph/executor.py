@@ -64,6 +64,7 @@ class Run:
     emit: Emit = lambda event: None
     on_delta: Callable[[Node, Any], Awaitable[None]] | None = None  # LLM token deltas as they decode
     policy: str | None = None  # this run's batch policy, overriding the engines' own
+    applied: list[tuple[str, list[str]]] = field(default_factory=list)  # what each pass changed
 
 
 class Executor:

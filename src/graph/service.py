@@ -6,7 +6,6 @@ through this one service, so every run shares the engines' schedulers.
 
 from __future__ import annotations
 
-import math
 import time
 from collections import OrderedDict
 from typing import Any, AsyncIterator, Callable, Iterable, Mapping
@@ -79,9 +78,8 @@ class WorkflowService:
         pgraph = workflow.build(inputs, config, engines)
         env = PassEnv(max_efficient_batch=self._max_efficient_batch, inputs=set(inputs))
         optimized = self.optimizer.optimize(pgraph, env, passes)
-        run = Run(workflow=name, graph=optimized.graph, inputs=inputs, outputs=workflow.outputs)
-        run.applied = optimized.applied  # type: ignore[attr-defined]
-        run.policy = policy
+        run = Run(workflow=name, graph=optimized.graph, inputs=inputs, outputs=workflow.outputs,
+                  applied=optimized.applied, policy=policy)
         run.emit = lambda event, _id=run.id: self._broadcast(_id, event)
         self.runs[run.id] = run
         while len(self.runs) > self._keep:
@@ -173,5 +171,4 @@ def timeline(run: Run) -> list[dict[str, Any]]:
 
 
 def seconds(run: Run) -> float:
-    end = run.finished if run.finished is not None else time.monotonic()
-    return end - run.started if math.isfinite(end) else 0.0
+    return (run.finished if run.finished is not None else time.monotonic()) - run.started
