@@ -31,6 +31,7 @@ import anyio
 import httpx
 from anyio.from_thread import start_blocking_portal
 
+from benchlib import CPUWatch, cpu_note, median, write_results  # beside this script
 from headrace.plugins.engines.st_embed import SentenceTransformerEmbedder
 from headrace.plugins.engines.torch_llm import TorchLLM
 from headrace.plugins.protocols import EngineEnv, EngineSpec, SamplingParams
@@ -76,32 +77,6 @@ def stdlib_sentences(n: int) -> list[str]:
     if len(seen) < n:
         raise SystemExit(f"only {len(seen)} docstring sentences, need {n}")
     return list(seen)[:n]
-
-
-class CPUWatch:
-    """CPU used meanwhile, in cores: by this process, by ``pids``, and by everyone else.
-
-    The machine has 2 cores: another process's load skews every figure, so it is reported.
-    """
-
-    def __init__(self, pids=()) -> None:
-        self.pids = pids
-        self.t0, self.start = perf_counter(), self._ticks()
-
-    def _ticks(self) -> tuple[int, ...]:
-        f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-        procs = [Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split() for p in ("self", *self.pids)]
-        return (sum(f) - f[3] - f[4], *(int(s[11]) + int(s[12]) for s in procs))  # busy; utime+stime each
-
-    def cores(self) -> dict[str, float]:
-        scale = os.sysconf("SC_CLK_TCK") * (perf_counter() - self.t0)
-        busy, own, *others = [b - a for a, b in zip(self.start, self._ticks())]
-        return {"self": own / scale, "pids": sum(others) / scale,
-                "other_processes": max(0, busy - own - sum(others)) / scale}
-
-
-def median(xs) -> float:
-    return statistics.median(xs) if xs else 0.0
 
 
 # ----- LLM decode: one driver for both paths -----------------------------------------
@@ -307,11 +282,6 @@ def verdict(value: float, target: float, unit: str = "x") -> str:
     return f"target >= {target:g}{unit}  {'PASS' if value >= target else 'MISS'}"
 
 
-def cpu_note(section: dict) -> str:
-    other = section["cpu_cores"]["other_processes"]
-    return f"other processes used {other:.2f} cores meanwhile" + ("  ** CONTENDED: unreliable **" if other > 0.2 else "")
-
-
 def report(res: dict) -> None:
     direct, http = res["direct"], res["http"]
     print(f"\n== LLM decode: smollm2 bf16, threads=2, greedy, max_tokens={res['max_tokens']}, "
@@ -371,11 +341,8 @@ def main() -> None:
     if http:
         res["ratios"]["http_over_direct"] = {
             c: http["levels"][c]["tok_s"] / d["tok_s"] for c, d in direct["levels"].items()}
-    res["meta"] = {"python": sys.version.split()[0], "cpus": os.cpu_count(), "elapsed_s": perf_counter() - t_start,
-                   "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    write_results(res, OUT, t_start)
     report(res)
-    OUT.parent.mkdir(exist_ok=True)
-    OUT.write_text(json.dumps(res, indent=2))
     print(f"\nwrote {OUT.relative_to(ROOT)} ({res['meta']['elapsed_s']:.0f}s)")
 
 

@@ -29,10 +29,7 @@ import inspect
 import json
 import os
 import random
-import statistics
-import sys
 import tempfile
-import time
 from pathlib import Path
 from time import perf_counter
 
@@ -40,11 +37,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models ship in packages; never r
 
 from anyio.from_thread import start_blocking_portal
 
+from benchlib import CPUWatch, cpu_note, mean, median, write_results  # beside this script
 from headrace.daemon.config import load_config
-from headrace.daemon.metrics import Metrics
+from headrace.daemon.local import engines
 from headrace.daemon.pool import EnginePool
 from headrace.graph.service import WorkflowService, timeline
-from headrace.plugins.manager import collect
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "default.toml"
@@ -86,27 +83,6 @@ def modes(passes: list[str], quick: bool) -> dict[str, dict]:
     return out
 
 
-class CPUWatch:
-    """CPU used meanwhile, in cores: by this process and by everyone else (as in engines.py).
-
-    The machine has 2 cores: another process's load skews every figure, so it is reported.
-    """
-
-    def __init__(self) -> None:
-        self.t0, self.start = perf_counter(), self._ticks()
-
-    @staticmethod
-    def _ticks() -> tuple[int, int]:
-        f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-        s = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        return sum(f) - f[3] - f[4], int(s[11]) + int(s[12])  # busy; own utime+stime
-
-    def cores(self) -> dict[str, float]:
-        scale = os.sysconf("SC_CLK_TCK") * (perf_counter() - self.t0)
-        busy, own = [b - a for a, b in zip(self.start, self._ticks())]
-        return {"self": own / scale, "other_processes": max(0, busy - own) / scale}
-
-
 OP_GROUPS = {"prefill": ("prefill", "partial_prefill", "full_prefill"), "decode": ("decode", "partial_decode"),
              "rerank": ("rerank",), "embed": ("embed",), "retrieval": ("ingest", "search", "text_search")}
 
@@ -122,35 +98,7 @@ def op_seconds(run) -> dict[str, float]:
     return out
 
 
-def median(xs) -> float:
-    return statistics.median(xs) if xs else 0.0
-
-
-def mean(xs) -> float:
-    return statistics.fmean(xs) if xs else 0.0
-
-
 # ----- engines and runs --------------------------------------------------------------
-
-
-def start_engines(portal, data: Path, args) -> tuple[EnginePool, WorkflowService, object]:
-    """The default config's engines in this process, behind a workflow service (as tests/graph/conftest.py)."""
-    registry = collect()
-    overrides = {"data.dir": str(data), "batching.max_efficient_batch_size": args.max_efficient_batch}
-    cfg = load_config(CONFIG, env={}, overrides=overrides)
-    pool = EnginePool(cfg, registry, Metrics())
-    future, _ = portal.start_task(pool.run)
-    deadline = time.monotonic() + 300
-    while not pool.ready:
-        failed = {s.name: s.error for s in pool.slots.values() if s.state == "failed"}
-        if failed:
-            raise SystemExit(f"engines failed to load: {failed}")
-        if time.monotonic() > deadline:
-            raise SystemExit("engines not ready after 300 s")
-        time.sleep(0.1)
-    svc = WorkflowService(registry.workflows, registry.passes, pool.resolve, pool.engines_by_kind,
-                          pool.max_efficient_batch, policies=registry.batch_policies)
-    return pool, svc, future
 
 
 def generated_tokens(pool: EnginePool) -> float:
@@ -230,11 +178,6 @@ def summarize(runs: list[dict], names: list[str]) -> dict:
 # ----- report ----------------------------------------------------------------------------
 
 
-def cpu_note(section: dict) -> str:
-    other = section["cpu_cores"]["other_processes"]
-    return f"other processes used {other:.2f} cores meanwhile" + ("  ** CONTENDED: unreliable **" if other > 0.2 else "")
-
-
 def short(p: str) -> str:
     return p.split("_")[0]  # prune, stage, prefill, decode
 
@@ -264,7 +207,7 @@ def report(res: dict) -> None:
         c = w["egraph_cache"]
         print(f"  none/all = {w['modes']['all']['none_over_mode']:.2f}x (mean latency), "
               f"{w['modes']['all']['none_over_mode_paired_median']:.2f}x (median of per-rep ratios)")
-        print(f"  node-seconds by op class, mean per run (nodes overlap, so a row can exceed the latency):")
+        print("  node-seconds by op class, mean per run (nodes overlap, so a row can exceed the latency):")
         print(f"  {'mode':<22} " + " ".join(f"{g:>8}" for g in OP_GROUPS) + f" {'latency':>8}")
         for name, m in w["modes"].items():
             print(f"  {name:<22} " + " ".join(f"{m['op_seconds'][g]:8.2f}" for g in OP_GROUPS) + f" {m['mean_s']:8.2f}")
@@ -305,26 +248,24 @@ def main() -> None:
                             "questions": questions, "warm_up_question": warm},
                  "workflows": {}}
     with tempfile.TemporaryDirectory(prefix="headrace-bench-") as tmp, start_blocking_portal() as portal:
-        pool, svc, engines = start_engines(portal, Path(tmp), args)
-        passes = list(svc.optimizer.passes)
-        mode_cfgs = modes(passes, args.quick)
-        res["modes"] = mode_cfgs
-        res["max_efficient_batch"] = {n: pool.max_efficient_batch(n) for n in pool.slots}
-        print(f"engines ready in {perf_counter() - t_start:.0f}s; corpus {res['corpus']['words']} words from "
-              f"{len(docs)} docstrings; modes {', '.join(mode_cfgs)}", flush=True)
-        for wf in args.workflows:
-            t0 = perf_counter()
-            res["workflows"][wf] = bench_workflow(portal, svc, pool, wf, mode_cfgs, configs[wf], args,
-                                                  docs, questions, warm)
-            print(f"  {wf}: {perf_counter() - t0:.0f}s", flush=True)
-        s = svc.optimizer.stats
-        res["optimizer"] = {"hits": s.hits, "misses": s.misses, "hit_rate": s.hit_rate, "build_seconds": s.build_seconds}
-        engines.cancel()
-    res["meta"] = {"python": sys.version.split()[0], "cpus": os.cpu_count(), "elapsed_s": perf_counter() - t_start,
-                   "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        overrides = {"data.dir": tmp, "batching.max_efficient_batch_size": args.max_efficient_batch}
+        config = load_config(CONFIG, env={}, overrides=overrides)
+        with portal.wrap_async_context_manager(engines(config)) as (pool, svc):
+            passes = list(svc.optimizer.passes)
+            mode_cfgs = modes(passes, args.quick)
+            res["modes"] = mode_cfgs
+            res["max_efficient_batch"] = {n: pool.max_efficient_batch(n) for n in pool.slots}
+            print(f"engines ready in {perf_counter() - t_start:.0f}s; corpus {res['corpus']['words']} words from "
+                  f"{len(docs)} docstrings; modes {', '.join(mode_cfgs)}", flush=True)
+            for wf in args.workflows:
+                t0 = perf_counter()
+                res["workflows"][wf] = bench_workflow(portal, svc, pool, wf, mode_cfgs, configs[wf], args,
+                                                      docs, questions, warm)
+                print(f"  {wf}: {perf_counter() - t0:.0f}s", flush=True)
+            s = svc.optimizer.stats
+            res["optimizer"] = {"hits": s.hits, "misses": s.misses, "hit_rate": s.hit_rate, "build_seconds": s.build_seconds}
+    write_results(res, OUT, t_start)
     report(res)
-    OUT.parent.mkdir(exist_ok=True)
-    OUT.write_text(json.dumps(res, indent=2))
     print(f"\nwrote {OUT.relative_to(ROOT)} ({res['meta']['elapsed_s']:.0f}s)")
 
 

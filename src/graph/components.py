@@ -10,8 +10,7 @@ order-only edges from one component's tail primitive to the next one's head
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from headrace.graph.graph import Graph, Node, Op
@@ -143,13 +142,3 @@ class GraphBuilder:
         self.graph.rewire()
         self.graph.compute_depths()
         return self.graph
-
-
-def with_config(component: Component, **config: Any) -> Component:
-    return replace(component, config={**component.config, **config})
-
-
-def variable(name: str) -> str:
-    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.#]*", name):
-        raise ValueError(f"bad variable name {name!r}")
-    return name

@@ -12,7 +12,7 @@ import copy
 import json
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
-from typing import Any, Iterable
+from typing import Any
 
 
 class Op(StrEnum):
@@ -203,7 +203,3 @@ def _jsonable(value: Any) -> bool:
     except (TypeError, ValueError):
         return False
     return True
-
-
-def ids(nodes: Iterable[Node]) -> list[str]:
-    return [n.id for n in nodes]

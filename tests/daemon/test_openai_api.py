@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import base64
 import json
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import numpy as np

@@ -10,7 +10,6 @@ from __future__ import annotations
 import inspect
 import json
 import statistics
-import time
 from pathlib import Path
 
 import pytest

@@ -2,7 +2,6 @@
 
 from pathlib import Path
 
-import anyio
 import pytest
 import torch
 

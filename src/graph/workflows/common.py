@@ -6,6 +6,7 @@ from typing import Any
 
 from headrace.graph.components import Component, GraphBuilder
 from headrace.graph.ops import chunk_text
+from headrace.graph.workflow import WorkflowInputError
 
 SYNTHESIS_MODES = ("tree", "refine", "one_shot")
 
@@ -23,9 +24,19 @@ embed_chunks = Component("embed_chunks", "embed", inputs=("chunks",), outputs=("
 ingest = Component("ingest", "ingest", inputs=("chunk_vectors", "chunks"), outputs=("collection",), batchable=True)
 
 
+def count_chunks(inputs: dict[str, Any], field: str, config: dict[str, Any]) -> int:
+    """How many chunks ``inputs[field]`` makes (the p-graph's sizes); a bad split names the field."""
+    if config["chunk_overlap"] >= config["chunk_size"]:
+        raise WorkflowInputError("config.chunk_overlap", "must be smaller than config.chunk_size")
+    n = len(chunk_text(inputs[field], config["chunk_size"], config["chunk_overlap"]))
+    if n == 0:
+        raise WorkflowInputError(f"inputs.{field}", "has no words")
+    return n
+
+
 def index(b: GraphBuilder, inputs: dict[str, Any], config: dict[str, Any]) -> int:
     """Chunk, embed and ingest the run's documents; returns the number of chunks."""
-    n = len(chunk_text(inputs["documents"], config["chunk_size"], config["chunk_overlap"]))
+    n = count_chunks(inputs, "documents", config)
     b.emit(chunk, size=n, words=config["chunk_size"], overlap=config["chunk_overlap"])
     b.emit(embed_chunks, size=n)
     b.emit(ingest, size=n)

@@ -19,17 +19,11 @@ import re
 from typing import Any, Mapping
 
 from headrace.graph.components import Component, GraphBuilder, Template
-from headrace.graph.ops import chunk_text
-from headrace.graph.workflow import Workflow, WorkflowInputError
+from headrace.graph.workflow import Workflow
 from headrace.graph.workflows import common
 from headrace.graph.workflows.common import DOCUMENTS, QUESTION
 
 MAX_TOKENS = {"type": "integer", "minimum": 1, "maximum": 1024, "default": 48, "description": "tokens per LLM answer"}
-
-
-def _check_overlap(config: dict[str, Any]) -> None:
-    if config["chunk_overlap"] >= config["chunk_size"]:
-        raise WorkflowInputError("config.chunk_overlap", "must be smaller than config.chunk_size")
 
 
 # search_gen ---------------------------------------------------------------------------
@@ -80,11 +74,8 @@ core = Component("answer", "llm", prompt=CORE)
 
 
 def build_search_gen(inputs: dict[str, Any], config: dict[str, Any], engines: Mapping[str, str]):
-    _check_overlap(config)
     b = GraphBuilder("search_gen", engines)
-    n = len(chunk_text(inputs["corpus"], config["chunk_size"], config["chunk_overlap"]))
-    if n == 0:
-        raise WorkflowInputError("inputs.corpus", "has no words to index")
+    n = common.count_chunks(inputs, "corpus", config)
     inputs["search_mode"] = config["search"]  # read by the decide function
     b.emit(corpus_chunk, size=n, words=config["chunk_size"], overlap=config["chunk_overlap"])
     b.emit(embed_passages, size=n)
@@ -155,11 +146,8 @@ rerank = Component("rerank", "rerank", inputs=("question", "candidates"), output
 
 
 def build_contextual(inputs: dict[str, Any], config: dict[str, Any], engines: Mapping[str, str]):
-    _check_overlap(config)
     b = GraphBuilder("contextual_retrieval", engines)
-    n = len(chunk_text(inputs["documents"], config["chunk_size"], config["chunk_overlap"]))
-    if n == 0:
-        raise WorkflowInputError("inputs.documents", "have no words to index")
+    n = common.count_chunks(inputs, "documents", config)
     b.emit(common.chunk, size=n, words=config["chunk_size"], overlap=config["chunk_overlap"])
     spread = spread_chunks(n)
     b.emit(spread)

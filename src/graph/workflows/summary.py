@@ -17,9 +17,8 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from headrace.graph.components import Component, GraphBuilder, Template
-from headrace.graph.ops import chunk_text
-from headrace.graph.workflow import Workflow, WorkflowInputError
-from headrace.graph.workflows.common import split_list
+from headrace.graph.workflow import Workflow
+from headrace.graph.workflows.common import count_chunks, split_list
 
 DOCUMENT = {"type": "string", "minLength": 1, "description": "the text to summarize"}
 
@@ -36,11 +35,7 @@ chunk = Component("chunk", "chunk", inputs=("document",), outputs=("chunks",))
 
 def _chunk(b: GraphBuilder, inputs: dict[str, Any], config: dict[str, Any]) -> tuple[int, Component]:
     """Emit the chunking and the spread of chunks over ``chunks_0..chunks_{n-1}``; returns (n, spread)."""
-    if config["chunk_overlap"] >= config["chunk_size"]:
-        raise WorkflowInputError("config.chunk_overlap", "must be smaller than config.chunk_size")
-    n = len(chunk_text(inputs["document"], config["chunk_size"], config["chunk_overlap"]))
-    if n == 0:
-        raise WorkflowInputError("inputs.document", "has no words to summarize")
+    n = count_chunks(inputs, "document", config)
     b.emit(chunk, size=n, words=config["chunk_size"], overlap=config["chunk_overlap"])
     spread = split_list("spread", "chunks", n)
     b.emit(spread)
