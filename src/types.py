@@ -12,5 +12,9 @@ TokenIds = list[int]
 Options = Mapping[str, Any]
 """An engine's free-form options table from the config."""
 
-BatchObserver = Callable[[str, int], None]
-"""Called with (operation, batch size) each time an engine runs a batch."""
+BatchObserver = Callable[[str, int, float, float], None]
+"""Called with (operation, batch size, start, end) after an engine computes a batch.
+
+Times come from ``time.monotonic()``: they become the batch-size metrics and the
+engine rows of a run's timeline (where the engine computed, and where it waited).
+"""

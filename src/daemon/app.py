@@ -19,7 +19,8 @@ from headrace.daemon.metrics import Metrics
 from headrace.daemon.pool import EnginePool
 from headrace.daemon.routes_openai import chat_completions, completions, list_models
 from headrace.daemon.routes_retrieval import embeddings, rerank
-from headrace.daemon.routes_workflows import cancel_run, create_run, get_run, list_workflows, run_graph
+from headrace.daemon.routes_workflows import (cancel_run, create_run, get_run, get_timeline, get_timeline_png,
+                                               list_workflows, run_graph)
 from headrace.graph.service import WorkflowService
 from headrace.plugins.manager import Registry, collect
 
@@ -104,6 +105,8 @@ def create_app(config: Config, registry: Registry | None = None) -> Starlette:
             Route("/v1/runs/{run_id}", get_run),
             Route("/v1/runs/{run_id}", cancel_run, methods=["DELETE"]),
             Route("/v1/runs/{run_id}/graph", run_graph),
+            Route("/v1/runs/{run_id}/timeline", get_timeline),
+            Route("/v1/runs/{run_id}/timeline.png", get_timeline_png),
         ],
         exception_handlers={APIError: api_error_handler, 404: not_found, 405: method_not_allowed,
                             Exception: internal_error_handler},

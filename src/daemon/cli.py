@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from headrace import __version__
 from headrace.daemon.config import ConfigError, load_config
@@ -18,7 +18,8 @@ from headrace.graph.workflow import WorkflowInputError
 from headrace.plugins.manager import PluginError, collect
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> tuple[argparse.ArgumentParser, Any]:
+    """The parser and its subcommands (``headrace.cli`` adds ``bench`` to them)."""
     parser = argparse.ArgumentParser(prog="headrace", description="Serve compound-AI workflows.")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the daemon")
@@ -42,11 +43,16 @@ def _parser() -> argparse.ArgumentParser:
     prof.add_argument("--daemon-config", type=Path, default=os.environ.get("HEADRACE_CONFIG", "configs/default.toml"))
     sub.add_parser("plugins", help="list the loaded plugins and what each registers")
     sub.add_parser("version", help="print the version")
-    return parser
+    return parser, sub
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser, _ = build_parser()
+    return dispatch(parser.parse_args(argv))
+
+
+def dispatch(args: argparse.Namespace) -> int:
+    """Run a daemon subcommand; a bad config, plugin or input is one line on stderr and exit status 2."""
     try:
         if args.command == "version":
             print(f"headrace {__version__}")

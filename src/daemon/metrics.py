@@ -5,6 +5,8 @@ Each app owns its own registry, so several apps (tests) never collide.
 
 from __future__ import annotations
 
+from collections import deque
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -12,6 +14,22 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256)
+ACTIVITY_KEEP = 100_000  # engine batches remembered for run timelines (a decode step is one)
+
+
+@dataclass(frozen=True)
+class Busy:
+    """One batch an engine computed, in ``time.monotonic()`` seconds."""
+
+    engine: str
+    op: str
+    size: int
+    start: float
+    end: float
+
+    def to_json(self, origin: float) -> dict[str, Any]:
+        return {"engine": self.engine, "op": self.op, "size": self.size,
+                "start": round(self.start - origin, 6), "end": round(self.end - origin, 6)}
 
 
 class Metrics:
@@ -38,6 +56,7 @@ class Metrics:
         self.batch_size = Histogram(
             "headrace_batch_size", "Items per engine batch.", ["engine", "op"], registry=r, buckets=BATCH_BUCKETS
         )
+        self.activity: deque[Busy] = deque(maxlen=ACTIVITY_KEEP)
         self._running: dict[str, Callable[[], int]] = {}
         self._waiting: dict[str, Callable[[], int]] = {}
         self._contexts: dict[str, Callable[[], int]] = {}
@@ -76,11 +95,23 @@ class Metrics:
 
         self.registry.register(_Optimizer())
 
-    def batch_observer(self, engine: str) -> Callable[[str, int], None]:
-        def observe(op: str, size: int) -> None:
+    def batch_observer(self, engine: str) -> Callable[[str, int, float, float], None]:
+        def observe(op: str, size: int, start: float, end: float) -> None:
             self.batch_size.labels(engine, op).observe(size)
+            self.activity.append(Busy(engine, op, size, start, end))  # deque.append is atomic across threads
 
         return observe
+
+    def busy_between(self, start: float, end: float) -> list[Busy]:
+        """The engine batches that overlap [start, end]."""
+        out = []
+        # list() copies under the GIL; iterating the deque itself races the engines' threads.
+        for busy in reversed(list(self.activity)):  # newest first: stop once past the window
+            if busy.end < start:
+                break
+            if busy.start <= end:
+                out.append(busy)
+        return out[::-1]
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

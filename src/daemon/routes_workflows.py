@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any, AsyncIterator
 
 import anyio
@@ -111,6 +112,26 @@ async def cancel_run(request: Request) -> Response:
     with anyio.move_on_after(10):
         await run.done.wait()
     return JSONResponse(run_json(run))
+
+
+def run_timeline(request: Request, run: Run) -> dict[str, Any]:
+    """The run's primitives and the engine batches computed meanwhile, in seconds from its start."""
+    end = run.finished if run.finished is not None else time.monotonic()
+    busy = request.app.state.pool.metrics.busy_between(run.started, end)
+    return {"run": run.id, "workflow": run.workflow, "status": run.status, "seconds": round(end - run.started, 6),
+            "nodes": timeline(run), "engines": [b.to_json(run.started) for b in busy]}
+
+
+async def get_timeline(request: Request) -> Response:
+    return JSONResponse(run_timeline(request, _run(request)))
+
+
+async def get_timeline_png(request: Request) -> Response:
+    from headrace.daemon.plots import timeline_png  # matplotlib loads on first use, not at startup
+
+    data = run_timeline(request, _run(request))
+    png = await anyio.to_thread.run_sync(timeline_png, data)  # rendering takes ~100 ms of CPU: off the event loop
+    return Response(png, media_type="image/png")
 
 
 async def run_graph(request: Request) -> Response:

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import time
 import uuid
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import anyio
 
@@ -36,12 +37,14 @@ class NodeRecord:
     state: str = "running"  # running | done | skipped | failed | cancelled
     started: float | None = None
     finished: float | None = None
+    pieces: list[float] = field(default_factory=list)  # when a partial decode parsed each streamed piece
 
     def to_json(self, origin: float) -> dict[str, Any]:
         return {
             "node": self.node, "op": self.op, "engine": self.engine, "key": list(self.key), "state": self.state,
             "start": None if self.started is None else round(self.started - origin, 6),
             "end": None if self.finished is None else round(self.finished - origin, 6),
+            "pieces": [round(t - origin, 6) for t in self.pieces],
         }
 
 
@@ -65,6 +68,7 @@ class Run:
     on_delta: Callable[[Node, Any], Awaitable[None]] | None = None  # LLM token deltas as they decode
     policy: str | None = None  # this run's batch policy, overriding the engines' own
     applied: list[tuple[str, list[str]]] = field(default_factory=list)  # what each pass changed
+    isolate: bool = False  # one engine at a time: each node's duration is its batched compute alone
 
 
 class Executor:
@@ -75,7 +79,8 @@ class Executor:
         """Run to completion; sets the run's status, result or error. Cancellation propagates."""
         graph = run.graph
         store = Store(run.inputs, declares={v for n in graph.nodes.values() for v in n.outputs})
-        ctx = OpContext(run.id, self.resolve, on_delta=run.on_delta, policy=run.policy)
+        ctx = OpContext(run.id, self.resolve, on_delta=run.on_delta, policy=run.policy,
+                        alone=EngineTurns() if run.isolate else None)
         run.status, run.started = "running", time.monotonic()
         run.emit({"event": "run.started", "run": run.id, "workflow": run.workflow})
         try:
@@ -155,9 +160,10 @@ class Executor:
                 for var in node.params.get("reads", ()):
                     scope[var] = await store.get(var)
                 if any(m.region == node.id for m in run.graph.nodes.values()):
-                    outputs = await self._map(run, node, scope, store, ctx, key)
+                    outputs = await self._map(run, node, record, scope, store, ctx, key)
                 else:
-                    outputs = await run_op(node, scope, ctx, key)
+                    async with self._alone(ctx, node, record):
+                        outputs = await run_op(node, scope, ctx, key)
         except anyio.get_cancelled_exc_class():
             record.state, record.finished = "cancelled", time.monotonic()
             raise
@@ -178,7 +184,19 @@ class Executor:
                   "seconds": round(record.finished - record.started, 6)})
         return outputs.get(node.outputs[0]) if node.outputs else None
 
-    async def _map(self, run: Run, node: Node, scope: dict, store: Store, ctx: OpContext, key: tuple) -> dict:
+    @staticmethod
+    @asynccontextmanager
+    async def _alone(ctx: OpContext, node: Node, record: NodeRecord) -> AsyncIterator[None]:
+        """In an isolated run, wait for the node's engine's turn; the node's time starts once it has it."""
+        if ctx.alone is None or node.engine is None:
+            yield
+            return
+        async with ctx.alone.turn(node.engine):
+            record.started = time.monotonic()
+            yield
+
+    async def _map(self, run: Run, node: Node, record: NodeRecord, scope: dict, store: Store, ctx: OpContext,
+                   key: tuple) -> dict:
         """Run the node's region once per item of its list output.
 
         A partial decode starts each instance as soon as its piece is parsed;
@@ -199,12 +217,14 @@ class Executor:
                     parts[item_key[-1]] = local.peek(var)
 
             async def on_piece(_node: Node, piece: str, piece_key: tuple) -> None:
+                record.pieces.append(time.monotonic())
                 run.emit({"event": "node.partial", "run": run.id, "node": node.id, "key": list(piece_key),
                           "piece": piece})
                 tg.start_soon(instance, piece, piece_key)
 
             streamed = node.op == Op.PARTIAL_DECODE
-            outputs = await run_op(node, scope, replace(ctx, on_piece=on_piece if streamed else None), key)
+            async with self._alone(ctx, node, record):
+                outputs = await run_op(node, scope, replace(ctx, on_piece=on_piece if streamed else None), key)
             if not streamed:
                 for i, item in enumerate(outputs[item_var]):
                     tg.start_soon(instance, item, key + (i,))
@@ -230,6 +250,36 @@ class Executor:
         record = NodeRecord(node.id, str(node.op), node.engine, key, state, now, None if state == "running" else now)
         run.records.append(record)
         return record
+
+
+class EngineTurns:
+    """An isolated run's rule: one engine computes at a time.
+
+    Primitives for the engine whose turn it is join it at once, as they would
+    share its batches; the others wait until it is idle. So each primitive's
+    time is its batched compute time with no other engine competing for the CPU.
+    """
+
+    def __init__(self) -> None:
+        self._engine: str | None = None
+        self._holders = 0
+        self._changed = anyio.Condition()
+
+    @asynccontextmanager
+    async def turn(self, engine: str) -> AsyncIterator[None]:
+        async with self._changed:
+            while self._engine not in (None, engine):
+                await self._changed.wait()
+            self._engine, self._holders = engine, self._holders + 1
+        try:
+            yield
+        finally:
+            with anyio.CancelScope(shield=True):  # a cancelled holder must still hand the turn on
+                async with self._changed:
+                    self._holders -= 1
+                    if self._holders == 0:
+                        self._engine = None
+                        self._changed.notify_all()
 
 
 def first_error(exc: BaseException) -> BaseException:

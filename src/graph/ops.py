@@ -31,6 +31,7 @@ class OpContext:
     on_piece: Callable[[Node, str, tuple], Awaitable[None]] | None = None
     on_delta: Callable[[Node, Any], Awaitable[None]] | None = None  # token deltas, for a streamed response
     policy: str | None = None
+    alone: Any = None  # an isolated run's EngineTurns: one engine computes at a time
 
     def meta(self, node: Node, key: tuple = ()) -> dict[str, Any]:
         """What the engine's scheduler and its batch policy see: the primitive, not an anonymous request."""

@@ -79,7 +79,7 @@ class WorkflowService:
         env = PassEnv(max_efficient_batch=self._max_efficient_batch, inputs=set(inputs))
         optimized = self.optimizer.optimize(pgraph, env, passes)
         run = Run(workflow=name, graph=optimized.graph, inputs=inputs, outputs=workflow.outputs,
-                  applied=optimized.applied, policy=policy)
+                  applied=optimized.applied, policy=policy, isolate=bool(config.get("isolate")))
         run.emit = lambda event, _id=run.id: self._broadcast(_id, event)
         self.runs[run.id] = run
         while len(self.runs) > self._keep:

@@ -31,6 +31,9 @@ COMMON_CONFIG: dict[str, Any] = {
         "default": {},
     },
     "batch_policy": {"type": "string", "description": "override the engines' batch policy for this run"},
+    "isolate": {"type": "boolean", "default": False,
+                "description": "run one engine at a time, so each primitive's time is its compute alone "
+                               "(profiling: the critical-path bound)"},
 }
 
 

@@ -37,7 +37,7 @@ class EngineEnv:
     cache_dir: Path
     # Resolves another configured engine by name (an LLM reranker uses its LLM).
     lookup: Callable[[str], Any]
-    observe_batch: BatchObserver = lambda op, size: None
+    observe_batch: BatchObserver = lambda op, size, start, end: None
 
 
 @runtime_checkable

@@ -28,7 +28,7 @@ def make_env(tmp_path: Path, seen: list | None = None, engines: dict | None = No
         data_dir=tmp_path,
         cache_dir=tmp_path,
         lookup=lambda name: engines[name],
-        observe_batch=lambda op, n: seen.append((op, n)),
+        observe_batch=lambda op, n, start, end: seen.append((op, n)),
     )
 
 

@@ -25,7 +25,7 @@ TEXTS = [
 
 def make_env(tmp_path: Path, seen: list) -> EngineEnv:
     return EngineEnv(
-        data_dir=tmp_path, cache_dir=tmp_path, lookup=lambda name: None, observe_batch=lambda op, n: seen.append((op, n))
+        data_dir=tmp_path, cache_dir=tmp_path, lookup=lambda name: None, observe_batch=lambda op, n, start, end: seen.append((op, n))
     )
 
 

@@ -26,7 +26,7 @@ def llm(tmp_path_factory):
         data_dir=tmp_path_factory.mktemp("data"),
         cache_dir=Path.home() / ".cache" / "headrace",  # share the converted model with the server tests
         lookup=lambda name: None,
-        observe_batch=lambda op, n: batches.append((op, n)),
+        observe_batch=lambda op, n, start, end: batches.append((op, n)),
     )
     # float32: the exactness tests compare greedy outputs, and bf16 rounding differs with batch shape.
     engine = TorchLLM(EngineSpec(name="smollm2", plugin="torch", options={"threads": 2, "dtype": "float32"}), env)

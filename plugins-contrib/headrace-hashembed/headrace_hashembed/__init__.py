@@ -6,6 +6,7 @@ its ``register_engines`` hook.
 
 from __future__ import annotations
 
+import time
 import zlib
 from typing import Any, Sequence
 
@@ -50,9 +51,11 @@ class HashEmbedder:
 
     async def embed(self, texts: Sequence[str]) -> torch.Tensor:
         texts = list(texts)
+        start = time.monotonic()
+        vectors = await anyio.to_thread.run_sync(self._embed, texts)
         if texts:
-            self._env.observe_batch("embed", len(texts))
-        return await anyio.to_thread.run_sync(self._embed, texts)
+            self._env.observe_batch("embed", len(texts), start, time.monotonic())
+        return vectors
 
     def _embed(self, texts: list[str]) -> torch.Tensor:
         out = torch.zeros((len(texts), self.dimensions), dtype=torch.float32)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Sequence
@@ -65,10 +66,16 @@ class LanceDBStore:
         self.path.mkdir(parents=True, exist_ok=True)
         return lancedb.connect(str(self.path))
 
-    async def _call(self, fn: Any, *args: Any) -> Any:
+    async def _call(self, fn: Any, *args: Any, observe: tuple[str, int] | None = None) -> Any:
         if self._db is None:
             raise RuntimeError(f"vector store {self.name!r} is not running")
-        return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+        if observe is None:
+            return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+        async with self._limiter:  # time the call from when the worker thread is ours
+            start = time.monotonic()
+            result = await anyio.to_thread.run_sync(fn, *args)
+            self._env.observe_batch(*observe, start, time.monotonic())
+        return result
 
     # ----- public API -------------------------------------------------------------
 
@@ -80,23 +87,20 @@ class LanceDBStore:
         if not payloads:
             return []
         rows = [_row(vec, payload) for vec, payload in zip(matrix.tolist(), payloads)]
-        self._env.observe_batch("ingest", len(rows))
-        return await self._call(self._ingest, collection, matrix.shape[1], rows)
+        return await self._call(self._ingest, collection, matrix.shape[1], rows, observe=("ingest", len(rows)))
 
     async def search(self, collection: str, vectors: torch.Tensor, k: int) -> list[list[SearchHit]]:
         matrix = _as_matrix(vectors)
         if k < 1:
             raise ValueError("k must be >= 1")
-        self._env.observe_batch("search", matrix.shape[0])
-        return await self._call(self._search, collection, matrix, k)
+        return await self._call(self._search, collection, matrix, k, observe=("search", matrix.shape[0]))
 
     async def search_text(self, collection: str, query: str, k: int) -> list[SearchHit]:
         if k < 1:
             raise ValueError("k must be >= 1")
         if not query.strip():
             return []
-        self._env.observe_batch("search_text", 1)
-        return await self._call(self._search_text, collection, query, k)
+        return await self._call(self._search_text, collection, query, k, observe=("search_text", 1))
 
     # ----- worker-thread side -----------------------------------------------------------
 

@@ -15,6 +15,7 @@ which is how the daemon's batch scheduler hands them several requests at once.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Sequence
 
 import anyio
@@ -75,8 +76,11 @@ class CrossEncoderReranker:
         pairs = [(q, d) for q, d in pairs]
         if not pairs:
             return torch.empty(0, dtype=torch.float32)
-        self._env.observe_batch("rerank", len(pairs))
-        return await anyio.to_thread.run_sync(self._predict, model, pairs, limiter=self._limiter)
+        async with self._limiter:
+            start = time.monotonic()
+            scores = await anyio.to_thread.run_sync(self._predict, model, pairs)
+            self._env.observe_batch("rerank", len(pairs), start, time.monotonic())
+        return scores
 
     def _predict(self, model: Any, pairs: list[tuple[str, str]]) -> torch.Tensor:
         scores = model.predict(pairs, batch_size=self._batch_size, convert_to_tensor=True, show_progress_bar=False)
@@ -159,9 +163,10 @@ class LLMReranker:
             raise RuntimeError(f"rerank engine {self.name!r} is not running")
         if not pairs:
             return torch.empty(0, dtype=torch.float32)
-        self._env.observe_batch("rerank", len(pairs))
+        start = time.monotonic()
         prompts = [llm.chat_tokens(self._messages(q, self._truncate(llm, d))) for q, d in pairs]
         logits = await llm.next_token_logits(prompts, self._yes_ids + self._no_ids)
+        self._env.observe_batch("rerank", len(pairs), start, time.monotonic())
         logits = logits.to(device="cpu", dtype=torch.float32)
         n_yes = len(self._yes_ids)
         margin = torch.logsumexp(logits[:, :n_yes], dim=1) - torch.logsumexp(logits[:, n_yes:], dim=1)

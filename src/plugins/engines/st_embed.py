@@ -13,6 +13,7 @@ through ``SentenceTransformer.encode``.
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any, Sequence
 
 import anyio
@@ -93,8 +94,11 @@ class SentenceTransformerEmbedder:
         texts = list(texts)
         if not texts:
             return torch.empty((0, self.dimensions), dtype=torch.float32)
-        self._env.observe_batch("embed", len(texts))
-        return await anyio.to_thread.run_sync(self._encode, model, texts, limiter=self._limiter)
+        async with self._limiter:  # the batch's compute starts once the worker thread is ours
+            start = time.monotonic()
+            vectors = await anyio.to_thread.run_sync(self._encode, model, texts)
+            self._env.observe_batch("embed", len(texts), start, time.monotonic())
+        return vectors
 
     def _encode(self, model: Any, texts: list[str]) -> torch.Tensor:
         if self._packed:

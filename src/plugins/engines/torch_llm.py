@@ -13,6 +13,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
 
@@ -367,10 +368,11 @@ class TorchLLM:
         positions = torch.arange(base_len, base_len + width).expand(len(chunk), -1)
         cache = kv.expand(base.kv, len(chunk)) if base else kv.DynamicCache()
         last = torch.tensor(lengths) - 1
+        start = time.monotonic()
         result = self.model(
             input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=last
         )
-        self._env.observe_batch("prefill", len(chunk))
+        self._env.observe_batch("prefill", len(chunk), start, time.monotonic())
         for i, job in enumerate(chunk):
             self._contexts[job.ctx] = _Context(
                 kv=kv.row(result.past_key_values, i, 0, base_len + lengths[i]),
@@ -386,8 +388,9 @@ class TorchLLM:
             lengths = [len(p) for p in part]
             width = max(lengths)
             ids = torch.tensor([p + [0] * (width - len(p)) for p in part])
+            start = time.monotonic()
             logits = self.model(input_ids=ids, use_cache=False, logits_to_keep=torch.tensor(lengths) - 1).logits
-            self._env.observe_batch("score", len(part))
+            self._env.observe_batch("score", len(part), start, time.monotonic())
             picked = logits[torch.arange(len(part)), torch.arange(len(part))]
             rows.append(picked[:, job.token_ids].float())
         return torch.cat(rows)
@@ -448,11 +451,12 @@ class TorchLLM:
         ids = torch.tensor([[r.pending] for r in self._rows])
         positions = torch.tensor([[r.length] for r in self._rows])
         mask = self._batch.step_mask()
+        start = time.monotonic()
         result = self.model(
             input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=self._batch.cache, use_cache=True
         )
-        self._env.observe_batch("decode", len(self._rows))
         tokens = sample(result.logits[:, -1], [r.params for r in self._rows], [r.generator for r in self._rows])
+        self._env.observe_batch("decode", len(self._rows), start, time.monotonic())
         keep = []
         for i, (r, token) in enumerate(zip(self._rows, tokens)):
             r.length += 1

@@ -1,0 +1,126 @@
+"""``headrace bench``: run workloads in every mode against a daemon and write the results."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from headrace.bench.workloads import WORKLOADS
+
+DEFAULT_OUT = Path("bench-results")
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("bench", help="benchmark workloads: headrace vs its baselines, ratios from one run",
+                       description="Run each workload in each mode against one daemon (a running one with --url, "
+                                   "or one started here with --config) and write results.json, results.txt and "
+                                   "PNG plots to --out.")
+    p.add_argument("workloads", nargs="+", metavar="WORKLOAD", help=f"one or more of {', '.join(WORKLOADS)}")
+    p.add_argument("--modes", nargs="+", help="modes for the single-query phase (default: the workload's baseline, "
+                   "sequential, headrace); server modes: sequential, +<pass>..., headrace; baselines: llamaindex "
+                   "(RAG), chaining (summaries)")
+    p.add_argument("--ladder", action="store_true", help="single query: switch each pass on in turn")
+    p.add_argument("--reps", type=int, default=3, help="measured repetitions per mode (default 3; 0 skips the phase)")
+    p.add_argument("--rates", type=float, nargs="*", default=[], help="Poisson load rates in req/s (default: none)")
+    p.add_argument("--load-modes", nargs="+", help="modes for the load phase (default: the baseline and headrace)")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per load point (default 60)")
+    p.add_argument("--drain", type=float, help="seconds to wait for stragglers after arrivals (default 2 x SLO)")
+    p.add_argument("--mixed-rate", type=float, help="req/s of the mixed load (advanced_rag + map_reduce_summary)")
+    p.add_argument("--max-tokens", type=int, help="override every workload's output length")
+    p.add_argument("--documents", type=int, default=4, help="corpus documents (default 4)")
+    p.add_argument("--doc-tokens", type=int, default=2000, help="minimum tokens per document (default 2000)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--url", help="a running daemon's base URL (default: start one with --config)")
+    p.add_argument("--api-key", default=os.environ.get("HEADRACE_API_KEY", ""), help="its API key")
+    p.add_argument("--config", type=Path, default=Path(os.environ.get("HEADRACE_CONFIG", "configs/default.toml")),
+                   help="daemon config: started with it unless --url; its LLM's tokenizer is the baselines'")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results directory (default bench-results/)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import anyio
+
+    from headrace.bench import report
+    from headrace.bench.baselines import MissingPeer
+    from headrace.bench.client import BenchError, Daemon, DaemonProcess
+    from headrace.bench.corpus import build_corpus
+    from headrace.bench.cpu import CPUWatch
+    from headrace.bench.harness import Options, Systems, run_all
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    unknown = [w for w in args.workloads if w not in WORKLOADS]
+    if unknown:
+        print(f"headrace bench: unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    process = None
+    try:
+        tokenizer = llm_tokenizer(args.config)
+        corpus = build_corpus(args.seed, n_documents=args.documents, min_tokens=args.doc_tokens,
+                              count_tokens=lambda text: len(tokenizer(text)))
+        if args.url:
+            base_url, api_key = args.url, args.api_key
+        else:
+            print(f"starting a daemon with {args.config} ...", flush=True)
+            process = DaemonProcess(args.config).wait_ready()
+            base_url, api_key = process.base_url, process.api_key
+        opts = Options(workloads=args.workloads, modes=args.modes, ladder=args.ladder, reps=args.reps,
+                       rates=args.rates, load_modes=args.load_modes, duration=args.duration, drain=args.drain,
+                       mixed_rate=args.mixed_rate, seed=args.seed, max_tokens=args.max_tokens,
+                       log=lambda line: print(line, flush=True))
+        cpu = CPUWatch(pids=[process.proc.pid] if process else ())
+
+        async def main() -> dict[str, Any]:
+            daemon = Daemon(base_url, api_key)
+            try:
+                return await run_all(Systems(daemon, tokenizer), corpus, opts)
+            finally:
+                await daemon.aclose()
+
+        results = anyio.run(main)
+        cpu_other = cpu.cores()["other_processes"]  # while the daemon process still exists
+    except (MissingPeer, BenchError) as exc:
+        print(f"headrace bench: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if process is not None:
+            process.close()
+    results["corpus"] = corpus.to_json()
+    results["meta"] = {"machine": machine(), "cpu_other": cpu_other,
+                       "elapsed_s": time.perf_counter() - t0, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                       "argv": sys.argv[1:]}
+    files = report.write(results, args.out)
+    print(report.text_report(results))
+    print(f"wrote {', '.join(str(f) for f in files)}")
+    return 0
+
+
+def machine() -> str:
+    import platform
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    return f"{os.cpu_count()} cores ({cpu}), Python {platform.python_version()}"
+
+
+def llm_tokenizer(config_path: Path) -> Callable[[str], list]:
+    """The config's first torch LLM's tokenizer: the baselines count prompt tokens with the daemon's own."""
+    from transformers import AutoTokenizer
+
+    from headrace.daemon.config import load_config
+    from headrace.plugins.engines.model_paths import resolve_model
+    from headrace.plugins.engines.torch_loading import convert_gguf
+
+    config = load_config(config_path)
+    llm = next((e for e in config.engines if e.plugin == "torch"), None)
+    if llm is None:
+        return lambda text: text.split()
+    path = resolve_model(llm.model)
+    if path.suffix == ".gguf":
+        path = convert_gguf(path, config.data.cache_path())
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    return lambda text: tokenizer.encode(text, add_special_tokens=False)

@@ -1,0 +1,117 @@
+"""The daemon under test: one the harness starts itself, or one already running; runs over HTTP."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+
+class BenchError(RuntimeError):
+    """The harness cannot go on; the message says why."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class DaemonProcess:
+    """``headrace serve`` with ``config`` on a free local port, in its own data dir, until closed."""
+
+    def __init__(self, config: Path, api_key: str = "bench-key", log: Path | None = None) -> None:
+        self._tmp = tempfile.TemporaryDirectory(prefix="headrace-bench-")
+        self.port = _free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self.log = log or Path(self._tmp.name) / "daemon.log"
+        args = [sys.executable, "-m", "headrace.daemon.cli", "serve", "--config", str(config), "--port", str(self.port),
+                "--data-dir", str(Path(self._tmp.name) / "data"), "--api-key", api_key, "--log-level", "warning"]
+        self._log_file = self.log.open("w")
+        self.proc = subprocess.Popen(args, stdout=self._log_file, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+    def wait_ready(self, timeout: float = 600) -> "DaemonProcess":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise BenchError(f"the daemon exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{self.base_url}/ready", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise BenchError(f"the daemon was not ready after {timeout:.0f}s; log: {self.log}")
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self._log_file.close()
+        self._tmp.cleanup()
+
+
+@dataclass
+class RunResult:
+    latency_s: float  # client-side: request sent to response read
+    result: dict[str, Any]
+    run_id: str | None = None  # headrace runs: their record on the daemon
+    server_s: float | None = None  # headrace runs: the executor's own time
+
+
+class Daemon:
+    """The HTTP side of one daemon: workflow runs, their timelines and graphs, the model list."""
+
+    def __init__(self, base_url: str, api_key: str = "") -> None:
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # No read timeout: a run under load may queue for minutes; the harness bounds it itself.
+        self.http = httpx.AsyncClient(base_url=self.base_url, headers=headers,
+                                      timeout=httpx.Timeout(None, connect=10),
+                                      limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def models(self) -> dict[str, str]:
+        """Model id -> kind, from /v1/models."""
+        body = await self._json("GET", "/v1/models")
+        return {m["id"]: m.get("kind", "") for m in body["data"]}
+
+    async def run(self, workflow: str, inputs: dict[str, Any], config: dict[str, Any]) -> RunResult:
+        t0 = time.perf_counter()
+        body = await self._json("POST", f"/v1/workflows/{workflow}/runs", json={"inputs": inputs, "config": config})
+        latency = time.perf_counter() - t0
+        if body["status"] != "succeeded":
+            raise BenchError(f"{workflow} run {body['id']} {body['status']}: {body.get('error')}")
+        return RunResult(latency, body["result"], body["id"], body["seconds"])
+
+    async def timeline(self, run_id: str) -> dict[str, Any]:
+        return await self._json("GET", f"/v1/runs/{run_id}/timeline")
+
+    async def graph(self, run_id: str) -> dict[str, Any]:
+        return (await self._json("GET", f"/v1/runs/{run_id}/graph"))["graph"]
+
+    async def metrics(self) -> str:
+        response = await self.http.get("/metrics")
+        response.raise_for_status()
+        return response.text
+
+    async def _json(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
+        response = await self.http.request(method, path, **kw)
+        if response.status_code >= 400:
+            raise BenchError(f"{method} {path}: HTTP {response.status_code}: {response.text[:500]}")
+        return response.json()

@@ -1,0 +1,281 @@
+"""The benchmark harness: every mode of a workload against one daemon, in one run.
+
+Phases per workload, each on the same engines:
+
+1. single query: one warm-up per mode, then ``reps`` repetitions with the modes
+   interleaved round-robin (the order rotating each repetition, so drift hits
+   every mode alike). Each repetition also runs the workflow once isolated (one
+   primitive at a time) to get that input's critical-path bound, and each
+   headrace run's timeline gives its overhead;
+2. load: Poisson arrivals per rate and mode, the SLO set from the baseline's
+   single-query latency.
+
+Then the mixed load: two workflows co-located, sharing the LLM.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from headrace.bench.baselines import MissingPeer
+from headrace.bench.client import BenchError, Daemon
+from headrace.bench.corpus import Corpus
+from headrace.bench.critical_path import critical_path, engine_bound
+from headrace.bench.load import poisson
+from headrace.bench.measure import batch_sizes_between, overhead
+from headrace.bench.workloads import HEADRACE, MIXED, SEQUENTIAL, WORKLOADS, Workload, default_modes, server_modes
+
+ISOLATED = {**server_modes()[HEADRACE], "isolate": True}
+BASELINE_MODES = ("llamaindex", "chaining")
+
+
+@dataclass
+class Options:
+    workloads: list[str]
+    modes: list[str] | None = None  # None: each workload's defaults
+    ladder: bool = False  # every pass switched on in turn (single query)
+    reps: int = 3
+    rates: list[float] = field(default_factory=list)  # req/s; empty: no load phase
+    load_modes: list[str] | None = None  # None: the baseline and headrace
+    duration: float = 60.0
+    drain: float | None = None  # None: 2 x the SLO
+    mixed_rate: float | None = None  # req/s over both workflows; None: no mixed load
+    seed: int = 0
+    max_tokens: int | None = None  # override every workload's output length
+    log: Callable[[str], None] = print
+
+
+@dataclass
+class Call:
+    latency_s: float
+    answer: str
+    run_id: str | None = None
+
+
+class Systems:
+    """Every mode's way to run a workload, all against the same daemon."""
+
+    def __init__(self, daemon: Daemon, tokenizer: Callable[[str], list] | None = None) -> None:
+        self.daemon = daemon
+        self.tokenizer = tokenizer
+        self.models: dict[str, str] = {}
+        self._baselines: dict[str, Any] = {}
+
+    async def start(self) -> None:
+        kinds = await self.daemon.models()
+        for kind in ("llm", "embed", "rerank"):
+            names = [m for m, k in kinds.items() if k == kind]
+            if names:
+                self.models[kind] = names[0]
+
+    def baseline(self, mode: str) -> Any:
+        """The client-side system for ``mode``; MissingPeer if its library is not installed."""
+        if mode not in self._baselines:
+            d = self.daemon
+            if mode == "llamaindex":
+                from headrace.bench.baselines.llamaindex import LlamaIndexRAG
+
+                self._baselines[mode] = LlamaIndexRAG(f"{d.base_url}/v1", d.api_key or "none", self.models["llm"],
+                                                      self.models["embed"], self.models["rerank"], self.tokenizer)
+            elif mode == "chaining":
+                from headrace.bench.baselines.chaining import ClientChaining
+
+                self._baselines[mode] = ClientChaining(f"{d.base_url}/v1", d.api_key or "none", self.models["llm"])
+            else:
+                raise BenchError(f"unknown mode {mode!r}")
+        return self._baselines[mode]
+
+    async def call(self, mode: str, workload: Workload, inputs: dict[str, Any], config: dict[str, Any]) -> Call:
+        if mode in BASELINE_MODES:
+            system = self.baseline(mode)
+            t0 = time.perf_counter()
+            result = await system.run(workload.workflow, inputs, config)
+            return Call(time.perf_counter() - t0, _answer(result))
+        extra = ISOLATED if mode == "isolated" else server_modes().get(mode)
+        if extra is None:
+            raise BenchError(f"unknown mode {mode!r}")
+        run = await self.daemon.run(workload.workflow, inputs, {**config, **extra})
+        return Call(run.latency_s, _answer(run.result), run.run_id)
+
+
+def _answer(result: dict[str, Any]) -> str:
+    for key in ("answer", "summary", "draft"):
+        if result.get(key):
+            return str(result[key])
+    return str(result)
+
+
+def check_modes(workload: Workload, modes: list[str]) -> None:
+    allowed = set(server_modes()) | ({workload.baseline} if workload.baseline else set())
+    bad = [m for m in modes if m not in allowed]
+    if bad:
+        raise BenchError(f"{workload.name} has no mode(s) {bad}; choose from {sorted(allowed)}")
+
+
+def workload_config(workload: Workload, opts: Options) -> dict[str, Any]:
+    config = dict(workload.config)
+    if opts.max_tokens is not None:
+        config["max_tokens"] = opts.max_tokens
+    return config
+
+
+async def single_query(systems: Systems, workload: Workload, modes: list[str], corpus: Corpus,
+                       opts: Options) -> dict[str, Any]:
+    config = workload_config(workload, opts)
+    daemon = systems.daemon
+    warm = len(corpus.questions) - 1  # the warm-up input is never measured
+    for mode in modes + ["isolated"]:
+        await systems.call(mode, workload, workload.inputs(corpus, warm), config)
+    runs: list[dict[str, Any]] = []
+    bounds: list[dict[str, Any]] = []
+    timeline = None  # headrace's first measured run, for the Gantt plot
+    for rep in range(opts.reps):
+        inputs = workload.inputs(corpus, rep)
+        order = modes[rep % len(modes):] + modes[: rep % len(modes)]
+        for mode in order + ["isolated"]:
+            call = await systems.call(mode, workload, inputs, config)
+            if mode == "isolated":
+                graph, tl = await daemon.graph(call.run_id), await daemon.timeline(call.run_id)
+                bound = critical_path(graph, tl["nodes"])
+                busiest, busiest_s = engine_bound(tl)
+                bounds.append({"rep": rep, "run": call.run_id, "isolated_s": call.latency_s, **bound.to_json(),
+                               "busiest_engine": busiest, "busiest_engine_s": busiest_s})
+                continue
+            record = {"mode": mode, "rep": rep, "question": inputs.get("question", ""), "latency_s": call.latency_s,
+                      "answer": call.answer[:400], "run": call.run_id}
+            if call.run_id is not None:
+                tl = await daemon.timeline(call.run_id)
+                record["overhead"] = overhead(call.latency_s, tl)
+                if mode == HEADRACE and rep == 0:
+                    timeline = tl
+            runs.append(record)
+        opts.log(f"    rep {rep}: " + ", ".join(f"{r['mode']} {r['latency_s']:.2f}s" for r in runs if r["rep"] == rep))
+    return {**summarize_single(workload, modes, runs, bounds), "timeline": timeline}
+
+
+def summarize_single(workload: Workload, modes: list[str], runs: list[dict], bounds: list[dict]) -> dict[str, Any]:
+    by_mode = {m: [r for r in runs if r["mode"] == m] for m in modes}
+    mean_lat = {m: statistics.fmean(r["latency_s"] for r in rs) for m, rs in by_mode.items()}
+    table = {}
+    for m, rs in by_mode.items():
+        row = {"reps": len(rs), "mean_s": mean_lat[m], "median_s": statistics.median(r["latency_s"] for r in rs),
+               "latencies_s": [r["latency_s"] for r in rs]}
+        for base in (workload.baseline, SEQUENTIAL):
+            if base in mean_lat and base != m:
+                row[f"speedup_vs_{base}"] = mean_lat[base] / mean_lat[m]
+        with_overhead = [r["overhead"] for r in rs if "overhead" in r]
+        if with_overhead:
+            row["overhead_share"] = statistics.fmean(o["share"] for o in with_overhead)
+            row["overhead"] = {k: statistics.fmean(o[k] for o in with_overhead)
+                               for k in ("e2e_s", "compute_s", "overhead_s", "client_s", "executor_s")}
+        table[m] = row
+    out: dict[str, Any] = {"modes": table, "runs": runs, "critical_path": bounds}
+    headrace_runs = {r["rep"]: r["latency_s"] for r in by_mode.get(HEADRACE, [])}
+    ratios = [headrace_runs[b["rep"]] / b["seconds"] for b in bounds if b["rep"] in headrace_runs and b["seconds"] > 0]
+    if ratios:
+        out["bound_s"] = statistics.fmean(b["seconds"] for b in bounds)
+        out["latency_over_bound"] = statistics.fmean(ratios)
+        # The tighter lower bound: the path, or the busiest engine's total compute if that is longer.
+        out["tight_bound_s"] = statistics.fmean(max(b["seconds"], b["busiest_engine_s"]) for b in bounds)
+        out["latency_over_tight_bound"] = statistics.fmean(
+            headrace_runs[b["rep"]] / max(b["seconds"], b["busiest_engine_s"]) for b in bounds if b["rep"] in headrace_runs)
+    return out
+
+
+def slo_for(workload: Workload, single: dict[str, Any] | None) -> float | None:
+    """factor x the baseline's single-query latency (the in-daemon module chain's if there is no peer)."""
+    if not single:
+        return None
+    for mode in (workload.baseline, SEQUENTIAL, HEADRACE):
+        if mode in single["modes"]:
+            return workload.slo_factor * single["modes"][mode]["mean_s"]
+    return None
+
+
+async def load_phase(systems: Systems, workload: Workload, modes: list[str], corpus: Corpus, opts: Options,
+                     slo_s: float) -> dict[str, Any]:
+    config = workload_config(workload, opts)
+    out: dict[str, Any] = {"slo_s": slo_s, "series": {m: [] for m in modes}, "batch_sizes": {m: [] for m in modes}}
+    for rate in opts.rates:
+        for mode in modes:
+            before = await systems.daemon.metrics()
+
+            async def request(i: int, mode: str = mode) -> None:
+                await systems.call(mode, workload, workload.inputs(corpus, i), config)
+
+            res = await poisson({workload.name: request}, rate, opts.duration, slo_s, opts.seed,
+                                opts.drain if opts.drain is not None else 2 * slo_s)
+            out["batch_sizes"][mode] += batch_sizes_between(before, await systems.daemon.metrics())
+            summary = res.summary()
+            out["series"][mode].append(summary)
+            opts.log(f"    load {rate:g} req/s, {mode}: {summary['completed']}/{summary['offered']} done, "
+                     f"p50 {_fmt(summary['p50_s'])} p95 {_fmt(summary['p95_s'])}, goodput {summary['goodput']:.3f}/s")
+    return out
+
+
+async def mixed_phase(systems: Systems, corpus: Corpus, opts: Options, slos: dict[str, float]) -> dict[str, Any]:
+    """Ayo §7.2: two workflows at once on the shared LLM; each mode runs both its own way."""
+    workloads = [WORKLOADS[w] for w in MIXED]
+    modes = {"baselines": {w.name: w.baseline or SEQUENTIAL for w in workloads},
+             SEQUENTIAL: {w.name: SEQUENTIAL for w in workloads},
+             HEADRACE: {w.name: HEADRACE for w in workloads}}
+    out: dict[str, Any] = {"workloads": list(MIXED), "rate": opts.mixed_rate, "modes": {}, "slo_s": slos}
+    for name, per_workload in modes.items():
+        requests = {}
+        for w in workloads:
+            config = workload_config(w, opts)
+
+            async def request(i: int, w: Workload = w, config: dict = config) -> None:
+                await systems.call(per_workload[w.name], w, w.inputs(corpus, i), config)
+
+            requests[w.name] = request
+        res = await poisson(requests, opts.mixed_rate, opts.duration, max(slos.values()), opts.seed,
+                            opts.drain if opts.drain is not None else 2 * max(slos.values()))
+        out["modes"][name] = {w: res.summary(tag=w, slo_s=slos[w]) for w in MIXED}
+        out["modes"][name]["all"] = {"goodput": sum(out["modes"][name][w]["goodput"] for w in MIXED)}
+        opts.log(f"    mixed {opts.mixed_rate:g} req/s, {name}: " + ", ".join(
+            f"{w} p50 {_fmt(out['modes'][name][w]['p50_s'])} goodput {out['modes'][name][w]['goodput']:.3f}/s" for w in MIXED))
+    return out
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}s"
+
+
+async def run_all(systems: Systems, corpus: Corpus, opts: Options) -> dict[str, Any]:
+    await systems.start()
+    results: dict[str, Any] = {"workloads": {}}
+    slos: dict[str, float] = {}
+    for name in opts.workloads:
+        workload = WORKLOADS[name]
+        modes = opts.modes or default_modes(workload, opts.ladder)
+        check_modes(workload, modes)
+        for mode in modes:  # a missing peer library fails here, before anything is measured
+            if mode in BASELINE_MODES:
+                systems.baseline(mode)
+        opts.log(f"  {name}: modes {', '.join(modes)}")
+        section: dict[str, Any] = {"modes": modes, "config": workload_config(workload, opts)}
+        if opts.reps > 0:
+            section["single"] = await single_query(systems, workload, modes, corpus, opts)
+        slo = slo_for(workload, section.get("single"))
+        if slo is not None:
+            slos[name] = slo
+        if opts.rates:
+            if slo is None:
+                raise BenchError(f"{name}: a load run needs the single-query phase (reps > 0) to set its SLO")
+            load_modes = opts.load_modes or [m for m in (workload.baseline, HEADRACE) if m]
+            check_modes(workload, load_modes)
+            section["load"] = await load_phase(systems, workload, load_modes, corpus, opts, slo)
+        results["workloads"][name] = section
+    if opts.mixed_rate:
+        missing = [w for w in MIXED if w not in slos]
+        if missing:
+            raise BenchError(f"the mixed load needs the single-query phase of {missing} for their SLOs")
+        results["mixed"] = await mixed_phase(systems, corpus, opts, slos)
+    return results
+
+
+__all__ = ["Options", "Systems", "run_all", "MissingPeer", "BenchError"]

@@ -1,0 +1,73 @@
+"""Workloads and modes: what the harness runs, and the systems it runs it on.
+
+A workload is one built-in workflow with its inputs drawn from the corpus. A
+mode is a way to run it against the daemon under test:
+
+- ``headrace``: the workflow server-side, every pass on, topology-aware batching;
+- ``sequential``: server-side, no pass, FIFO batching: the module chain inside
+  the daemon (the internal baseline);
+- ``+<pass>``: the ablation ladder from ``sequential``, switching each pass on in
+  turn (``+topology`` last would equal ``headrace``);
+- ``llamaindex`` (RAG) / ``chaining`` (summaries): the peer baselines as clients.
+
+Every workflow setting stays at the graph issue's defaults (chunk size, top-k,
+expanded queries, synthesis mode) except the output length, which is shortened
+so a full harness run fits in minutes on a 2-core CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from headrace.bench.corpus import Corpus
+
+PASSES = ("prune_dependencies", "stage_decomposition", "prefill_split", "decode_pipelining")
+HEADRACE = "headrace"
+SEQUENTIAL = "sequential"
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    workflow: str
+    baseline: str | None  # the peer baseline's mode, if the workflow has one
+    config: dict[str, Any] = field(default_factory=dict)  # shortened outputs; everything else default
+    slo_factor: float = 3.0  # SLO = factor x the baseline's single-query latency
+
+    def inputs(self, corpus: Corpus, i: int) -> dict[str, Any]:
+        """The i-th request's inputs (questions cycle; each comes with its own document)."""
+        q = corpus.questions[i % len(corpus.questions)]
+        doc = corpus.documents[q.document].text
+        if self.workflow in ("map_reduce_summary", "chain_summary"):
+            return {"document": doc}
+        return {"question": q.text, "documents": [doc]}
+
+
+WORKLOADS = {
+    w.name: w for w in (
+        Workload("naive_rag", "naive_rag", "llamaindex", {"max_tokens": 24}),
+        Workload("advanced_rag", "advanced_rag", "llamaindex", {"max_tokens": 24}),
+        Workload("map_reduce_summary", "map_reduce_summary", "chaining", {"max_tokens": 24}),
+        Workload("chain_summary", "chain_summary", "chaining", {"max_tokens": 24}),
+        Workload("fact_verify", "fact_verify", None, {"max_tokens": 24}),
+    )
+}
+MIXED = ("advanced_rag", "map_reduce_summary")  # Ayo §7.2: two workflows co-located, sharing the LLM
+
+
+def server_modes() -> dict[str, dict[str, Any]]:
+    """Server-side modes -> the run config they add: sequential, the cumulative ladder, headrace."""
+    modes: dict[str, dict[str, Any]] = {SEQUENTIAL: {"optimize": {"passes": []}, "batch_policy": "fifo"}}
+    on: list[str] = []
+    for p in PASSES:
+        on.append(p)
+        modes[f"+{p}"] = {"optimize": {"passes": list(on)}, "batch_policy": "fifo"}
+    modes[HEADRACE] = {"optimize": {"passes": list(PASSES)}, "batch_policy": "topology"}
+    return modes
+
+
+def default_modes(workload: Workload, ladder: bool) -> list[str]:
+    """The baseline, sequential and headrace; with ``ladder``, every pass switched on in turn too."""
+    modes = [workload.baseline] if workload.baseline else []
+    return modes + (list(server_modes()) if ladder else [SEQUENTIAL, HEADRACE])
