@@ -12,6 +12,7 @@ bound: the busiest engine's total compute, which no schedule can overlap away.
 Node instances are matched by scope keys. An instance depends on each parent
 node's instances whose key is a prefix of its own (an outer scope, or the same
 scope) or extends it (an aggregate waits for every piece of its region). A
+region's source counts only its own primitive (``op_end``), not its region. A
 member of a streamed region depends not on its source decode's end but on the
 moment the source parsed that piece, at the same offset from the decode's start
 as in the isolated run.
@@ -127,4 +128,6 @@ def _prefix(short: tuple, long: tuple) -> bool:
 
 
 def _seconds(r: dict[str, Any]) -> float:
-    return max(0.0, r["end"] - r["start"])
+    """The instance's own time: a region's source ends with its primitive, not with its region."""
+    end = r.get("op_end") if r.get("op_end") is not None else r["end"]
+    return max(0.0, end - r["start"])

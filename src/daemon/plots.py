@@ -57,9 +57,14 @@ def figure_png(fig: Figure) -> bytes:
 
 
 def drawn_nodes(timeline: dict) -> list[dict]:
-    """The node records that ran (start not null), in start order."""
-    return sorted((n for n in timeline.get("nodes") or () if n.get("start") is not None),
-                  key=lambda n: (n["start"], n.get("end") if n.get("end") is not None else float("inf")))
+    """The node records that ran (start not null), in start order.
+
+    A region's source is drawn to the end of its own primitive (``op_end``): its record's
+    ``end`` also waits for the region, whose nodes have bars of their own.
+    """
+    nodes = [{**n, "end": n["op_end"]} if n.get("op_end") is not None else n
+             for n in timeline.get("nodes") or () if n.get("start") is not None]
+    return sorted(nodes, key=lambda n: (n["start"], n.get("end") if n.get("end") is not None else float("inf")))
 
 
 def row_of(node: dict) -> str:

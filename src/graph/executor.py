@@ -38,6 +38,7 @@ class NodeRecord:
     started: float | None = None
     finished: float | None = None
     pieces: list[float] = field(default_factory=list)  # when a partial decode parsed each streamed piece
+    op_finished: float | None = None  # a region's source: its own primitive's end (``finished`` waits for the region)
 
     def to_json(self, origin: float) -> dict[str, Any]:
         return {
@@ -45,6 +46,7 @@ class NodeRecord:
             "start": None if self.started is None else round(self.started - origin, 6),
             "end": None if self.finished is None else round(self.finished - origin, 6),
             "pieces": [round(t - origin, 6) for t in self.pieces],
+            "op_end": None if self.op_finished is None else round(self.op_finished - origin, 6),
         }
 
 
@@ -225,6 +227,7 @@ class Executor:
             streamed = node.op == Op.PARTIAL_DECODE
             async with self._alone(ctx, node, record):
                 outputs = await run_op(node, scope, replace(ctx, on_piece=on_piece if streamed else None), key)
+            record.op_finished = time.monotonic()
             if not streamed:
                 for i, item in enumerate(outputs[item_var]):
                     tg.start_soon(instance, item, key + (i,))
