@@ -94,11 +94,14 @@ def build_corpus(seed: int = 0, n_documents: int = 4, n_questions: int = 8, min_
     documents: list[Document] = []
     while modules and len(documents) < n_documents:
         titles, parts, topics, tokens = [], [], [], 0
-        while modules and tokens < min_tokens:
+        def full() -> bool:  # big enough, and with something to ask about
+            return tokens >= min_tokens and any("." in t for t in topics)
+
+        while modules and not full():
             name = modules.pop()
             titles.append(name)
             for topic, text in _sections(name):
-                if tokens >= min_tokens:
+                if full() or tokens >= max_tokens:
                     break
                 cost = count_tokens(text)
                 if tokens + cost > max_tokens:  # cut the last section at the limit
@@ -108,7 +111,7 @@ def build_corpus(seed: int = 0, n_documents: int = 4, n_questions: int = 8, min_
                 parts.append(text)
                 topics.append(topic)
                 tokens += cost
-        if tokens < min_tokens:
+        if not full():
             break  # the modules ran out: a short document would break the size promise
         documents.append(Document(" + ".join(titles), "\n\n".join(parts), tokens,
                                   tuple(t for t in topics if "." in t)))

@@ -1,0 +1,91 @@
+"""``headrace bench`` end to end against the real daemon, at tiny sizes: every mode, the result files, the answers."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from conftest import API_KEY
+from headrace.cli import main
+
+pytestmark = pytest.mark.slow
+
+TINY = ["--reps", "1", "--max-tokens", "4", "--documents", "2", "--doc-tokens", "300"]
+
+
+@pytest.fixture(scope="module")
+def bench_run(server, tmp_path_factory):
+    """naive_rag in every mode (LlamaIndex, sequential, each pass in turn, headrace) plus one load point."""
+    out = tmp_path_factory.mktemp("bench")
+    code = main(["bench", "naive_rag", "--ladder", *TINY, "--rates", "0.5", "--duration", "4", "--drain", "60",
+                 "--url", server.base_url, "--api-key", API_KEY, "--out", str(out)])
+    assert code == 0
+    return out, json.loads((out / "results.json").read_text())
+
+
+def test_smoke_every_mode_writes_its_results(bench_run):
+    out, results = bench_run
+    section = results["workloads"]["naive_rag"]
+    modes = ["llamaindex", "sequential", "+prune_dependencies", "+stage_decomposition", "+prefill_split",
+             "+decode_pipelining", "headrace"]
+    assert section["modes"] == modes
+    single = section["single"]
+    assert list(single["modes"]) == modes
+    for mode, row in single["modes"].items():
+        assert row["reps"] == 1 and row["mean_s"] > 0
+        if mode != "llamaindex":
+            assert row["speedup_vs_llamaindex"] > 0
+            assert 0 <= row["overhead_share"] < 1  # server-side modes have timelines
+    assert single["bound_s"] > 0 and single["latency_over_bound"] > 0
+    assert single["critical_path"][0]["path"][-1]["node"].startswith(("combine", "answer"))
+    load = section["load"]
+    assert set(load["series"]) == {"llamaindex", "headrace"} and load["slo_s"] > 0
+    for points in load["series"].values():
+        (point,) = points
+        assert point["rate"] == 0.5 and point["offered"] >= 1 and point["completed"] == point["offered"]
+        assert point["p50_s"] > 0 and point["goodput"] >= 0
+    assert load["batch_sizes"]["headrace"]  # the daemon's batch-size metrics moved under load
+    text = (out / "results.txt").read_text()
+    assert "naive_rag: single query" in text and "critical-path bound" in text and "Poisson load" in text
+    for png in ("naive_rag-speedup.png", "naive_rag-timeline.png", "naive_rag-latency-vs-load.png",
+                "naive_rag-batch-sizes-headrace.png", "naive_rag-batch-sizes-llamaindex.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG", png
+
+
+def test_baseline_and_headrace_answer_the_same_questions(bench_run):
+    _, results = bench_run
+    runs = results["workloads"]["naive_rag"]["single"]["runs"]
+    by_mode = {m: [r for r in runs if r["mode"] == m] for m in ("llamaindex", "headrace")}
+    questions = {m: [r["question"] for r in rs] for m, rs in by_mode.items()}
+    assert questions["llamaindex"] == questions["headrace"] and all(questions["headrace"])
+    corpus_questions = {q["text"] for q in results["corpus"]["questions"]}
+    assert set(questions["headrace"]) <= corpus_questions
+    for rs in by_mode.values():
+        assert all(r["answer"].strip() for r in rs)
+
+
+def test_a_missing_peer_library_fails_clearly(server, monkeypatch, capsys, tmp_path):
+    from headrace.bench.baselines import llamaindex
+
+    monkeypatch.setitem(sys.modules, "llama_index.core", None)  # import now raises ImportError
+    llamaindex._lib.cache_clear()  # an earlier test may have imported it already
+    try:
+        code = main(["bench", "naive_rag", *TINY, "--url", server.base_url, "--api-key", API_KEY,
+                     "--out", str(tmp_path)])
+    finally:
+        llamaindex._lib.cache_clear()
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "llama-index-core" in err and "headrace[bench]" in err
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_bad_workload_and_mode_are_named(server, capsys, tmp_path):
+    assert main(["bench", "nope", "--url", server.base_url, "--out", str(tmp_path)]) == 2
+    assert "unknown workload(s) ['nope']" in capsys.readouterr().err
+    code = main(["bench", "map_reduce_summary", "--modes", "llamaindex", *TINY, "--url", server.base_url,
+                 "--api-key", API_KEY, "--out", str(tmp_path)])
+    assert code == 2
+    assert "map_reduce_summary has no mode(s) ['llamaindex']" in capsys.readouterr().err
