@@ -23,10 +23,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--modes", nargs="+", help="modes for the single-query phase (default: the workload's baseline, "
                    "sequential, headrace); server modes: sequential, +<pass>..., headrace; baselines: llamaindex "
                    "(RAG), chaining (summaries)")
-    p.add_argument("--ladder", action="store_true", help="single query: switch each pass on in turn")
+    p.add_argument("--ladder", nargs="*", metavar="WORKLOAD",
+                   help="single query: also switch each pass on in turn (for the named workloads; none named: all)")
     p.add_argument("--reps", type=int, default=3, help="measured repetitions per mode (default 3; 0 skips the phase)")
     p.add_argument("--rates", type=float, nargs="*", default=[], help="Poisson load rates in req/s (default: none)")
     p.add_argument("--load-modes", nargs="+", help="modes for the load phase (default: the baseline and headrace)")
+    p.add_argument("--load-workloads", nargs="+", metavar="WORKLOAD",
+                   help="the workloads that get the load phase (default: all of them, when --rates is given)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per load point (default 60)")
     p.add_argument("--drain", type=float, help="seconds to wait for stragglers after arrivals (default 2 x SLO)")
     p.add_argument("--mixed-rate", type=float, help="req/s of the mixed load (advanced_rag + map_reduce_summary)")
@@ -52,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     from headrace.bench.harness import Options, Systems, run_all
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    unknown = [w for w in args.workloads if w not in WORKLOADS]
+    unknown = [w for w in [*args.workloads, *(args.ladder or ()), *(args.load_workloads or ())] if w not in WORKLOADS]
     if unknown:
         print(f"headrace bench: unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}", file=sys.stderr)
         return 2
@@ -68,8 +71,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"starting a daemon with {args.config} ...", flush=True)
             process = DaemonProcess(args.config).wait_ready()
             base_url, api_key = process.base_url, process.api_key
-        opts = Options(workloads=args.workloads, modes=args.modes, ladder=args.ladder, reps=args.reps,
-                       rates=args.rates, load_modes=args.load_modes, duration=args.duration, drain=args.drain,
+        ladder = set() if args.ladder is None else set(args.ladder or args.workloads)
+        opts = Options(workloads=args.workloads, modes=args.modes, ladder=ladder, reps=args.reps,
+                       rates=args.rates, load_modes=args.load_modes,
+                       load_workloads=set(args.load_workloads or args.workloads), duration=args.duration, drain=args.drain,
                        mixed_rate=args.mixed_rate, seed=args.seed, max_tokens=args.max_tokens,
                        log=lambda line: print(line, flush=True))
         cpu = CPUWatch(pids=[process.proc.pid] if process else ())

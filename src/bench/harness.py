@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import anyio
+
 from headrace.bench.baselines import MissingPeer
 from headrace.bench.client import BenchError, Daemon
 from headrace.bench.corpus import Corpus
@@ -29,6 +31,7 @@ from headrace.bench.measure import batch_sizes_between, overhead
 from headrace.bench.workloads import HEADRACE, MIXED, SEQUENTIAL, WORKLOADS, Workload, default_modes, server_modes
 
 ISOLATED = {**server_modes()[HEADRACE], "isolate": True}
+RUN_TIMEOUT_S = 900  # a run that never ends is a bug to report, not a reason to wait forever
 BASELINE_MODES = ("llamaindex", "chaining")
 
 
@@ -36,10 +39,11 @@ BASELINE_MODES = ("llamaindex", "chaining")
 class Options:
     workloads: list[str]
     modes: list[str] | None = None  # None: each workload's defaults
-    ladder: bool = False  # every pass switched on in turn (single query)
+    ladder: set[str] = field(default_factory=set)  # workloads whose passes are switched on in turn (single query)
     reps: int = 3
     rates: list[float] = field(default_factory=list)  # req/s; empty: no load phase
     load_modes: list[str] | None = None  # None: the baseline and headrace
+    load_workloads: set[str] | None = None  # None: every workload (when there are rates)
     duration: float = 60.0
     drain: float | None = None  # None: 2 x the SLO
     mixed_rate: float | None = None  # req/s over both workflows; None: no mixed load
@@ -89,6 +93,13 @@ class Systems:
         return self._baselines[mode]
 
     async def call(self, mode: str, workload: Workload, inputs: dict[str, Any], config: dict[str, Any]) -> Call:
+        try:
+            with anyio.fail_after(RUN_TIMEOUT_S):
+                return await self._call(mode, workload, inputs, config)
+        except TimeoutError:
+            raise BenchError(f"{workload.name} in mode {mode} did not finish in {RUN_TIMEOUT_S}s") from None
+
+    async def _call(self, mode: str, workload: Workload, inputs: dict[str, Any], config: dict[str, Any]) -> Call:
         if mode in BASELINE_MODES:
             system = self.baseline(mode)
             t0 = time.perf_counter()
@@ -127,7 +138,7 @@ async def single_query(systems: Systems, workload: Workload, modes: list[str], c
     config = workload_config(workload, opts)
     daemon = systems.daemon
     warm = len(corpus.questions) - 1  # the warm-up input is never measured
-    for mode in modes + ["isolated"]:
+    for mode in modes:  # warms every engine and shape; the isolated runs need no warm-up of their own
         await systems.call(mode, workload, workload.inputs(corpus, warm), config)
     runs: list[dict[str, Any]] = []
     bounds: list[dict[str, Any]] = []
@@ -220,7 +231,6 @@ async def mixed_phase(systems: Systems, corpus: Corpus, opts: Options, slos: dic
     """Ayo §7.2: two workflows at once on the shared LLM; each mode runs both its own way."""
     workloads = [WORKLOADS[w] for w in MIXED]
     modes = {"baselines": {w.name: w.baseline or SEQUENTIAL for w in workloads},
-             SEQUENTIAL: {w.name: SEQUENTIAL for w in workloads},
              HEADRACE: {w.name: HEADRACE for w in workloads}}
     out: dict[str, Any] = {"workloads": list(MIXED), "rate": opts.mixed_rate, "modes": {}, "slo_s": slos}
     for name, per_workload in modes.items():
@@ -251,7 +261,7 @@ async def run_all(systems: Systems, corpus: Corpus, opts: Options) -> dict[str, 
     slos: dict[str, float] = {}
     for name in opts.workloads:
         workload = WORKLOADS[name]
-        modes = opts.modes or default_modes(workload, opts.ladder)
+        modes = opts.modes or default_modes(workload, name in opts.ladder)
         check_modes(workload, modes)
         for mode in modes:  # a missing peer library fails here, before anything is measured
             if mode in BASELINE_MODES:
@@ -263,7 +273,7 @@ async def run_all(systems: Systems, corpus: Corpus, opts: Options) -> dict[str, 
         slo = slo_for(workload, section.get("single"))
         if slo is not None:
             slos[name] = slo
-        if opts.rates:
+        if opts.rates and (opts.load_workloads is None or name in opts.load_workloads):
             if slo is None:
                 raise BenchError(f"{name}: a load run needs the single-query phase (reps > 0) to set its SLO")
             load_modes = opts.load_modes or [m for m in (workload.baseline, HEADRACE) if m]

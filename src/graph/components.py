@@ -83,6 +83,7 @@ class GraphBuilder:
         self.graph = Graph(name)
         self.engines = engines  # engine kind -> engine name
         self._ends: dict[str, tuple[str, str]] = {}  # component -> (head, tail) primitive ids
+        self._maps: list[tuple[Node, set[str]]] = []  # (source, component names) to run per item
 
     def emit(self, component: Component, suffix: str = "", rename: Mapping[str, str] | None = None,
              size: int = 1, **params: Any) -> Node:
@@ -118,13 +119,12 @@ class GraphBuilder:
         return last
 
     def map(self, source: Node, *components: Component) -> None:
-        """Run the primitives of ``components`` once per item of ``source``'s list output."""
-        from headrace.graph.passes import map_over  # the same region machinery that pipelining uses
+        """Run the primitives of ``components`` once per item of ``source``'s list output.
 
-        names = {c.name for c in components}
-        members = {n.id for n in self.graph.nodes.values() if n.component in names}
-        self.graph.rewire()
-        map_over(self.graph, source, members)
+        Applied in ``finish``, once every consumer is emitted: a region's outputs that
+        later primitives read get their aggregates only if those readers exist.
+        """
+        self._maps.append((source, {c.name for c in components}))
 
     def branch(self, condition: Node, label: str, *nodes: Node) -> None:
         """``nodes`` run only when ``condition`` picks ``label``; they wait for its decision (a data edge)."""
@@ -140,5 +140,10 @@ class GraphBuilder:
         for a, b in zip(emitted, emitted[1:]):
             self.graph.connect(self._ends[a.name][1], self._ends[b.name][0])
         self.graph.rewire()
+        if self._maps:
+            from headrace.graph.passes import map_over  # the same region machinery that pipelining uses
+
+            for source, names in self._maps:
+                map_over(self.graph, source, {n.id for n in self.graph.nodes.values() if n.component in names})
         self.graph.compute_depths()
         return self.graph

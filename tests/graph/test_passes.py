@@ -400,3 +400,16 @@ def test_builtin_rag_workflows_optimize():
     assert {n for n, node in adv.nodes.items() if node.region == "expand"} == {"embed_queries", "search_queries"}
     assert adv.nodes["answer_0.prefill"].op == Op.FULL_PREFILL
     assert adv.parents("answer_0.prefill.partial") == []
+
+
+def test_a_mapped_region_aggregates_for_readers_emitted_after_the_map():
+    # fact_verify maps claims over queries/search/verdict, then its report reads every verdict:
+    # without passes the report once waited forever for a "verdict" nothing at the top level wrote.
+    from headrace.graph.workflows.verify import FACT_VERIFY
+
+    inputs, config = FACT_VERIFY.validate({"question": "q?", "documents": ["word " * 300]}, {})
+    g = FACT_VERIFY.build(inputs, config, {"llm": "llm", "embed": "embed", "vector_store": "store"})
+    agg = g.nodes["claims.verdict.agg"]
+    assert agg.region is None and agg.outputs == ("verdict",)
+    assert g.nodes["verdict"].outputs == ("verdict.piece",) and g.nodes["verdict"].region == "claims"
+    assert "claims.verdict.agg" in g.parents("report")
