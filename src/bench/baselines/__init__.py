@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
+from typing import Any, Mapping
 
 EXTRA = "pip install 'headrace[bench]'"
 
@@ -28,4 +29,20 @@ def require(module: str, extra_pip: str, what: str) -> ModuleType:
         raise MissingPeer(f"{what} needs {extra_pip} ({EXTRA}); importing {module!r} failed: {exc}") from exc
 
 
-__all__ = ["MissingPeer", "require"]
+def client_validate(what: str, workflows: Mapping[str, Any], workflow: str, inputs: Any,
+                    config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """headrace's own validation and defaults for a baseline; server-side settings have no meaning for a client."""
+    from headrace.graph.workflow import COMMON_CONFIG
+
+    if workflow not in workflows:
+        raise ValueError(f"{what} runs {sorted(workflows)}, not {workflow!r}")
+    for key in COMMON_CONFIG:
+        if isinstance(config, dict) and key in config:
+            raise ValueError(f"config.{key}: a server-side setting; a client baseline has none")
+    inputs, config = workflows[workflow].validate(inputs, config)
+    for key in COMMON_CONFIG:
+        config.pop(key, None)
+    return inputs, config
+
+
+__all__ = ["MissingPeer", "client_validate", "require"]

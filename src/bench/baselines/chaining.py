@@ -19,10 +19,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from headrace.bench.baselines import require
+from headrace.bench.baselines import client_validate, require
 from headrace.graph.ops import chunk_text
 from headrace.graph.prompts import PromptTemplate
-from headrace.graph.workflow import COMMON_CONFIG, Workflow
+from headrace.graph.workflow import Workflow
 from headrace.graph.workflows import summary
 from headrace.graph.workflows.common import count_chunks
 
@@ -41,15 +41,8 @@ def reduce_template(n: int) -> PromptTemplate:
 
 
 def validate(workflow: str, inputs: Any, config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """headrace's own validation and defaults; server-side settings have no meaning for a client."""
-    if workflow not in WORKFLOWS:
-        raise ValueError(f"{WHAT} runs {sorted(WORKFLOWS)}, not {workflow!r}")
-    for key in COMMON_CONFIG:
-        if isinstance(config, dict) and key in config:
-            raise ValueError(f"config.{key}: a server-side setting; a client baseline has none")
-    inputs, config = WORKFLOWS[workflow].validate(inputs, config)
-    for key in COMMON_CONFIG:
-        config.pop(key, None)
+    """headrace's own validation and defaults, and the same errors for a bad split."""
+    inputs, config = client_validate(WHAT, WORKFLOWS, workflow, inputs, config)
     count_chunks(inputs, "document", config)  # the same errors for a bad split
     return inputs, config
 

@@ -50,10 +50,10 @@ import functools
 from types import SimpleNamespace
 from typing import Any, Callable, Mapping
 
-from headrace.bench.baselines import require
+from headrace.bench.baselines import client_validate, require
 from headrace.graph.ops import chunk_text
 from headrace.graph.prompts import PLACEHOLDER
-from headrace.graph.workflow import COMMON_CONFIG, Workflow
+from headrace.graph.workflow import Workflow
 from headrace.graph.workflows import common, rag
 
 WHAT = "the LlamaIndex baseline"
@@ -92,15 +92,8 @@ EXPAND_TEMPLATE = li_template(rag.EXPAND, {"n_queries": "num_queries", "question
 
 
 def validate(workflow: str, inputs: Any, config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """headrace's own validation and defaults; server-side settings have no meaning for a client."""
-    if workflow not in WORKFLOWS:
-        raise ValueError(f"{WHAT} runs {sorted(WORKFLOWS)}, not {workflow!r}")
-    for key in COMMON_CONFIG:
-        if isinstance(config, dict) and key in config:
-            raise ValueError(f"config.{key}: a server-side setting; a client baseline has none")
-    inputs, config = WORKFLOWS[workflow].validate(inputs, config)
-    for key in COMMON_CONFIG:
-        config.pop(key, None)
+    """headrace's own validation and defaults, one synthesis mode per workflow, the same split errors."""
+    inputs, config = client_validate(WHAT, WORKFLOWS, workflow, inputs, config)
     if config["synthesis"] != SYNTHESIS[workflow]:
         raise ValueError(f"config.synthesis: {WHAT}'s {workflow} implements {SYNTHESIS[workflow]!r} only")
     common.count_chunks(inputs, "documents", config)  # the same errors for a bad split
