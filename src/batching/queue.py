@@ -23,6 +23,7 @@ class Pending:
     done: anyio.Event = field(default_factory=anyio.Event)
     result: Any = None
     error: BaseException | None = None
+    abandoned: bool = False  # its caller stopped waiting (cancelled): a retry skips it
 
     def resolve(self, result: Any = None, error: BaseException | None = None) -> None:
         self.result, self.error = result, error

@@ -56,6 +56,12 @@ class Metrics:
         self.batch_size = Histogram(
             "headrace_batch_size", "Items per engine batch.", ["engine", "op"], registry=r, buckets=BATCH_BUCKETS
         )
+        self.scheduler_restarts = Counter(
+            "headrace_scheduler_restarts", "Scheduler loops restarted after a crash.", ["engine"], registry=r
+        )
+        self.engine_failures = Counter(
+            "headrace_engine_failures", "Engines marked failed after they were serving.", ["engine"], registry=r
+        )
         self.activity: deque[Busy] = deque(maxlen=ACTIVITY_KEEP)
         self._running: dict[str, Callable[[], int]] = {}
         self._waiting: dict[str, Callable[[], int]] = {}

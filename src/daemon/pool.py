@@ -1,9 +1,26 @@
-"""The engines of one daemon: built from the config, loaded in order, each behind its scheduler."""
+"""The engines of one daemon: built from the config, loaded in order, each behind its scheduler.
+
+Every engine's ``run`` and every scheduler loop runs under supervision, so one
+that dies never takes the other engines or the HTTP server with it:
+
+- a scheduler loop that raises is logged and restarted after a short backoff
+  (its queue survives on the scheduler); after ``SCHEDULER_MAX_CRASHES``
+  crashes within ``SCHEDULER_CRASH_WINDOW`` seconds it is given up on, and the
+  engine is marked failed;
+- an engine whose ``run`` raises or returns after it was ready is marked
+  failed with the error (``/ready`` answers 503, requests to it 503).
+
+``health()`` reports both to the liveness check: ``alive`` turns False once a
+loop that was serving is dead for good, which a restart of the process may
+cure (the systemd watchdog's job). An engine that failed to load at startup is
+a problem but not a death: restarting would fail the same way.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +36,30 @@ from headrace.plugins.protocols import EngineEnv, EngineSpec
 
 log = logging.getLogger(__name__)
 
+# A crashing scheduler loop restarts after a backoff that doubles per recent crash, up to the cap.
+SCHEDULER_BACKOFF_FIRST = 0.05
+SCHEDULER_BACKOFF_MAX = 5.0
+SCHEDULER_MAX_CRASHES = 5
+SCHEDULER_CRASH_WINDOW = 60.0
+
+
+@dataclass(frozen=True)
+class PoolHealth:
+    alive: bool  # False once a loop is dead and not being restarted
+    problems: dict[str, str]  # engine name -> what is wrong
+
+
+class _Readiness:
+    """A task status that remembers whether the engine reported ready, and passes it on."""
+
+    def __init__(self, outer: Any) -> None:
+        self._outer = outer
+        self.ready = False
+
+    def started(self, value: Any = None) -> None:
+        self.ready = True
+        self._outer.started(value)
+
 
 @dataclass
 class EngineSlot:
@@ -30,6 +71,8 @@ class EngineSlot:
     error: str | None = None
     load_seconds: float | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    died: bool = False  # its engine or scheduler loop stopped after it was serving
+    restarting: str | None = None  # the scheduler loop's last crash, while it waits to restart
 
 
 class EnginePool:
@@ -84,6 +127,16 @@ class EnginePool:
     def ready(self) -> bool:
         return all(s.state == "ready" for s in self.slots.values())
 
+    def health(self) -> PoolHealth:
+        """Liveness for /health and the watchdog: dead loops, failed engines, loops restarting."""
+        problems = {}
+        for slot in self.slots.values():
+            if slot.state == "failed":
+                problems[slot.name] = slot.error or "failed"
+            elif slot.restarting:
+                problems[slot.name] = f"scheduler loop restarting after a crash: {slot.restarting}"
+        return PoolHealth(alive=not any(s.died for s in self.slots.values()), problems=problems)
+
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         """Load every engine in config order, start its scheduler, then serve until cancelled."""
         async with anyio.create_task_group() as tg:
@@ -92,18 +145,66 @@ class EnginePool:
                 slot.state = "loading"
                 start = time.monotonic()
                 try:
-                    await tg.start(slot.engine.run)
+                    await tg.start(self._serve_engine, slot)
                 except Exception as exc:
                     slot.state, slot.error = "failed", f"{type(exc).__name__}: {exc}"
                     log.exception("engine %s failed to load", slot.name)
                     continue
                 slot.load_seconds = time.monotonic() - start
                 slot.scheduler = self._scheduler_for(slot)
-                await tg.start(slot.scheduler.run)
-                slot.state = "ready"
-                log.info("engine %s ready in %.1fs", slot.name, slot.load_seconds)
+                await tg.start(self._supervise_scheduler, slot)
+                if slot.state == "loading":  # it may have died already
+                    slot.state = "ready"
+                    log.info("engine %s ready in %.1fs", slot.name, slot.load_seconds)
             if self.ready:
                 systemd.notify("READY=1")
+
+    async def _serve_engine(self, slot: EngineSlot, *, task_status: Any) -> None:
+        """The engine's ``run``; once it was ready, its end fails this slot only."""
+        readiness = _Readiness(task_status)
+        try:
+            await slot.engine.run(task_status=readiness)
+        except Exception as exc:
+            if not readiness.ready:
+                raise  # a load failure: ``run`` above records it
+            self._fail(slot, f"the engine stopped: {type(exc).__name__}: {exc}", exc)
+            return
+        if not readiness.ready:
+            raise RuntimeError(f"engine {slot.name!r} returned from run() before it was ready")
+        self._fail(slot, "the engine stopped: its run() returned while serving", None)
+
+    async def _supervise_scheduler(self, slot: EngineSlot, *, task_status: Any) -> None:
+        """Run the scheduler loop; restart it when it raises, give up when it keeps crashing."""
+        readiness = _Readiness(task_status)
+        crashes: deque[float] = deque()
+        while True:
+            try:
+                await slot.scheduler.run(task_status=readiness if not readiness.ready else anyio.TASK_STATUS_IGNORED)
+                if not readiness.ready:
+                    readiness.started()
+                return  # a loop that returns has nothing left to do (LLM admission has no loop)
+            except Exception as exc:
+                if not readiness.ready:
+                    readiness.started()  # the restart below is the supervisor's business, not the loader's
+                now = time.monotonic()
+                crashes.append(now)
+                while crashes and crashes[0] < now - SCHEDULER_CRASH_WINDOW:
+                    crashes.popleft()
+                self.metrics.scheduler_restarts.labels(slot.name).inc()
+                reason = f"{type(exc).__name__}: {exc}"
+                if len(crashes) >= SCHEDULER_MAX_CRASHES:
+                    self._fail(slot, f"the scheduler loop crashed {len(crashes)} times in "
+                                     f"{SCHEDULER_CRASH_WINDOW:.0f}s; last: {reason}", exc)
+                    return
+                log.error("engine %s: scheduler loop crashed, restarting: %s", slot.name, reason, exc_info=exc)
+                slot.restarting = reason
+                await anyio.sleep(min(SCHEDULER_BACKOFF_MAX, SCHEDULER_BACKOFF_FIRST * 2 ** (len(crashes) - 1)))
+                slot.restarting = None
+
+    def _fail(self, slot: EngineSlot, reason: str, exc: BaseException | None) -> None:
+        slot.state, slot.error, slot.died, slot.restarting = "failed", reason, True, None
+        self.metrics.engine_failures.labels(slot.name).inc()
+        log.error("engine %s failed: %s", slot.name, reason, exc_info=exc)
 
     def _scheduler_for(self, slot: EngineSlot) -> Any:
         batching = self.config.batching_for(slot.name)

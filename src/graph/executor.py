@@ -13,6 +13,7 @@ contexts.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -26,6 +27,8 @@ from headrace.graph.ops import NodeError, OpContext, aggregate, run_op
 from headrace.graph.store import Store
 
 Emit = Callable[[dict[str, Any]], None]
+log = logging.getLogger(__name__)
+COLLECTION_DROP_TIMEOUT = 60.0  # a run's end never waits forever on a stuck vector store
 
 
 @dataclass
@@ -71,6 +74,7 @@ class Run:
     policy: str | None = None  # this run's batch policy, overriding the engines' own
     applied: list[tuple[str, list[str]]] = field(default_factory=list)  # what each pass changed
     isolate: bool = False  # one engine at a time: each node's duration is its batched compute alone
+    owner: str | None = None  # the principal (API key digest) that created it; None: no auth
 
 
 class Executor:
@@ -106,7 +110,11 @@ class Executor:
                     record.state, record.finished = "cancelled", run.finished
             with anyio.CancelScope(shield=True):
                 for engine, context in list(ctx.contexts):
-                    await self.resolve(engine)[1].free(context)
+                    try:
+                        await self.resolve(engine)[1].free(context)
+                    except Exception:  # its engine failed meanwhile: the run must still end
+                        log.exception("run %s: could not free context %r on %s", run.id, context, engine)
+                await self._drop_collections(run, ctx)
             store.clear()
             if run.status == "succeeded":
                 run.emit({"event": "run.finished", "run": run.id, "result": run.result})
@@ -114,6 +122,16 @@ class Executor:
                 run.emit({"event": "run.failed", "run": run.id, "status": run.status, "error": run.error})
             run.done.set()
         return run.result
+
+    async def _drop_collections(self, run: Run, ctx: OpContext) -> None:
+        """Drop the run's own vector-store tables, through each store's scheduler (its thread, in order)."""
+        for engine, collection in sorted(ctx.collections):
+            try:
+                with anyio.fail_after(COLLECTION_DROP_TIMEOUT):
+                    await self.resolve(engine)[1].submit(("drop", collection), 1, {"run": run.id})
+            except Exception:  # the run's result stands; a leftover table is only disk
+                log.exception("run %s: could not drop its collection %r on %s", run.id, collection, engine)
+        ctx.collections.clear()
 
     async def _run_set(self, run: Run, members: set[str], store: Store, ctx: OpContext, key: tuple) -> None:
         """Dispatch ``members`` (one scope: the run, or one piece of a region) by in-degree."""

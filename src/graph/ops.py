@@ -28,6 +28,7 @@ class OpContext:
     run_id: str
     resolve: Callable[[str], tuple[Any, Any]]  # engine name -> (engine, scheduler)
     contexts: set[tuple[str, str]] = field(default_factory=set)  # (engine, ctx) to free when the run ends
+    collections: set[tuple[str, str]] = field(default_factory=set)  # (engine, run's own table) to drop at its end
     on_piece: Callable[[Node, str, tuple], Awaitable[None]] | None = None
     on_delta: Callable[[Node, Any], Awaitable[None]] | None = None  # token deltas, for a streamed response
     policy: str | None = None
@@ -104,7 +105,10 @@ async def _ingest(node, scope, ctx, key):
     vectors, texts = scope[node.inputs[0]], _texts(scope[node.inputs[1]])
     if "slice" in node.params:
         texts = texts[slice(*node.params["slice"])]
-    collection = node.params.get("collection") or f"run_{ctx.run_id}"
+    collection = node.params.get("collection")
+    if not collection:  # the run's own table: recorded before the ingest, so even a failed one is dropped
+        collection = f"run_{ctx.run_id}"
+        ctx.collections.add((node.engine, collection))
     payloads = [{"text": t} for t in texts]
     await sched.submit(("ingest", collection, vectors, payloads), len(texts), ctx.meta(node, key))
     return {node.outputs[0]: collection}

@@ -7,6 +7,7 @@ Engines are created by factories that plugins register through
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Literal, Protocol, Sequence, runtime_checkable
@@ -57,6 +58,10 @@ class Engine(Protocol):
 # ----- LLM -------------------------------------------------------------------
 
 
+# The seeds a 64-bit generator takes (torch.Generator.manual_seed): negative ones wrap around.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding parameters."""
@@ -70,10 +75,12 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError("temperature must be a finite number >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}]")
 
 
 FinishReason = Literal["stop", "length"]
@@ -168,4 +175,8 @@ class VectorStore(Engine, Protocol):
 
     async def search_text(self, collection: str, query: str, k: int) -> list[SearchHit]:
         """Full-text search over the payloads' ``text`` field."""
+        ...
+
+    async def drop(self, collection: str) -> None:
+        """Delete a collection (a run's own, when the run ends); a missing one is no error."""
         ...

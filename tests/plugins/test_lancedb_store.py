@@ -69,6 +69,21 @@ async def test_ingest_then_vector_search(tmp_path):
             assert hit.score == pytest.approx(expected[hit.payload["n"]], abs=1e-5)
 
 
+async def test_drop_deletes_a_collection_and_ignores_a_missing_one(tmp_path):
+    store = make_store(tmp_path)
+    async with running(store):
+        await store.ingest("run_abc", unit_rows(2, 4), [{"text": t} for t in DOCS[:2]])
+        assert (tmp_path / "lancedb" / "run_abc.lance").is_dir()
+        await store.drop("run_abc")
+        assert not (tmp_path / "lancedb" / "run_abc.lance").exists()
+        with pytest.raises(CollectionNotFound):
+            await store.search("run_abc", unit_rows(1, 4), k=1)
+        await store.drop("run_abc")  # already gone: no error
+        # The name can be used afresh, with another dimension.
+        await store.ingest("run_abc", unit_rows(1, 6), [{"text": DOCS[0]}])
+        assert len((await store.search("run_abc", unit_rows(1, 6), k=1))[0]) == 1
+
+
 async def test_full_text_search_and_second_ingest(tmp_path):
     store = make_store(tmp_path, path=str(tmp_path / "elsewhere"), fts_reindex_rows=2)
     vecs = unit_rows(len(DOCS), 8)

@@ -131,3 +131,16 @@ async def test_packed_batches_equal_one_at_a_time(tmp_path, dtype, floor):
     direct = reference.encode(texts, convert_to_tensor=True, normalize_embeddings=True)
     assert (together * alone).sum(-1).min() > floor
     assert (together * direct).sum(-1).min() > floor
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_a_lone_surrogate_gets_a_clear_error(tmp_path):
+    """A text the tokenizer cannot take fails its call with a ValueError naming it; the engine serves on."""
+    engine = st_embed.factory(EngineSpec(name="emb", plugin="sentence-transformers"), make_env(tmp_path, []))
+    async with running(engine):
+        with pytest.raises(ValueError, match="text 1 is not valid Unicode"):
+            await engine.embed(["fine", "bad \ud800 text"])
+        with pytest.raises(ValueError, match="not valid Unicode"):
+            engine.count_tokens(["\udfff"])
+        assert (await engine.embed(["fine"])).shape == (1, 384)

@@ -180,3 +180,131 @@ def test_next_token_logits_batch_equals_single(llm):
     single = portal.call(engine.next_token_logits, prompts[1:], [yes, no])
     assert batch.shape == (2, 2)
     assert torch.allclose(batch[1], single[0], atol=0.15)
+
+
+# ----- faults stay with their request (issue 9) -------------------------------------------
+
+NORMAL_QUESTIONS = ("What is 2 + 2?", "Name a planet.", "Who wrote Hamlet?")
+
+
+async def outcome(stream):
+    """The stream's (text, finish, tokens), or the error that ended it."""
+    try:
+        return await text_of(stream)
+    except EngineError as exc:
+        return exc
+
+
+def test_odd_sampling_values_fail_alone_beside_normal_decodes(llm):
+    portal, engine = llm
+    normal = [chat(engine, q) for q in NORMAL_QUESTIONS]
+    params = SamplingParams(max_tokens=16, temperature=0)
+    solo = [portal.call(text_of, engine.generate(p, params)) for p in normal]
+    # A params object that skipped validation (a plugin's, say): its generator cannot take the seed.
+    unchecked = SamplingParams(max_tokens=16, temperature=1.0)
+    object.__setattr__(unchecked, "seed", 2**64)
+    odd = [SamplingParams(max_tokens=16, temperature=1e-40), SamplingParams(max_tokens=16, temperature=1.0, top_p=1e-300),
+           SamplingParams(max_tokens=16, temperature=1.0, seed=2**64 - 1), unchecked]
+    odd_prompt = chat(engine, "Tell me about foxes.")
+
+    async def together():
+        out: dict = {}
+
+        async def one(key, prompt, p):
+            out[key] = await outcome(engine.generate(prompt, p))
+
+        async with anyio.create_task_group() as tg:
+            for i, p in enumerate(normal):
+                tg.start_soon(one, ("normal", i), p, params)
+            for i, p in enumerate(odd):
+                tg.start_soon(one, ("odd", i), odd_prompt, p)
+        return out
+
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**64)
+    out = portal.call(together)
+    assert [out["normal", i] for i in range(len(normal))] == solo
+    # Tiny temperature and top_p are greedy; a huge valid seed samples; the unusable seed fails alone.
+    greedy = portal.call(text_of, engine.generate(odd_prompt, SamplingParams(max_tokens=16, temperature=0)))
+    assert out["odd", 0] == greedy and out["odd", 1] == greedy
+    assert out["odd", 2][1] in ("stop", "length")
+    assert isinstance(out["odd", 3], EngineError)
+    assert portal.call(wait_for_no_contexts, engine)["contexts"] == 0
+
+
+def test_out_of_vocabulary_tokens_fail_their_prefill_only(llm):
+    portal, engine = llm
+    normal = [chat(engine, f"Say the number {i}.") for i in range(6)]
+    params = SamplingParams(max_tokens=8, temperature=0)
+    solo = [portal.call(text_of, engine.generate(p, params)) for p in normal]
+    vocab = engine.vocab_size
+
+    async def together():
+        out: dict = {}
+
+        async def one(key, tokens):
+            try:
+                out[key] = await outcome(engine.generate(tokens, params))
+            except EngineError as exc:
+                out[key] = exc
+
+        async def unchecked(tokens):
+            # Past the engine's own check (as if it had a bug): the batched prefill must still
+            # fail only this job, retried one by one.
+            from headrace.plugins.engines.torch_llm import _Prefill, _Reply
+
+            reply = _Reply()
+            engine._commands.put(_Prefill("unchecked", tokens, None, reply))
+            try:
+                await reply.wait()
+            except EngineError as exc:
+                out["unchecked"] = exc
+            finally:
+                await engine.free("unchecked")
+
+        async with anyio.create_task_group() as tg:
+            for i, p in enumerate(normal):
+                tg.start_soon(one, i, p)
+            for bad in ([1, 2, vocab], [-1, 5], [2**70], [1, 2.5]):
+                tg.start_soon(one, str(bad), bad)
+            tg.start_soon(unchecked, normal[0][:-1] + [vocab + 10])
+        return out
+
+    out = portal.call(together)
+    assert [out[i] for i in range(6)] == solo
+    for bad in ([1, 2, vocab], [-1, 5], [2**70], [1, 2.5]):
+        assert isinstance(out[str(bad)], EngineError) and "vocabulary" in str(out[str(bad)])
+    assert isinstance(out["unchecked"], EngineError) and "prefill failed" in str(out["unchecked"])
+    engine._contexts.pop("unchecked", None)
+    assert portal.call(wait_for_no_contexts, engine)["contexts"] == 0
+
+
+def test_a_huge_scoring_job_lets_running_decodes_step(llm):
+    """2,000 prompts are scored a chunk at a time, with decode steps in between: the decode ends first."""
+    portal, engine = llm
+    prompts = [[1 + i % 500, 2 + i % 300, 3] for i in range(2000)]
+    yes, no = engine.encode("yes")[0], engine.encode("no")[0]
+
+    async def run():
+        events: list[str] = []
+        scores = {}
+
+        async def score():
+            scores["value"] = await engine.next_token_logits(prompts, [yes, no])
+            events.append("scored")
+
+        stream = engine.generate(chat(engine, "Write a long story about the sea."),
+                                 SamplingParams(max_tokens=24, temperature=0))
+        async with anyio.create_task_group() as tg:
+            first = await stream.__anext__()  # the decode is running
+            events.append("token")
+            tg.start_soon(score)
+            async for delta in stream:
+                events.append("token" if delta.finish_reason is None else "decode done")
+        return events, scores["value"]
+
+    events, scores = portal.call(run)
+    assert scores.shape == (2000, 2) and torch.isfinite(scores).all()
+    # Order of events, not timing: the whole decode ran while the scoring job was still going.
+    assert events.index("decode done") < events.index("scored")
+    assert events.count("token") >= 20

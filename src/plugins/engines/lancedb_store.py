@@ -95,6 +95,11 @@ class LanceDBStore:
             raise ValueError("k must be >= 1")
         return await self._call(self._search, collection, matrix, k, observe=("search", matrix.shape[0]))
 
+    async def drop(self, collection: str) -> None:
+        """Delete a collection and its rows; dropping one that does not exist is no error."""
+        _check_name(collection)
+        await self._call(self._drop, collection)
+
     async def search_text(self, collection: str, query: str, k: int) -> list[SearchHit]:
         if k < 1:
             raise ValueError("k must be >= 1")
@@ -115,6 +120,11 @@ class LanceDBStore:
                 ) from None
             self._tables[collection] = table
         return table
+
+    def _drop(self, collection: str) -> None:
+        self._tables.pop(collection, None)
+        # A run that failed before its ingest never created its table.
+        self._db.drop_table(collection, ignore_missing=True)
 
     def _ingest(self, collection: str, dim: int, rows: list[dict[str, Any]]) -> list[str]:
         try:

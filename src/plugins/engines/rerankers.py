@@ -6,8 +6,13 @@ Options: ``batch_size`` (default 32), ``device`` (default "cpu").
 
 ``llm-rerank`` asks another configured LLM engine (``options.llm``) whether each
 document is relevant and scores it sigmoid(logit "yes" - logit "no") from one
-prefill-only pass over the whole batch. Options: ``llm`` (required),
-``max_doc_tokens`` (default 384).
+prefill-only scoring job over the whole batch (the LLM scores it in chunks,
+between its decode steps). Options: ``llm`` (required), ``max_doc_tokens``
+(default 384) and ``max_query_tokens`` (default 128): longer documents and
+queries are cut to that many tokens, so one request's work stays bounded.
+
+Texts that are not valid Unicode (a lone surrogate such as "\ud800") are
+refused with a ValueError naming the pair, before any model work.
 
 Both also take ``score_pairs(pairs)``, (query, doc) pairs with mixed queries,
 which is how the daemon's batch scheduler hands them several requests at once.
@@ -24,6 +29,7 @@ import torch
 from headrace.plugins.engines.model_paths import resolve_model
 from headrace.plugins.hookspecs import hookimpl
 from headrace.plugins.protocols import EngineEnv, EngineSpec, LLMEngine
+from headrace.text import check_texts
 
 # ----- cross-encoder -----------------------------------------------------------
 
@@ -76,6 +82,7 @@ class CrossEncoderReranker:
         pairs = [(q, d) for q, d in pairs]
         if not pairs:
             return torch.empty(0, dtype=torch.float32)
+        check_text(pairs)
         async with self._limiter:
             start = time.monotonic()
             scores = await anyio.to_thread.run_sync(self._predict, model, pairs)
@@ -115,6 +122,9 @@ class LLMReranker:
         self._max_doc_tokens = int(spec.options.get("max_doc_tokens", 384))
         if self._max_doc_tokens < 1:
             raise ValueError(f"engines.{spec.name}.options.max_doc_tokens must be >= 1")
+        self._max_query_tokens = int(spec.options.get("max_query_tokens", 128))
+        if self._max_query_tokens < 1:
+            raise ValueError(f"engines.{spec.name}.options.max_query_tokens must be >= 1")
         self._llm: Any = None
         self._yes_ids: list[int] = []
         self._no_ids: list[int] = []
@@ -163,8 +173,10 @@ class LLMReranker:
             raise RuntimeError(f"rerank engine {self.name!r} is not running")
         if not pairs:
             return torch.empty(0, dtype=torch.float32)
+        check_text(pairs)
         start = time.monotonic()
-        prompts = [llm.chat_tokens(self._messages(q, self._truncate(llm, d))) for q, d in pairs]
+        # Tokenizing thousands of documents takes a while: off the event loop.
+        prompts = await anyio.to_thread.run_sync(self._prompts, llm, list(pairs))
         logits = await llm.next_token_logits(prompts, self._yes_ids + self._no_ids)
         self._env.observe_batch("rerank", len(pairs), start, time.monotonic())
         logits = logits.to(device="cpu", dtype=torch.float32)
@@ -183,8 +195,21 @@ class LLMReranker:
             },
         ]
 
-    def _truncate(self, llm: Any, doc: str) -> str:
-        return truncate_to_tokens(llm, doc, self._max_doc_tokens)
+    def _prompts(self, llm: Any, pairs: list[tuple[str, str]]) -> list[list[int]]:
+        queries: dict[str, str] = {}  # a batch mostly repeats a few queries
+        prompts = []
+        for query, doc in pairs:
+            if query not in queries:
+                queries[query] = truncate_to_tokens(llm, query, self._max_query_tokens)
+            doc = truncate_to_tokens(llm, doc, self._max_doc_tokens)
+            prompts.append(llm.chat_tokens(self._messages(queries[query], doc)))
+        return prompts
+
+
+def check_text(pairs: Sequence[tuple[str, str]]) -> None:
+    """Refuse text a tokenizer cannot take (lone surrogates) with a clear error, before any model work."""
+    check_texts((query for query, _ in pairs), "the query of pair")
+    check_texts((doc for _, doc in pairs), "the document of pair")
 
 
 def single_token_ids(llm: Any, words: Sequence[str]) -> list[int]:

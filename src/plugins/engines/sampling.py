@@ -10,7 +10,13 @@ import torch
 from headrace.plugins.protocols import SamplingParams
 
 
+# Below this temperature a row decodes greedily, as vLLM does: dividing logits by a
+# smaller one overflows float32 to inf, and softmax of inf is NaN.
+GREEDY_TEMPERATURE = 1e-5
+
+
 def make_generator(seed: int | None) -> torch.Generator:
+    """A row's RNG. ``SamplingParams`` admits only seeds that ``manual_seed`` takes."""
     gen = torch.Generator()
     if seed is None:
         gen.seed()
@@ -19,10 +25,19 @@ def make_generator(seed: int | None) -> torch.Generator:
     return gen
 
 
+def is_greedy(params: SamplingParams) -> bool:
+    return params.temperature < GREEDY_TEMPERATURE
+
+
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator]) -> list[int]:
-    """One token per row of ``logits`` (B, V), each row with its own params and RNG."""
+    """One token per row of ``logits`` (B, V), each row with its own params and RNG.
+
+    Every value ``SamplingParams`` admits works: tiny temperatures are greedy, a
+    top_p that rounds to 0 keeps the top token, and a row whose distribution is
+    not finite (NaN logits) falls back to its argmax rather than failing.
+    """
     greedy = logits.argmax(dim=-1).tolist()
-    sampled_rows = [i for i, p in enumerate(params) if p.temperature > 0]
+    sampled_rows = [i for i, p in enumerate(params) if not is_greedy(p)]
     if not sampled_rows:
         return greedy
     rows = torch.tensor(sampled_rows)
@@ -31,12 +46,16 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
     top_ps = torch.tensor([params[i].top_p for i in sampled_rows], dtype=torch.float32).unsqueeze(1)
     if bool((top_ps < 1).any()):
         sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (always the top token).
+        # Keep the smallest prefix whose mass reaches top_p, and always the top token
+        # (a top_p of 1e-300 is 0 in float32, which would otherwise drop every token).
         drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_ps
+        drop[:, 0] = False
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    usable = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
     for j, i in enumerate(sampled_rows):
-        greedy[i] = int(torch.multinomial(probs[j], 1, generator=generators[i]).item())
+        if bool(usable[j]):
+            greedy[i] = int(torch.multinomial(probs[j], 1, generator=generators[i]).item())
     return greedy
 
 

