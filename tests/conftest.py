@@ -21,6 +21,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 API_KEY = "test-key"
+OTHER_API_KEY = "other-test-key"  # the session server accepts both: runs of one are hidden from the other
 
 
 def free_port() -> int:
@@ -72,7 +73,8 @@ class Server:
 def server(tmp_path_factory):
     """The default config's engines behind a real server, with an API key."""
     tmp = tmp_path_factory.mktemp("server")
-    srv = Server(ROOT / "configs" / "default.toml", tmp, api_key=API_KEY)
+    srv = Server(ROOT / "configs" / "default.toml", tmp, api_key=API_KEY,
+                 env={"HEADRACE_SERVER_API_KEYS": OTHER_API_KEY})
     try:
         yield srv.wait_ready()
     finally:

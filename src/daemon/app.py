@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from contextlib import asynccontextmanager
 import anyio
@@ -15,7 +16,9 @@ from headrace import __version__
 from headrace.daemon import systemd
 from headrace.daemon.config import Config
 from headrace.daemon.errors import APIError, api_error_handler, internal_error_handler
+from headrace.daemon.lifecycle import DrainMiddleware, Lifecycle
 from headrace.daemon.metrics import Metrics
+from headrace.daemon.openapi import openapi_json
 from headrace.daemon.pool import EnginePool
 from headrace.daemon.routes_openai import chat_completions, completions, list_models
 from headrace.daemon.routes_retrieval import embeddings, rerank
@@ -25,36 +28,66 @@ from headrace.graph.service import WorkflowService
 from headrace.plugins.manager import Registry, collect
 
 
-class APIKeyMiddleware:
-    """Bearer check on /v1/*; plain ASGI so streaming responses pass through untouched."""
+def principal(api_key: str) -> str:
+    """Who holds ``api_key``, as runs record it: a digest, so the key itself is never stored."""
+    return hashlib.sha256(api_key.encode()).hexdigest()[:16]
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app, self.key = app, api_key.encode()
+
+class APIKeyMiddleware:
+    """Bearer check on /v1/*; plain ASGI so streaming responses pass through untouched.
+
+    Any configured key is accepted; the request's ``state["principal"]`` then names its key
+    (runs belong to it). Without keys there is no auth and the principal is None for all.
+    """
+
+    def __init__(self, app: ASGIApp, api_keys: list[str]) -> None:
+        self.app = app
+        self.principals = [(key.encode(), principal(key)) for key in api_keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.key and scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            headers = dict(scope["headers"])
-            auth = headers.get(b"authorization", b"")
+        if self.principals and scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            auths = [value for name, value in scope["headers"] if name.lower() == b"authorization"]
+            if len(auths) > 1:
+                # 400, not 401: the request is malformed (one credential per request, RFC 9110),
+                # and a proxy and client disagreeing on which header counts is how keys get confused.
+                await APIError(400, "more than one Authorization header", param="Authorization",
+                               code="duplicate_authorization").response()(scope, receive, send)
+                return
+            auth = auths[0] if auths else b""
             scheme, _, token = auth.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+            who = None
+            if scheme.lower() == b"bearer":
+                for key, owner in self.principals:  # every key is compared: the time says nothing of which matched
+                    if hmac.compare_digest(token.strip(), key):
+                        who = owner
+            if who is None:
                 message = "missing API key" if not auth else "incorrect API key"
                 await APIError(401, message, code="invalid_api_key").response()(scope, receive, send)
                 return
+            scope.setdefault("state", {})["principal"] = who
         await self.app(scope, receive, send)
 
 
 async def health(request: Request) -> Response:
-    return JSONResponse({"status": "ok", "version": __version__})
+    """Liveness: 503 once a loop the daemon needs is dead, so a watchdog or probe restarts it."""
+    state = request.app.state.lifecycle.health()
+    body = {"status": "ok" if state.alive else "unhealthy", "version": __version__,
+            **({"problems": state.problems} if state.problems else {})}
+    return JSONResponse(body, status_code=200 if state.alive else 503)
 
 
 async def ready(request: Request) -> Response:
+    """Readiness: 503 while an engine is not ready or the daemon drains."""
     pool: EnginePool = request.app.state.pool
+    lifecycle: Lifecycle = request.app.state.lifecycle
     engines = {
         s.name: {"state": s.state, **({"error": s.error} if s.error else {}),
                  **({"load_seconds": round(s.load_seconds, 3)} if s.load_seconds is not None else {})}
         for s in pool.slots.values()
     }
-    return JSONResponse({"ready": pool.ready, "engines": engines}, status_code=200 if pool.ready else 503)
+    return JSONResponse({"ready": lifecycle.ready, "draining": lifecycle.draining, "engines": engines,
+                         "in_flight": lifecycle.in_flight_counts()},
+                        status_code=200 if lifecycle.ready else 503)
 
 
 async def metrics(request: Request) -> Response:
@@ -78,23 +111,33 @@ def create_app(config: Config, registry: Registry | None = None) -> Starlette:
                                 pool.max_efficient_batch, policies=registry.batch_policies)
     metrics_.watch_optimizer(workflows.optimizer.stats)
 
+    lifecycle = Lifecycle(pool, workflows, config.server.drain_seconds)
+
     @asynccontextmanager
     async def lifespan(app: Starlette):
         # The engines load in the background: /health answers at once, /ready once all are loaded.
-        async with anyio.create_task_group() as tg:
-            await tg.start(pool.run)
-            async with anyio.create_task_group() as runs:  # every workflow run is a task of this group
-                workflows.task_group = runs
-                yield
-                systemd.notify("STOPPING=1")
-                runs.cancel_scope.cancel()
-            tg.cancel_scope.cancel()
+        try:
+            async with anyio.create_task_group() as tg:
+                await tg.start(pool.run)
+                async with anyio.create_task_group() as runs:  # every workflow run is a task of this group
+                    workflows.task_group = runs
+                    # On SIGTERM the lifecycle lets runs finish (the server stops only once it has
+                    # drained); at this point only what outlived the drain, or a host that does not
+                    # drain (the test client), leaves runs to cancel.
+                    await tg.start(lifecycle.run, runs.cancel_scope)
+                    yield
+                    systemd.notify("STOPPING=1")
+                    runs.cancel_scope.cancel()
+                tg.cancel_scope.cancel()
+        finally:
+            lifecycle.serving = False  # e.g. a crashed loop ended the task groups: /health turns 503
 
     app = Starlette(
         routes=[
             Route("/health", health),
             Route("/ready", ready),
             Route("/metrics", metrics),
+            Route("/openapi.json", openapi_json),
             Route("/v1/models", list_models),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
@@ -113,7 +156,8 @@ def create_app(config: Config, registry: Registry | None = None) -> Starlette:
         lifespan=lifespan,
     )
     app.state.config, app.state.pool, app.state.metrics, app.state.registry = config, pool, metrics_, registry
-    app.state.workflows = workflows
-    app.add_middleware(APIKeyMiddleware, api_key=config.server.api_key)
+    app.state.workflows, app.state.lifecycle = workflows, lifecycle
+    app.add_middleware(APIKeyMiddleware, api_keys=config.server.keys())
+    app.add_middleware(DrainMiddleware, lifecycle=lifecycle)  # outermost: a drain refuses before anything
     return app
 

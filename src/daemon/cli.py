@@ -117,11 +117,18 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from headrace.daemon.app import create_app
+    from headrace.daemon.lifecycle import DrainingServer
 
     app = create_app(config)  # builds every engine (not loading yet): bad models fail here
-    uvicorn.run(app, host=config.server.host, port=config.server.port, log_level=config.server.log_level,
-                timeout_graceful_shutdown=30)
-    return 0
+    # The drain (server.drain_seconds) has let in-flight work finish before uvicorn shuts down;
+    # its own grace period then only covers the last writes of requests the drain cut short.
+    server = DrainingServer(
+        uvicorn.Config(app, host=config.server.host, port=config.server.port, log_level=config.server.log_level,
+                       timeout_graceful_shutdown=5),
+        app.state.lifecycle,
+    )
+    server.run()
+    return server.exit_status
 
 
 if __name__ == "__main__":

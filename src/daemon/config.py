@@ -6,7 +6,8 @@ sources, highest first: overrides (CLI flags) > ``HEADRACE_*`` env > file > defa
 
 Environment variables are ``HEADRACE_<SECTION>_<FIELD>`` for the scalar fields of
 ``server``, ``data`` and ``batching`` (``HEADRACE_SERVER_PORT``, ``HEADRACE_DATA_DIR``,
-``HEADRACE_DATA_CACHE_DIR``, ``HEADRACE_BATCHING_MAX_WAIT_MS``...). ``HEADRACE_API_KEY``
+``HEADRACE_DATA_CACHE_DIR``, ``HEADRACE_BATCHING_MAX_WAIT_MS``...) and for lists of
+scalars, comma-separated (``HEADRACE_SERVER_API_KEYS=key1,key2``). ``HEADRACE_API_KEY``
 is a short alias for ``server.api_key``; when both are set, the full name
 ``HEADRACE_SERVER_API_KEY`` wins (the more specific name always wins).
 """
@@ -65,12 +66,33 @@ class ServerConfig:
     api_key: str = ""  # empty: no auth; else clients send "Authorization: Bearer <key>"
     max_body_bytes: int = 4 * 1024 * 1024
     log_level: str = "info"
+    # On SIGTERM the daemon drains: /ready turns 503, new requests get 503, and in-flight
+    # requests and runs get this long to finish; whatever is left is then cancelled.
+    drain_seconds: float = 30.0
+    # More accepted keys, beside api_key (one per client, say). A run belongs to the key
+    # that created it: another key cannot see or cancel it.
+    api_keys: list[str] = field(default_factory=list)
+    max_rerank_documents: int = 1000  # documents one /v1/rerank request may score; more is a 400
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, "port", f"must be in 0..65535, got {self.port}")
         _check(self.max_body_bytes > 0, "max_body_bytes", "must be > 0")
         _check(self.log_level in LOG_LEVELS, "log_level",
                f"expected one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        _check(self.drain_seconds >= 0, "drain_seconds", f"must be >= 0, got {self.drain_seconds}")
+        _check(self.max_rerank_documents >= 1, "max_rerank_documents",
+               f"must be >= 1, got {self.max_rerank_documents}")
+        # Keys travel in an HTTP header: printable ASCII without spaces, or no client could send them.
+        named = {f"api_keys[{i}]": key for i, key in enumerate(self.api_keys)}
+        if self.api_key:
+            named["api_key"] = self.api_key
+        for name, key in named.items():
+            _check(bool(key) and key.isascii() and key.isprintable() and " " not in key, name,
+                   "must be a non-empty string of printable ASCII without spaces")
+
+    def keys(self) -> list[str]:
+        """Every accepted API key (api_key, then api_keys), each once; empty: no auth."""
+        return list(dict.fromkeys(k for k in (self.api_key, *self.api_keys) if k))
 
 
 def _xdg(var: str, fallback: str, env: Mapping[str, str]) -> Path:
@@ -186,6 +208,7 @@ class Config:
         out = dataclasses.asdict(self)
         if out["server"]["api_key"]:
             out["server"]["api_key"] = "***"
+        out["server"]["api_keys"] = ["***"] * len(out["server"]["api_keys"])
         for engine in out["engines"]:
             given = {k: v for k, v in (engine.pop("batching") or {}).items() if v is not None}
             if given:
@@ -265,6 +288,8 @@ def _from_string(tp: Any, text: str) -> Any:
         return {"true": True, "1": True, "false": False, "0": False}[text.strip().lower()]
     if tp in (int, float):
         return tp(text.strip())
+    if typing.get_origin(tp) is list:  # comma-separated: HEADRACE_SERVER_API_KEYS=k1,k2
+        return [_from_string(typing.get_args(tp)[0], item.strip()) for item in text.split(",") if item.strip()]
     return text
 
 
@@ -297,6 +322,8 @@ def _set(raw: dict[str, Any], section: str, name: str, value: Any, source: str) 
             value = _from_string(hints[name], value)
         except (ValueError, KeyError):
             expected = _TYPE_NAMES.get(hints[name], "a valid value")
+            if typing.get_origin(hints[name]) is list:
+                expected = "a comma-separated list"
             raise ConfigError(source, f"expected {expected}, got {value!r}") from None
     table = raw.setdefault(section, {})
     _check(isinstance(table, dict), section, f"expected a table, got {table!r}")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+log = logging.getLogger(__name__)
 TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -45,5 +47,11 @@ async def api_error_handler(request: Request, exc: Exception) -> JSONResponse:
     return exc.response()
 
 
+def internal(exc: BaseException, what: str = "the request") -> APIError:
+    """A 500 for a failure of ours: the details go to the log, never to the client."""
+    log.error("%s failed", what, exc_info=exc)
+    return APIError(500, f"{what} failed inside the server; the daemon's log has the details", code="internal_error")
+
+
 async def internal_error_handler(request: Request, exc: Exception) -> JSONResponse:
-    return APIError(500, f"internal error: {exc}", code="internal_error").response()
+    return internal(exc, f"{request.method} {request.url.path}").response()

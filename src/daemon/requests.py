@@ -1,38 +1,35 @@
-"""Parse and validate OpenAI-style request bodies into plain values.
+"""Read request bodies safely and validate them with the models of ``schemas``.
 
 Every field a route does not support is refused by name with a 400, never
-silently ignored.
+silently ignored; every client mistake is a 4xx with OpenAI's error envelope.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
+import anyio
+from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from headrace.daemon.errors import APIError, bad_request
+from headrace.daemon.schemas import NEUTRAL, ChatCompletionRequest, CompletionRequest, Sampling
 from headrace.plugins.protocols import SamplingParams
+from headrace.text import is_unicode
 
-# Fields accepted only with the value that means "off" (what OpenAI's SDKs may send by default).
-NEUTRAL = {
-    "n": 1,
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "logprobs": False,
-    "parallel_tool_calls": None,
-    "echo": False,
-    "best_of": 1,
-}
-CHAT_FIELDS = {"model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens",
-               "temperature", "top_p", "seed", "stop", "user", "metadata", "store"}
-COMPLETION_FIELDS = {"model", "prompt", "stream", "stream_options", "max_tokens", "temperature", "top_p",
-                     "seed", "stop", "user"}
+# No route needs deeper JSON; deeper nesting is refused before anything walks it recursively.
+MAX_JSON_DEPTH = 32
+# Bodies (and texts) past this size are parsed (tokenized) on a worker thread, so one
+# megabyte-sized request does not stall every other connection's handling.
+OFF_LOOP_BYTES = 64 * 1024
+
+Model = TypeVar("Model", bound=BaseModel)
 
 
 async def read_json(request: Request, limit: int) -> dict[str, Any]:
-    """The body as a JSON object; 413 past ``limit`` bytes, 400 when not a JSON object."""
+    """The body as a JSON object; 413 past ``limit`` bytes, 400 when not a clean JSON object."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
@@ -41,45 +38,96 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         body += chunk
         if len(body) > limit:
             raise APIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
+    if len(body) > OFF_LOOP_BYTES:
+        return await anyio.to_thread.run_sync(parse_json, bytes(body))
+    return parse_json(bytes(body))
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json(body: bytes) -> dict[str, Any]:
+    """Parse and vet a body: an object, at most MAX_JSON_DEPTH deep, every string valid Unicode."""
     try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        data = json.loads(body, parse_constant=_no_constants)
+    except json.JSONDecodeError as exc:
         raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    except UnicodeDecodeError:
+        raise bad_request("request body is not valid UTF-8", code="invalid_json") from None
+    except RecursionError:
+        raise bad_request(f"request body is nested deeper than {MAX_JSON_DEPTH} levels", code="invalid_json") from None
+    except ValueError as exc:  # NaN/Infinity, or an integer with thousands of digits
+        message = str(exc) if "not valid JSON" in str(exc) else "a number in the body is too large"
+        raise bad_request(f"request body is not valid JSON: {message}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise bad_request("request body must be a JSON object", code="invalid_json")
+    _vet(data)
     return data
 
 
-def check_fields(body: dict[str, Any], allowed: set[str]) -> None:
-    for key, value in body.items():
-        if key in allowed:
-            continue
-        if key in NEUTRAL and value in (NEUTRAL[key], None):
-            continue
-        if key in NEUTRAL:
-            raise bad_request(f"'{key}'={value!r} is not supported by this server", param=key, code="unsupported_parameter")
-        raise bad_request(f"'{key}' is not supported by this server", param=key, code="unsupported_parameter")
+def _vet(data: Any) -> None:
+    """Refuse deep nesting and lone surrogates (``"\\ud800"`` parses, but no model or store can encode it)."""
+    stack: list[tuple[Any, str, int]] = [(data, "", 1)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise bad_request(f"request body is nested deeper than {MAX_JSON_DEPTH} levels", param=path or None,
+                              code="invalid_json")
+        if isinstance(value, dict):
+            for key, item in value.items():
+                where = f"{path}.{key}" if path else key
+                if not is_unicode(key):
+                    raise bad_request("a key in the body is not valid Unicode (a lone surrogate)",
+                                      param=path or None, code="invalid_json")
+                stack.append((item, where, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value))
+        elif isinstance(value, str) and not is_unicode(value):
+            raise bad_request(f"'{path}' is not valid Unicode (it holds a lone surrogate)", param=path,
+                              code="invalid_value")
 
 
-def field(body: dict[str, Any], key: str, kind: type | tuple[type, ...], default: Any = None,
-          check: Callable[[Any], bool] | None = None, hint: str = "") -> Any:
-    value = body.get(key, default)
-    if value is None:
-        return default
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
-    if float in kinds and isinstance(value, int) and not isinstance(value, bool):
-        ok = True
-    if not ok or (check is not None and not check(value)):
-        raise bad_request(f"'{key}' must be {hint or ' or '.join(k.__name__ for k in kinds)}, got {value!r}", param=key)
-    return value
+def validate(model: type[Model], body: dict[str, Any]) -> Model:
+    """``body`` as ``model``; the first problem becomes a 400 naming its field."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise _error(exc) from None
 
 
-def model_name(body: dict[str, Any]) -> str:
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad_request("'model' is required and must be a string", param="model", code="missing_required_parameter")
-    return model
+# Union members and wrappers pydantic puts in an error's location; they are not field names.
+def _is_tag(part: str) -> bool:
+    return any(c in part for c in "[]-") or part[:1].isupper() or part in {"str", "int", "float", "bool", "list",
+                                                                           "dict", "none"}
+
+
+def param_of(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not _is_tag(str(part)):
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _error(exc: ValidationError) -> APIError:
+    errors = exc.errors(include_url=False, include_input=False)
+    # A union reports one error per member; the deepest is the member the client meant.
+    deepest = max(errors, key=lambda e: len([p for p in e["loc"] if isinstance(p, int) or not _is_tag(p)]))
+    param = param_of(deepest["loc"])
+    same = [e for e in errors if param_of(e["loc"]) == param]
+    top = param.split(".")[0].split("[")[0]
+    if any(e["type"] == "extra_forbidden" for e in same):
+        return bad_request(f"'{param}' is not supported by this server", param=param, code="unsupported_parameter")
+    if top in NEUTRAL and param == top:
+        return bad_request(f"'{param}' is not supported by this server (only {json.dumps(NEUTRAL[top])} is accepted)",
+                           param=param, code="unsupported_parameter")
+    missing = all(e["type"] == "missing" for e in same)
+    messages = list(dict.fromkeys(e["msg"] for e in same))
+    return bad_request(f"'{param}': {' or '.join(messages)}" if param else "; ".join(messages), param=param or None,
+                       code="missing_required_parameter" if missing else "invalid_value")
 
 
 @dataclass(frozen=True)
@@ -88,83 +136,44 @@ class StreamSpec:
     include_usage: bool
 
 
-def stream_spec(body: dict[str, Any]) -> StreamSpec:
-    stream = field(body, "stream", bool, False)
-    options = field(body, "stream_options", dict, {})
-    if options and not stream:
+def stream_spec(body: Sampling) -> StreamSpec:
+    if body.stream_options is not None and not body.stream:
         raise bad_request("'stream_options' is only allowed when 'stream' is true", param="stream_options")
-    for key in options:
-        if key != "include_usage":
-            raise bad_request(f"'stream_options.{key}' is not supported", param=f"stream_options.{key}",
-                              code="unsupported_parameter")
-    include = options.get("include_usage", False)
-    if not isinstance(include, bool):
-        raise bad_request("'stream_options.include_usage' must be a boolean", param="stream_options.include_usage")
-    return StreamSpec(stream, include)
+    return StreamSpec(bool(body.stream), bool(body.stream_options and body.stream_options.include_usage))
 
 
-def sampling(body: dict[str, Any], default_max_tokens: int, *, chat: bool) -> SamplingParams:
-    max_tokens = field(body, "max_tokens", int, None, lambda v: v >= 1, "an integer >= 1")
-    if chat:
-        max_completion = field(body, "max_completion_tokens", int, None, lambda v: v >= 1, "an integer >= 1")
-        max_tokens = max_completion if max_completion is not None else max_tokens
-    stop = body.get("stop")
-    if stop is None:
-        stops: tuple[str, ...] = ()
-    elif isinstance(stop, str):
-        stops = (stop,) if stop else ()
-    elif isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) and s for s in stop):
-        stops = tuple(stop)
-    else:
-        raise bad_request("'stop' must be a string or a list of at most 4 non-empty strings", param="stop")
+def sampling(body: ChatCompletionRequest | CompletionRequest, default_max_tokens: int) -> SamplingParams:
+    max_tokens = body.max_tokens
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+        max_tokens = body.max_completion_tokens
+    stop = body.stop
+    stops = (stop,) if isinstance(stop, str) and stop else tuple(stop) if isinstance(stop, list) else ()
     return SamplingParams(
         max_tokens=max_tokens or default_max_tokens,
-        temperature=float(field(body, "temperature", float, 1.0, lambda v: 0 <= v <= 2, "a number in [0, 2]")),
-        top_p=float(field(body, "top_p", float, 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]")),
-        seed=field(body, "seed", int),
+        temperature=1.0 if body.temperature is None else float(body.temperature),
+        top_p=1.0 if body.top_p is None else float(body.top_p),
+        seed=body.seed,
         stop=stops,
     )
 
 
-def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("'messages' must be a non-empty list", param="messages",
-                          code="missing_required_parameter" if messages is None else "invalid_value")
+def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
     out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad_request(f"'{where}' must be an object", param=where)
-        role = m.get("role")
-        if role not in ("system", "developer", "user", "assistant"):
-            raise bad_request(f"'{where}.role' must be system, developer, user or assistant, got {role!r}",
-                              param=f"{where}.role")
-        for key in m:
-            if key not in ("role", "content", "name"):
-                raise bad_request(f"'{where}.{key}' is not supported by this server", param=f"{where}.{key}",
-                                  code="unsupported_parameter")
-        content = m.get("content")
-        if isinstance(content, list):
-            parts = []
-            for j, part in enumerate(content):
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                    raise bad_request(f"'{where}.content[{j}]' must be a text part; only text is supported",
-                                      param=f"{where}.content[{j}]", code="unsupported_parameter")
-                parts.append(part["text"])
-            content = "".join(parts)
-        if not isinstance(content, str):
-            raise bad_request(f"'{where}.content' must be a string or a list of text parts", param=f"{where}.content")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+    for m in body.messages:
+        content = m.content if isinstance(m.content, str) else "".join(part.text for part in m.content)
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
     return out
 
 
-def completion_prompt(body: dict[str, Any]) -> str | list[int]:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return prompt
-    raise bad_request("'prompt' must be a string, a list of one string, or a list of token ids", param="prompt")
+def completion_prompt(body: CompletionRequest) -> str | list[int]:
+    prompt = body.prompt
+    if isinstance(prompt, list) and isinstance(prompt[0], str):  # a list of one string
+        return prompt[0]
+    return prompt  # type: ignore[return-value]
+
+
+async def off_loop_if_large(size: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, on a worker thread when its input is large (tokenizing megabytes takes seconds)."""
+    if size > OFF_LOOP_BYTES:
+        return await anyio.to_thread.run_sync(fn, *args)
+    return fn(*args)

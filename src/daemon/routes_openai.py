@@ -8,11 +8,13 @@ import uuid
 from contextlib import aclosing
 from typing import Any, AsyncIterator
 
+import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from headrace.daemon import requests as rq
-from headrace.daemon.errors import APIError, bad_request
+from headrace.daemon.errors import APIError, bad_request, internal
+from headrace.daemon.schemas import ChatCompletionRequest, CompletionRequest
 from headrace.plugins.protocols import SamplingParams, TokenDelta
 
 DEFAULT_MAX_TOKENS = 256
@@ -42,37 +44,92 @@ async def list_models(request: Request) -> Response:
     return JSONResponse({"object": "list", "data": data})
 
 
-def _check_length(slot: Any, tokens: list[int]) -> None:
+def _check_length(slot: Any, tokens: list[int], param: str) -> None:
+    if not tokens:
+        raise bad_request("the prompt is empty once tokenized", param=param)
     limit = getattr(slot.engine, "max_context_tokens", None)
     if limit is not None and len(tokens) >= limit:
         raise bad_request(f"the prompt is {len(tokens)} tokens; the model '{slot.name}' holds at most {limit}",
-                          param="messages", code="context_length_exceeded")
+                          param=param, code="context_length_exceeded")
 
 
-async def _llm_request(request: Request, fields: set[str], what: str) -> tuple[dict[str, Any], Any]:
-    body = await rq.read_json(request, request.app.state.config.server.max_body_bytes)
-    rq.check_fields(body, fields)
-    return body, engine_for(request, rq.model_name(body), "llm", what)
+def vocab_size(engine: Any) -> int | None:
+    """How many token ids the engine's model knows (None when the engine does not say)."""
+    size = getattr(engine, "vocab_size", None)
+    if size is None and getattr(engine, "tokenizer", None) is not None:
+        size = len(engine.tokenizer)
+    return size
+
+
+def _check_token_ids(slot: Any, tokens: list[int]) -> None:
+    size = vocab_size(slot.engine)
+    if size is None:
+        return
+    for i, token in enumerate(tokens):
+        if token >= size:
+            raise bad_request(f"token id {token} is outside the vocabulary of '{slot.name}' (0 to {size - 1})",
+                              param=f"prompt[{i}]")
+
+
+async def _llm_request(request: Request, model: type[rq.Model], what: str) -> tuple[rq.Model, Any]:
+    raw = await rq.read_json(request, request.app.state.config.server.max_body_bytes)
+    body = rq.validate(model, raw)
+    return body, engine_for(request, body.model, "llm", what)  # type: ignore[attr-defined]
 
 
 async def chat_completions(request: Request) -> Response:
-    body, slot = await _llm_request(request, rq.CHAT_FIELDS, "chat completions")
+    body, slot = await _llm_request(request, ChatCompletionRequest, "chat completions")
     messages = rq.chat_messages(body)
     spec = rq.stream_spec(body)
-    params = rq.sampling(body, DEFAULT_MAX_TOKENS, chat=True)
-    tokens = slot.engine.chat_tokens(messages)
-    _check_length(slot, tokens)
+    params = rq.sampling(body, DEFAULT_MAX_TOKENS)
+    size = sum(len(m["content"]) for m in messages)
+    tokens = await rq.off_loop_if_large(size, slot.engine.chat_tokens, messages)
+    _check_length(slot, tokens, "messages")
     return await _respond(request, slot, tokens, params, spec, chat=True)
 
 
 async def completions(request: Request) -> Response:
-    body, slot = await _llm_request(request, rq.COMPLETION_FIELDS, "completions")
+    body, slot = await _llm_request(request, CompletionRequest, "completions")
     prompt = rq.completion_prompt(body)
     spec = rq.stream_spec(body)
-    params = rq.sampling(body, 16, chat=False)  # OpenAI's default for completions
-    tokens = slot.engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    _check_length(slot, tokens)
+    params = rq.sampling(body, 16)  # OpenAI's default for completions
+    if isinstance(prompt, str):
+        tokens = await rq.off_loop_if_large(len(prompt), slot.engine.encode, prompt)
+    else:
+        tokens = list(prompt)
+        _check_token_ids(slot, tokens)
+    _check_length(slot, tokens, "prompt")
     return await _respond(request, slot, tokens, params, spec, chat=False)
+
+
+async def _collect(request: Request, deltas: AsyncIterator[TokenDelta]) -> tuple[str, int, str | None] | None:
+    """Drain a non-streamed generation; None when the client disconnected first (the generation is aborted)."""
+    text: list[str] = []
+    generated, finish, gone = 0, None, False
+    failed: Exception | None = None
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            nonlocal gone
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            tg.cancel_scope.cancel()  # closing the deltas below cancels the run and frees its context
+
+        tg.start_soon(watch)
+        try:
+            async with aclosing(deltas):
+                async for d in deltas:
+                    text.append(d.text)
+                    generated += len(d.token_ids)
+                    finish = d.finish_reason or finish
+        except Exception as exc:  # raised below, outside the task group, so it is not wrapped in a group
+            failed = exc
+        tg.cancel_scope.cancel()
+    if failed is not None:
+        # An APIError, answered by its handler, keeps the connection open (the 500 handler closes it).
+        raise internal(failed, "the generation")
+    return None if gone else ("".join(text), generated, finish)
 
 
 async def _respond(request: Request, slot: Any, tokens: list[int], params: SamplingParams, spec: rq.StreamSpec,
@@ -82,13 +139,10 @@ async def _respond(request: Request, slot: Any, tokens: list[int], params: Sampl
     # A one-request run through the graph executor: the same batching path as workflows.
     deltas = request.app.state.workflows.generate(slot.name, tokens, params)
     if not spec.stream:
-        text, generated, finish = [], 0, None
-        async with aclosing(deltas):
-            async for d in deltas:
-                text.append(d.text)
-                generated += len(d.token_ids)
-                finish = d.finish_reason or finish
-        content = "".join(text)
+        collected = await _collect(request, deltas)
+        if collected is None:
+            return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+        content, generated, finish = collected
         choice: dict[str, Any] = (
             {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None, "finish_reason": finish}
             if chat
@@ -144,6 +198,6 @@ async def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
     except APIError as exc:
         yield f"data: {json.dumps(exc.body())}\n\n"
     except Exception as exc:
-        err = APIError(500, f"{type(exc).__name__}: {exc}", code="engine_error")
+        err = internal(exc, "the generation")
         yield f"data: {json.dumps(err.body())}\n\n"
     yield "data: [DONE]\n\n"

@@ -12,31 +12,16 @@ from starlette.responses import JSONResponse, Response
 from headrace.daemon import requests as rq
 from headrace.daemon.errors import bad_request
 from headrace.daemon.routes_openai import engine_for
-
-EMBED_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
-RERANK_FIELDS = {"model", "query", "documents", "top_n", "return_documents"}
-
-
-def _texts(value: object, param: str) -> list[str]:
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list) or not value:
-        raise bad_request(f"'{param}' must be a non-empty string or list of strings", param=param)
-    for i, t in enumerate(value):
-        if not isinstance(t, str) or not t:
-            raise bad_request(f"'{param}[{i}]' must be a non-empty string (token arrays are not supported)",
-                              param=f"{param}[{i}]")
-    return value
+from headrace.daemon.schemas import EmbeddingRequest, RerankRequest
 
 
 async def embeddings(request: Request) -> Response:
-    body = await rq.read_json(request, request.app.state.config.server.max_body_bytes)
-    rq.check_fields(body, EMBED_FIELDS)
-    slot = engine_for(request, rq.model_name(body), "embed", "embeddings")
-    texts = _texts(body.get("input"), "input")
-    fmt = rq.field(body, "encoding_format", str, "float", lambda v: v in ("float", "base64"), "'float' or 'base64'")
-    dims = rq.field(body, "dimensions", int)
-    if dims is not None and dims != slot.engine.dimensions:
+    raw = await rq.read_json(request, request.app.state.config.server.max_body_bytes)
+    body = rq.validate(EmbeddingRequest, raw)
+    slot = engine_for(request, body.model, "embed", "embeddings")
+    texts = [body.input] if isinstance(body.input, str) else body.input
+    fmt = body.encoding_format or "float"
+    if body.dimensions is not None and body.dimensions != slot.engine.dimensions:
         raise bad_request(f"'dimensions' must be {slot.engine.dimensions} for '{slot.name}' (it cannot be reduced)",
                           param="dimensions", code="unsupported_parameter")
     vectors = await slot.scheduler.submit(texts, len(texts))
@@ -52,18 +37,17 @@ async def embeddings(request: Request) -> Response:
 
 
 async def rerank(request: Request) -> Response:
-    body = await rq.read_json(request, request.app.state.config.server.max_body_bytes)
-    rq.check_fields(body, RERANK_FIELDS)
-    slot = engine_for(request, rq.model_name(body), "rerank", "rerank")
-    query = body.get("query")
-    if not isinstance(query, str) or not query:
-        raise bad_request("'query' must be a non-empty string", param="query")
-    docs = body.get("documents")
-    if isinstance(docs, list):
-        docs = [d.get("text") if isinstance(d, dict) else d for d in docs]
-    docs = _texts(docs, "documents")
-    top_n = rq.field(body, "top_n", int, len(docs), lambda v: v >= 1, "an integer >= 1")
-    return_documents = rq.field(body, "return_documents", bool, True)
+    raw = await rq.read_json(request, request.app.state.config.server.max_body_bytes)
+    body = rq.validate(RerankRequest, raw)
+    slot = engine_for(request, body.model, "rerank", "rerank")
+    limit = request.app.state.config.server.max_rerank_documents
+    if len(body.documents) > limit:
+        raise bad_request(f"'documents' holds {len(body.documents)} documents; at most {limit} per request",
+                          param="documents", code="too_many_documents")
+    query = body.query
+    docs = [d if isinstance(d, str) else d.text for d in body.documents]
+    top_n = body.top_n or len(docs)
+    return_documents = body.return_documents is not False
     scores = await slot.scheduler.submit((query, docs), len(docs))
     order = np.argsort(-scores.float().numpy(), kind="stable")[:top_n]
     results = []

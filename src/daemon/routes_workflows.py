@@ -12,11 +12,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from headrace.daemon import requests as rq
 from headrace.daemon.errors import APIError, bad_request
+from headrace.daemon.schemas import RunRequest
 from headrace.graph.executor import Run
 from headrace.graph.service import UnknownWorkflow, WorkflowService, seconds, timeline
 from headrace.graph.workflow import WorkflowInputError
-
-RUN_FIELDS = {"inputs", "config", "stream", "background"}
 
 
 def _service(request: Request) -> WorkflowService:
@@ -43,8 +42,9 @@ def _jsonable(value: Any) -> Any:
 
 
 def _run(request: Request) -> Run:
+    """The run named in the path; another key's run is 404, as a missing one, so ids reveal nothing."""
     run = request.app.state.workflows.runs.get(request.path_params["run_id"])
-    if run is None:
+    if run is None or run.owner != getattr(request.state, "principal", None):
         raise APIError(404, f"no run {request.path_params['run_id']!r}", param="run_id", code="run_not_found")
     return run
 
@@ -55,16 +55,17 @@ async def list_workflows(request: Request) -> Response:
 
 async def create_run(request: Request) -> Response:
     service = _service(request)
-    body = await rq.read_json(request, request.app.state.config.server.max_body_bytes)
-    rq.check_fields(body, RUN_FIELDS)
-    stream = rq.field(body, "stream", bool, False)
-    background = rq.field(body, "background", bool, False)
+    raw = await rq.read_json(request, request.app.state.config.server.max_body_bytes)
+    body = rq.validate(RunRequest, raw)
+    stream, background = bool(body.stream), bool(body.background)
     try:
-        run = service.prepare(request.path_params["name"], body.get("inputs"), body.get("config"))
+        # Off the event loop: a megabyte question is tokenized, and documents chunked, while building.
+        run = await service.prepare_off_loop(request.path_params["name"], body.inputs, body.config)
     except UnknownWorkflow as exc:
         raise APIError(404, str(exc), param="name", code="workflow_not_found") from None
     except WorkflowInputError as exc:
         raise bad_request(str(exc), param=exc.field) from None
+    run.owner = getattr(request.state, "principal", None)
     events = service.subscribe(run.id) if stream else None
     service.start(run)
     if background and not stream:

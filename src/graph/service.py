@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Iterable, Mapping
 
 import anyio
@@ -15,7 +16,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from headrace.graph.executor import Executor, Run
 from headrace.graph.graph import Graph, Node, Op
-from headrace.graph.optimizer import Optimizer
+from headrace.graph.optimizer import Optimized, Optimizer
 from headrace.graph.passes import GraphPass, PassEnv
 from headrace.graph.workflow import Workflow, WorkflowInputError
 from headrace.plugins.protocols import SamplingParams, TokenDelta
@@ -25,6 +26,17 @@ EVENT_BUFFER = 1024  # events per subscriber; a run emits a few per node and pie
 
 class RequestFailed(RuntimeError):
     """An LLM request run failed; the message names the primitive and the cause."""
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A validated run, built and optimized, not yet registered."""
+
+    workflow: Workflow
+    inputs: dict[str, Any]
+    optimized: Optimized
+    policy: str | None
+    isolate: bool
 
 
 class UnknownWorkflow(KeyError):
@@ -47,6 +59,8 @@ class WorkflowService:
         self.workflows = dict(workflows)
         self.optimizer = Optimizer(passes)
         self.executor = Executor(resolve)
+        self._resolve = resolve
+        self._plan_limiter: anyio.CapacityLimiter | None = None
         self._engines_by_kind = engines_by_kind
         self._max_efficient_batch = max_efficient_batch
         self.runs: OrderedDict[str, Run] = OrderedDict()
@@ -59,14 +73,30 @@ class WorkflowService:
 
     def prepare(self, name: str, inputs: Any, config: Any) -> Run:
         """Validate and build the run's e-graph; raises WorkflowInputError naming a bad field."""
+        return self._register(self._plan(name, inputs, config))
+
+    async def prepare_off_loop(self, name: str, inputs: Any, config: Any) -> Run:
+        """``prepare`` with the validation and the build on a worker thread, one at a time.
+
+        Tokenizing a long question or chunking megabytes of documents takes seconds of CPU;
+        one thread at a time because the optimizer's e-graph cache is not thread-safe.
+        """
+        if self._plan_limiter is None:
+            self._plan_limiter = anyio.CapacityLimiter(1)
+        plan = await anyio.to_thread.run_sync(self._plan, name, inputs, config, limiter=self._plan_limiter)
+        return self._register(plan)
+
+    def _plan(self, name: str, inputs: Any, config: Any) -> _Plan:
         workflow = self.workflows.get(name)
         if workflow is None:
             raise UnknownWorkflow(name)
         inputs, config = workflow.validate(inputs, config)
-        engines = {**self._engines_by_kind(), **config.get("engines", {})}
+        engines = {**self._engines_by_kind(), **self._check_engines(config.get("engines", {}))}
         for kind in workflow.kinds:
             if kind not in engines:
                 raise WorkflowInputError(f"config.engines.{kind}", f"no {kind} engine is configured or ready")
+        if "llm" in workflow.kinds:
+            self._check_prompt_inputs(workflow, inputs, config, engines["llm"])
         passes = config.get("optimize", {}).get("passes")
         unknown = set(passes or ()) - set(self.optimizer.passes)
         if unknown:
@@ -78,8 +108,42 @@ class WorkflowService:
         pgraph = workflow.build(inputs, config, engines)
         env = PassEnv(max_efficient_batch=self._max_efficient_batch, inputs=set(inputs))
         optimized = self.optimizer.optimize(pgraph, env, passes)
-        run = Run(workflow=name, graph=optimized.graph, inputs=inputs, outputs=workflow.outputs,
-                  applied=optimized.applied, policy=policy, isolate=bool(config.get("isolate")))
+        return _Plan(workflow, inputs, optimized, policy, bool(config.get("isolate")))
+
+    def _check_engines(self, chosen: Mapping[str, str]) -> dict[str, str]:
+        """``config.engines``: each names a ready engine of its kind (else the run would fail, or worse)."""
+        for kind, name in chosen.items():
+            try:
+                engine, _ = self._resolve(name)
+            except LookupError:
+                raise WorkflowInputError(f"config.engines.{kind}", f"no ready engine named {name!r}") from None
+            if engine.kind != kind:
+                raise WorkflowInputError(f"config.engines.{kind}", f"{name!r} is a {engine.kind} engine, not {kind}")
+        return dict(chosen)
+
+    def _check_prompt_inputs(self, workflow: Workflow, inputs: dict[str, Any], config: dict[str, Any],
+                             llm: str) -> None:
+        """Inputs that go whole into a prompt must leave the LLM room for its answer."""
+        try:
+            engine, _ = self._resolve(llm)
+        except LookupError:  # not ready: the run cannot start anyway, and says so
+            return
+        limit = getattr(engine, "max_context_tokens", None)
+        encode = getattr(engine, "encode", None)
+        if limit is None or encode is None:
+            return
+        answer = config.get("max_tokens", 0)
+        for key in workflow.prompt_inputs:
+            if isinstance(inputs.get(key), str):
+                n = len(encode(inputs[key]))
+                if n + answer >= limit:
+                    raise WorkflowInputError(f"inputs.{key}", f"is {n} tokens; with an answer of {answer} tokens it "
+                                             f"does not fit the context of {llm!r} ({limit} tokens)")
+
+    def _register(self, plan: _Plan) -> Run:
+        run = Run(workflow=plan.workflow.name, graph=plan.optimized.graph, inputs=plan.inputs,
+                  outputs=plan.workflow.outputs, applied=plan.optimized.applied, policy=plan.policy,
+                  isolate=plan.isolate)
         run.emit = lambda event, _id=run.id: self._broadcast(_id, event)
         self.runs[run.id] = run
         while len(self.runs) > self._keep:

@@ -2,8 +2,11 @@
 
 Plugins register workflows through ``register_workflows``. Inputs and config are
 validated against the schemas (a small subset of JSON Schema: object, string,
-integer, number, boolean, array, enum, minimum/maximum, minItems, required,
-defaults); a bad value raises ``WorkflowInputError`` naming the field.
+integer, number, boolean, array, enum, minimum/maximum, minLength/maxLength,
+minItems/maxItems, required, defaults); a bad value raises ``WorkflowInputError``
+naming the field. Objects are closed: ``schema()`` says so with
+``additionalProperties: false``, so the published schema (the daemon's
+/openapi.json is built from it) is the one the validator applies.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from headrace.graph.graph import Graph
+from headrace.text import is_unicode
 
 # (inputs, config, engines by kind) -> p-graph
 Builder = Callable[[dict[str, Any], dict[str, Any], Mapping[str, str]], Graph]
@@ -28,9 +32,10 @@ COMMON_CONFIG: dict[str, Any] = {
     "engines": {
         "type": "object",
         "description": "engine name per kind (llm, embed, rerank, vector_store); default: the first of each kind",
+        "properties": {kind: {"type": "string", "minLength": 1} for kind in ("llm", "embed", "rerank", "vector_store")},
         "default": {},
     },
-    "batch_policy": {"type": "string", "description": "override the engines' batch policy for this run"},
+    "batch_policy": {"type": "string", "minLength": 1, "description": "override the engines' batch policy for this run"},
     "isolate": {"type": "boolean", "default": False,
                 "description": "run one engine at a time, so each primitive's time is its compute alone "
                                "(profiling: the critical-path bound)"},
@@ -53,19 +58,32 @@ class Workflow:
     required: tuple[str, ...] = ()
     outputs: tuple[str, ...] = ("answer",)
     kinds: tuple[str, ...] = ("llm",)  # engine kinds the workflow needs
+    # Inputs that go whole into an LLM prompt (not chunked): they must fit the LLM's context.
+    prompt_inputs: tuple[str, ...] = ("question",)
 
     def schema(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "description": self.description,
-            "inputs": {"type": "object", "properties": self.inputs, "required": list(self.required)},
-            "config": {"type": "object", "properties": {**self.config, **COMMON_CONFIG}},
+            "inputs": _closed({"type": "object", "properties": self.inputs, "required": list(self.required)}),
+            "config": _closed({"type": "object", "properties": {**self.config, **COMMON_CONFIG}}),
             "outputs": list(self.outputs),
         }
 
     def validate(self, inputs: Any, config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         return (_object(inputs, self.inputs, self.required, "inputs"),
                 _object(config, {**self.config, **COMMON_CONFIG}, (), "config"))
+
+
+def _closed(schema: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of ``schema`` saying what the validator does: no object takes keys it does not list."""
+    out = dict(schema)
+    if out.get("type") == "object" and "properties" in out:
+        out["additionalProperties"] = False
+        out["properties"] = {k: _closed(v) for k, v in out["properties"].items()}
+    if isinstance(out.get("items"), dict):
+        out["items"] = _closed(out["items"])
+    return out
 
 
 TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list, "object": dict}
@@ -104,13 +122,21 @@ def _check(value: Any, schema: Mapping[str, Any], where: str) -> Any:
         raise WorkflowInputError(where, f"must be >= {schema['minimum']}")
     if "maximum" in schema and value > schema["maximum"]:
         raise WorkflowInputError(where, f"must be <= {schema['maximum']}")
-    if kind == "string" and schema.get("minLength") and len(value) < schema["minLength"]:
-        raise WorkflowInputError(where, "must not be empty")
+    if kind == "string":
+        if schema.get("minLength") and len(value) < schema["minLength"]:
+            raise WorkflowInputError(where, "must not be empty")
+        if "maxLength" in schema and len(value) > schema["maxLength"]:
+            raise WorkflowInputError(where, f"must be at most {schema['maxLength']} characters")
+        if not is_unicode(value):
+            raise WorkflowInputError(where, "is not valid Unicode (it holds a lone surrogate)")
     if kind == "array":
         if len(value) < schema.get("minItems", 0):
             raise WorkflowInputError(where, f"needs at least {schema['minItems']} item(s)")
+        if "maxItems" in schema and len(value) > schema["maxItems"]:
+            raise WorkflowInputError(where, f"takes at most {schema['maxItems']} item(s)")
         if "items" in schema:
             value = [_check(v, schema["items"], f"{where}[{i}]") for i, v in enumerate(value)]
     if kind == "object" and "properties" in schema:
         value = _object(value, schema["properties"], tuple(schema.get("required", ())), where)
     return value
+

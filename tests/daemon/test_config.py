@@ -202,3 +202,40 @@ def test_to_dict_redacts_api_key() -> None:
     assert "secret" not in repr(out)
     assert "batching" not in out["engines"][0]
     assert Config().to_dict()["server"]["api_key"] == ""
+    out = Config(server=ServerConfig(api_keys=["k1", "k2"])).to_dict()
+    assert out["server"]["api_keys"] == ["***", "***"] and "k1" not in repr(out)
+
+
+def test_lifecycle_and_limit_defaults() -> None:
+    server = load_config(None, env={}).server
+    assert server.drain_seconds == 30.0 and server.api_keys == [] and server.max_rerank_documents == 1000
+    assert server.keys() == []
+    # The shipped config spells out every default, so the file and the dataclass agree.
+    assert load_config(CONFIGS / "default.toml", env={}).server == server
+
+
+def test_api_keys_from_file_env_and_alias(tmp_path: Path) -> None:
+    path = write(tmp_path, "[server]\napi_key = 'a'\napi_keys = ['b', 'c', 'a']\n")
+    assert load_config(path, env={}).server.keys() == ["a", "b", "c"]  # each once, api_key first
+    env = {"HEADRACE_SERVER_API_KEYS": " x, y ,,", "HEADRACE_API_KEY": "z"}
+    server = load_config(path, env=env).server
+    assert server.api_keys == ["x", "y"] and server.keys() == ["z", "x", "y"]
+    assert load_config(None, env={"HEADRACE_SERVER_API_KEYS": ""}).server.keys() == []
+
+
+def test_bad_lifecycle_values_name_the_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^server\.api_keys: expected a list, got 'k'$"):
+        load_config(write(tmp_path, "[server]\napi_keys = 'k'\n"), env={})
+    with pytest.raises(ConfigError, match=r"^server\.api_keys\[1\]: expected a string, got 3$"):
+        load_config(write(tmp_path, "[server]\napi_keys = ['k', 3]\n"), env={})
+    with pytest.raises(ConfigError, match=r"^server\.api_keys\[0\]: must be a non-empty string"):
+        load_config(None, env={"HEADRACE_SERVER_API_KEYS": "has space"})
+    with pytest.raises(ConfigError, match=r"^server\.api_key: must be a non-empty string"):
+        load_config(None, env={"HEADRACE_API_KEY": "caf\u00e9"})
+    with pytest.raises(ConfigError, match=r"^server\.drain_seconds: must be >= 0"):
+        load_config(write(tmp_path, "[server]\ndrain_seconds = -1\n"), env={})
+    with pytest.raises(ConfigError, match=r"^HEADRACE_SERVER_DRAIN_SECONDS: expected a number, got 'soon'$"):
+        load_config(None, env={"HEADRACE_SERVER_DRAIN_SECONDS": "soon"})
+    with pytest.raises(ConfigError, match=r"^server\.max_rerank_documents: must be >= 1"):
+        load_config(write(tmp_path, "[server]\nmax_rerank_documents = 0\n"), env={})
+    assert load_config(None, env={"HEADRACE_SERVER_DRAIN_SECONDS": "2.5"}).server.drain_seconds == 2.5

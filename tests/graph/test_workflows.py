@@ -7,6 +7,8 @@ import time
 import anyio
 import pytest
 
+from headrace.graph.graph import Op
+
 pytestmark = pytest.mark.slow
 
 DOCS = [
@@ -110,9 +112,12 @@ def test_failure_names_the_node_and_other_runs_go_on(live):
     portal, svc, _ = live
 
     async def two_runs():
-        # The embed role pointed at the LLM engine: its embed primitive fails.
-        bad = svc.prepare("naive_rag", {"question": QUESTION, "documents": DOCS},
-                          {"engines": {"embed": "smollm2"}, "max_tokens": 8})
+        # The embed primitives pointed at the LLM engine (prepare refuses that as config, so the
+        # built graph is edited): they fail at run time.
+        bad = svc.prepare("naive_rag", {"question": QUESTION, "documents": DOCS}, {"max_tokens": 8})
+        for node in bad.graph.nodes.values():
+            if node.op == Op.EMBED:
+                node.engine = "smollm2"
         good = svc.prepare("naive_rag", {"question": QUESTION, "documents": DOCS}, {"max_tokens": 8})
         async with anyio.create_task_group() as tg:
             tg.start_soon(svc.execute, bad)
@@ -122,6 +127,24 @@ def test_failure_names_the_node_and_other_runs_go_on(live):
     bad, good = portal.call(two_runs)
     assert bad.status == "failed" and "embed" in bad.error and "smollm2" in bad.error
     assert good.status == "succeeded", good.error
+
+
+def test_engine_choices_are_checked_before_the_run(live):
+    from headrace.graph.workflow import WorkflowInputError
+
+    _, svc, _ = live
+    inputs = {"question": QUESTION, "documents": DOCS}
+    for engines, problem in (({"embed": "smollm2"}, "is a llm engine"), ({"llm": "nope"}, "no ready engine"),
+                             ({"llm": 5}, "must be a string"), ({"gpu": "smollm2"}, "unknown field")):
+        with pytest.raises(WorkflowInputError, match=problem) as err:
+            svc.prepare("naive_rag", inputs, {"engines": engines})
+        assert err.value.field == f"config.engines.{next(iter(engines))}"
+    with pytest.raises(WorkflowInputError, match="does not fit the context") as err:
+        svc.prepare("naive_rag", {**inputs, "question": "word " * 5000}, {})
+    assert err.value.field == "inputs.question"
+    with pytest.raises(WorkflowInputError, match="lone surrogate") as err:
+        svc.prepare("naive_rag", {**inputs, "question": "a\ud800"}, {})
+    assert err.value.field == "inputs.question"
 
 
 def test_egraph_cache_hits_for_the_same_shape(live):

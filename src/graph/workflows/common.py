@@ -11,8 +11,10 @@ from headrace.graph.workflow import WorkflowInputError
 SYNTHESIS_MODES = ("tree", "refine", "one_shot")
 
 CHUNK_CONFIG = {
-    "chunk_size": {"type": "integer", "minimum": 16, "default": 256, "description": "words per chunk"},
-    "chunk_overlap": {"type": "integer", "minimum": 0, "default": 30},
+    "chunk_size": {"type": "integer", "minimum": 16, "maximum": 1024, "default": 256,
+                   "description": "words per chunk"},
+    "chunk_overlap": {"type": "integer", "minimum": 0, "maximum": 1023, "default": 30,
+                      "description": "words shared by neighbours; less than chunk_size"},
     "max_tokens": {"type": "integer", "minimum": 1, "maximum": 1024, "default": 96,
                    "description": "tokens per LLM answer"},
 }

@@ -101,7 +101,7 @@ SEARCH_GEN = Workflow(
     config={
         "chunk_size": {"type": "integer", "minimum": 16, "maximum": 1024, "default": 128,
                        "description": "words per indexed passage"},
-        "chunk_overlap": {"type": "integer", "minimum": 0, "default": 0},
+        "chunk_overlap": {"type": "integer", "minimum": 0, "maximum": 1023, "default": 0},
         "max_tokens": MAX_TOKENS,
         "k": {"type": "integer", "minimum": 1, "maximum": 16, "default": 3, "description": "search results"},
         "search": {"type": "string", "enum": list(SEARCH_MODES), "default": "auto",
@@ -180,7 +180,7 @@ CONTEXTUAL = Workflow(
     config={
         "chunk_size": {"type": "integer", "minimum": 16, "maximum": 1024, "default": 128,
                        "description": "words per chunk"},
-        "chunk_overlap": {"type": "integer", "minimum": 0, "default": 0},
+        "chunk_overlap": {"type": "integer", "minimum": 0, "maximum": 1023, "default": 0},
         "max_tokens": MAX_TOKENS,
         "context_tokens": {"type": "integer", "minimum": 1, "maximum": 256, "default": 32,
                            "description": "tokens per chunk's context sentence"},

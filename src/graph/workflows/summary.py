@@ -25,7 +25,7 @@ DOCUMENT = {"type": "string", "minLength": 1, "description": "the text to summar
 SUMMARY_CONFIG = {
     "chunk_size": {"type": "integer", "minimum": 16, "maximum": 1024, "default": 256,
                    "description": "words per chunk"},
-    "chunk_overlap": {"type": "integer", "minimum": 0, "default": 0, "description": "words shared by neighbours"},
+    "chunk_overlap": {"type": "integer", "minimum": 0, "maximum": 1023, "default": 0, "description": "words shared by neighbours"},
     "max_tokens": {"type": "integer", "minimum": 1, "maximum": 1024, "default": 64,
                    "description": "tokens per summary (each map, reduce or chain step)"},
 }

@@ -1,0 +1,121 @@
+"""GET /openapi.json: the API described from the definitions that validate it.
+
+Request bodies come from the pydantic models in ``schemas`` (the routes validate
+with the same classes) and each workflow's run body from ``Workflow.schema()``
+(the schema its validator applies), so the document is never written twice.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Mapping
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from headrace import __version__
+from headrace.daemon import schemas as s
+from headrace.graph.workflow import Workflow
+
+REF = "#/components/schemas/{model}"
+JSON = "application/json"
+SSE = "text/event-stream"
+
+
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": REF.format(model=model.__name__)}
+
+
+def _json(schema: dict[str, Any], description: str = "OK", *, stream: bool = False) -> dict[str, Any]:
+    content: dict[str, Any] = {JSON: {"schema": schema}}
+    if stream:
+        content[SSE] = {"schema": {"type": "string", "description": "server-sent events (with stream: true)"}}
+    return {"description": description, "content": content}
+
+
+ERRORS = {
+    "4XX": _json(_ref(s.ErrorResponse), "the client erred; OpenAI's error envelope"),
+    "5XX": _json(_ref(s.ErrorResponse), "the server failed or is not ready; OpenAI's error envelope"),
+}
+RUN_ID = {"name": "run_id", "in": "path", "required": True, "schema": {"type": "string"}}
+
+
+def _op(summary: str, ok: dict[str, dict[str, Any]], body: dict[str, Any] | None = None, *,
+        params: list[dict[str, Any]] = (), guarded: bool = True) -> dict[str, Any]:
+    op: dict[str, Any] = {"summary": summary, "responses": {**ok, **(ERRORS if guarded else {})}}
+    if body is not None:
+        op["requestBody"] = {"required": True, "content": {JSON: {"schema": body}}}
+    if params:
+        op["parameters"] = list(params)
+    if not guarded:
+        op["security"] = []
+    return op
+
+
+def document(workflows: Mapping[str, Workflow]) -> dict[str, Any]:
+    requests = [s.ChatCompletionRequest, s.CompletionRequest, s.EmbeddingRequest, s.RerankRequest, s.RunRequest]
+    responses = [s.ErrorResponse, s.Health, s.Readiness, s.ModelList, s.ChatCompletion, s.Completion,
+                 s.EmbeddingList, s.RerankResponse, s.WorkflowList, s.RunRecord, s.RunGraph, s.RunTimeline]
+    _, defs = models_json_schema([(m, "validation") for m in requests + responses], ref_template=REF)
+    components = dict(defs.get("$defs", {}))
+    text = {"description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}}
+    paths: dict[str, Any] = {
+        "/health": {"get": _op("liveness", {"200": _json(_ref(s.Health))}, guarded=False)},
+        "/ready": {"get": _op("readiness: 200 once every engine is loaded, else 503",
+                              {"200": _json(_ref(s.Readiness)), "503": _json(_ref(s.Readiness), "not ready")},
+                              guarded=False)},
+        "/metrics": {"get": _op("Prometheus metrics", {"200": text}, guarded=False)},
+        "/openapi.json": {"get": _op("this document", {"200": _json({"type": "object"})}, guarded=False)},
+        "/v1/models": {"get": _op("the engines", {"200": _json(_ref(s.ModelList))})},
+        "/v1/chat/completions": {"post": _op("chat completion", {"200": _json(_ref(s.ChatCompletion), stream=True)},
+                                             _ref(s.ChatCompletionRequest))},
+        "/v1/completions": {"post": _op("text completion", {"200": _json(_ref(s.Completion), stream=True)},
+                                        _ref(s.CompletionRequest))},
+        "/v1/embeddings": {"post": _op("embeddings", {"200": _json(_ref(s.EmbeddingList))},
+                                       _ref(s.EmbeddingRequest))},
+        "/v1/rerank": {"post": _op("rerank documents against a query", {"200": _json(_ref(s.RerankResponse))},
+                                   _ref(s.RerankRequest))},
+        "/v1/workflows": {"get": _op("the workflows and their schemas", {"200": _json(_ref(s.WorkflowList))})},
+        "/v1/runs/{run_id}": {
+            "get": _op("a run's record", {"200": _json(_ref(s.RunRecord))}, params=[RUN_ID]),
+            "delete": _op("cancel a run", {"200": _json(_ref(s.RunRecord))}, params=[RUN_ID]),
+        },
+        "/v1/runs/{run_id}/graph": {"get": _op("a run's e-graph (JSON, or Graphviz with ?format=dot)",
+                                               {"200": _json(_ref(s.RunGraph))}, params=[RUN_ID])},
+        "/v1/runs/{run_id}/timeline": {"get": _op("a run's primitives and engine batches",
+                                                  {"200": _json(_ref(s.RunTimeline))}, params=[RUN_ID])},
+        "/v1/runs/{run_id}/timeline.png": {"get": _op("a run's timeline drawn", {"200": {
+            "description": "OK", "content": {"image/png": {"schema": {"type": "string", "format": "binary"}}}}},
+            params=[RUN_ID])},
+    }
+    for name, workflow in workflows.items():
+        body = copy.deepcopy(components["RunRequest"])
+        schema = workflow.schema()
+        body["properties"]["inputs"] = schema["inputs"]
+        body["properties"]["config"] = schema["config"]
+        body["title"] = f"RunRequest[{name}]"
+        components[f"RunRequest_{name}"] = body
+        paths[f"/v1/workflows/{name}/runs"] = {"post": _op(
+            f"run {name}: {workflow.description}",
+            {"200": _json(_ref(s.RunRecord), "the finished run", stream=True),
+             "202": _json(_ref(s.RunRecord), "the run, started in the background")},
+            {"$ref": REF.format(model=f"RunRequest_{name}")})}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "headrace", "version": __version__,
+                 "description": "A serving daemon for compound-AI workflows: OpenAI-compatible routes and "
+                                "workflow runs."},
+        "paths": paths,
+        "components": {"schemas": components,
+                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "security": [{"bearer": []}],
+    }
+
+
+async def openapi_json(request: Request) -> Response:
+    state = request.app.state
+    if getattr(state, "openapi", None) is None:  # the workflows are fixed once the app exists
+        state.openapi = document(state.workflows.workflows)
+    return JSONResponse(state.openapi)

@@ -1,0 +1,275 @@
+"""Request and response bodies of the HTTP API, as pydantic models.
+
+The request models are the single source of what a body may hold: the routes
+validate with them and /openapi.json is generated from them. Pydantic (v2)
+because it is maintained, already installed (lancedb depends on it), and gives
+both a strict validator with field paths in its errors and the JSON Schema of
+the same class, so the published schema cannot drift from the checks.
+
+Request models are strict (no coercion: ``"1"`` is not an integer, ``true`` is
+not a number) and closed (``extra="forbid"``: an unsupported parameter is
+refused by name). Fields OpenAI's SDKs may send with their "off" value (``n``,
+the penalties, ...) are declared with only that value allowed.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from headrace.plugins.protocols import SEED_MAX, SEED_MIN
+
+# A sane ceiling; the model's context bounds what is really generated.
+MAX_TOKENS_LIMIT = 2**31 - 1
+TOKEN_ID_LIMIT = 2**63  # exclusive; the model's vocabulary is checked per engine
+
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0, lt=TOKEN_ID_LIMIT)]
+MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]
+
+
+class Body(BaseModel):
+    """A request body: strict and closed."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+# Fields accepted only with the value that means "off" (what OpenAI's SDKs may send by default).
+NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": False,
+           "parallel_tool_calls": None, "echo": False, "best_of": 1}
+
+
+class NeutralFields(Body):
+    n: Annotated[int, Field(ge=1, le=1)] | None = None
+    presence_penalty: Annotated[float, Field(ge=0, le=0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=0, le=0)] | None = None
+    logprobs: Literal[False] | None = None
+
+
+class Sampling(Body):
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = Field(None, description="0 means greedy; default 1")
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = Field(None, description="default 1")
+    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
+    stop: str | Annotated[list[NonEmptyStr], Field(max_length=4)] | None = Field(
+        None, description="a string (empty: none) or at most 4 non-empty strings")
+    stream: bool | None = None
+    stream_options: StreamOptions | None = Field(None, description="only with stream: true")
+    user: str | None = None
+
+
+class StreamOptions(Body):
+    include_usage: bool = False
+
+
+class TextPart(Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+
+class ChatCompletionRequest(Sampling, NeutralFields):
+    model: NonEmptyStr
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    parallel_tool_calls: None = None
+
+
+class CompletionRequest(Sampling, NeutralFields):
+    model: NonEmptyStr
+    prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=1)]
+             | Annotated[list[TokenId], Field(min_length=1)]) = Field(
+        description="a string, a list of one string, or a list of token ids")
+    max_tokens: MaxTokens | None = Field(None, description="default 16")
+    echo: Literal[False] | None = None
+    best_of: Annotated[int, Field(ge=1, le=1)] | None = None
+
+
+class EmbeddingRequest(Body):
+    model: NonEmptyStr
+    input: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] = Field(
+        description="a string or a list of strings (token arrays are not supported)")
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: Annotated[int, Field(ge=1)] | None = Field(None, description="must equal the model's; "
+                                                                           "it cannot be reduced")
+    user: str | None = None
+
+
+class RerankDocument(Body):
+    text: NonEmptyStr
+
+
+class RerankRequest(Body):
+    model: NonEmptyStr
+    query: NonEmptyStr
+    documents: Annotated[list[NonEmptyStr | RerankDocument], Field(min_length=1)] = Field(
+        description="at most server.max_rerank_documents")
+    top_n: Annotated[int, Field(ge=1)] | None = None
+    return_documents: bool | None = None
+
+
+class RunRequest(Body):
+    """A workflow run; ``inputs`` and ``config`` are validated against the workflow's own schemas."""
+
+    inputs: dict[str, Any] | None = None
+    config: dict[str, Any] | None = None
+    stream: bool | None = Field(None, description="send the run's events as server-sent events")
+    background: bool | None = Field(None, description="answer 202 at once; the run goes on without the client")
+
+
+Sampling.model_rebuild()
+ChatCompletionRequest.model_rebuild()
+CompletionRequest.model_rebuild()
+
+
+# Responses: documented in /openapi.json; the routes build them as plain dicts. ----------
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class Health(BaseModel):
+    status: str
+    version: str
+
+
+class Readiness(BaseModel):
+    ready: bool
+    engines: dict[str, dict[str, Any]]
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    kind: str
+    plugin: str
+    ready: bool
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class TextChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[TextChoice]
+    usage: Usage
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str = Field(description="floats, or base64 of little-endian float32")
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(BaseModel):
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
+class RerankResult(BaseModel):
+    index: int
+    relevance_score: float
+    document: RerankDocument | None = None
+
+
+class RerankResponse(BaseModel):
+    id: str
+    model: str
+    results: list[RerankResult]
+
+
+class WorkflowList(BaseModel):
+    object: Literal["list"]
+    data: list[dict[str, Any]] = Field(description="each workflow's name, description and JSON schemas")
+
+
+class RunRecord(BaseModel):
+    id: str
+    object: Literal["workflow.run"]
+    workflow: str
+    status: str
+    result: Any
+    error: str | None
+    created: int
+    seconds: float
+    nodes: list[dict[str, Any]]
+    passes: list[dict[str, Any]]
+
+
+class RunGraph(BaseModel):
+    run: str
+    graph: dict[str, Any]
+    dot: str
+
+
+class RunTimeline(BaseModel):
+    run: str
+    workflow: str
+    status: str
+    seconds: float
+    nodes: list[dict[str, Any]]
+    engines: list[dict[str, Any]]

@@ -1,0 +1,107 @@
+"""Schemathesis over the daemon's own /openapi.json, against a real ``headrace serve``.
+
+Every operation gets a few valid and invalid examples; none may answer 5xx or hang, every
+error carries OpenAI's envelope, and afterwards the daemon is still ready and answering.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis.errors import Unsatisfiable
+from schemathesis import GenerationMode
+
+from conftest import API_KEY, metric_value
+
+pytestmark = pytest.mark.slow
+
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+EXAMPLES = 3  # per operation and mode: the whole module stays within a few minutes on 2 cores
+REQUEST_TIMEOUT = 180  # generous: a fuzzed workflow run waits on the models; a hang still fails
+# Generation lengths are clamped so fuzzing checks validation, not decode speed.
+MODELS = {"ChatCompletionRequest": "smollm2", "CompletionRequest": "smollm2", "EmbeddingRequest": "all-minilm-l6-v2",
+          "RerankRequest": "smollm2-rerank"}
+TOKEN_FIELDS = {"max_tokens": 4, "max_completion_tokens": 4, "context_tokens": 2}
+
+
+def small(doc: Any, name: str | None = None) -> Any:
+    """The schema with short strings and lists, so valid examples stay cheap to serve."""
+    if isinstance(doc, list):
+        return [small(item, name) for item in doc]
+    if not isinstance(doc, dict):
+        return doc
+    out = {key: small(value, key if key not in ("anyOf", "oneOf", "allOf", "items") else name)
+           for key, value in doc.items() if key != "properties"}
+    if "properties" in doc:
+        out["properties"] = {key: small(value, key) for key, value in doc["properties"].items()}
+    if out.get("type") == "string" and "enum" not in out:
+        out.setdefault("maxLength", 64)
+    if out.get("type") == "array":
+        out.setdefault("maxItems", 3)
+    if name in TOKEN_FIELDS and out.get("type") == "integer":
+        out["maximum"] = min(out.get("maximum", TOKEN_FIELDS[name]), TOKEN_FIELDS[name])
+    return out
+
+
+def clamp(body: Any) -> None:
+    """Negative examples may still carry a huge but valid max_tokens: cap it (the rest stays fuzzed)."""
+    if isinstance(body, dict):
+        for key, value in body.items():
+            if key in TOKEN_FIELDS and isinstance(value, int) and not isinstance(value, bool) and value > 8:
+                body[key] = 8
+            else:
+                clamp(value)
+    elif isinstance(body, list):
+        for item in body:
+            clamp(item)
+
+
+def check(case, base_url: str) -> None:
+    clamp(case.body)
+    response = case.call(base_url=base_url, headers=HEADERS, timeout=REQUEST_TIMEOUT)
+    assert response.status_code < 500, f"{case.method} {case.path}: {response.status_code} {response.text[:500]}"
+    if response.status_code >= 400:
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}, response.text
+
+
+# Hypothesis drives schemathesis's strategies directly: its pytest integration
+# (schemathesis.pytest.from_fixture) does not run under pytest 9.
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
+def test_fuzzed_requests_get_no_5xx(server, mode):
+    doc = httpx.get(f"{server.base_url}/openapi.json", timeout=30).json()
+    components = doc["components"]["schemas"]
+    for name, model in MODELS.items():  # valid examples name a served model, so they reach the engines
+        components[name]["properties"]["model"] = {"type": "string", "enum": [model]}
+    schema = schemathesis.openapi.from_dict(small(doc))
+    for result in schema.get_all_operations():
+        operation = result.ok()
+
+        @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+                  suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
+        @given(case=operation.as_strategy(generation_mode=mode))
+        def fuzz(case):
+            check(case, server.base_url)
+
+        try:
+            fuzz()
+        except Unsatisfiable:  # an operation with no inputs has no invalid example
+            assert mode is GenerationMode.NEGATIVE, operation.label
+
+
+def test_daemon_still_serves_after_fuzzing(server):
+    # Background runs the fuzzer started finish on their own (their answers are a few tokens).
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and metric_value(server.metrics(), "headrace_llm_contexts", model="smollm2"):
+        time.sleep(0.2)
+    ready = httpx.get(f"{server.base_url}/ready", timeout=30)
+    assert ready.status_code == 200 and ready.json()["ready"], ready.text
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", headers=HEADERS, timeout=120,
+                   json={"model": "smollm2", "messages": [{"role": "user", "content": "Say hello."}],
+                         "max_tokens": 8, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"], r.text
