@@ -27,7 +27,7 @@ def engine_for(request: Request, model: str, kind: str, what: str) -> Any:
     if slot is None:
         raise APIError(404, f"the model '{model}' does not exist", param="model", code="model_not_found")
     if slot.engine.kind != kind:
-        raise bad_request(f"the model '{model}' is a {slot.engine.kind} engine; it does not serve {what}",
+        raise bad_request(f"the model '{model}' is an engine of kind '{slot.engine.kind}'; it does not serve {what}",
                           param="model", code="model_not_supported")
     if slot.state != "ready":
         raise APIError(503, f"the model '{model}' is {slot.state}, not ready", code="model_not_ready")

@@ -118,7 +118,7 @@ class WorkflowService:
             except LookupError:
                 raise WorkflowInputError(f"config.engines.{kind}", f"no ready engine named {name!r}") from None
             if engine.kind != kind:
-                raise WorkflowInputError(f"config.engines.{kind}", f"{name!r} is a {engine.kind} engine, not {kind}")
+                raise WorkflowInputError(f"config.engines.{kind}", f"{name!r} is an engine of kind {engine.kind!r}, not {kind!r}")
         return dict(chosen)
 
     def _check_prompt_inputs(self, workflow: Workflow, inputs: dict[str, Any], config: dict[str, Any],

@@ -21,7 +21,7 @@ from conftest import API_KEY, metric_value
 pytestmark = pytest.mark.slow
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
-EXAMPLES = 3  # per operation and mode: the whole module stays within a few minutes on 2 cores
+EXAMPLES = 20  # per operation and mode: the whole module stays within a few minutes on 2 cores
 REQUEST_TIMEOUT = 180  # generous: a fuzzed workflow run waits on the models; a hang still fails
 # Generation lengths are clamped so fuzzing checks validation, not decode speed.
 MODELS = {"ChatCompletionRequest": "smollm2", "CompletionRequest": "smollm2", "EmbeddingRequest": "all-minilm-l6-v2",

@@ -134,7 +134,7 @@ def test_engine_choices_are_checked_before_the_run(live):
 
     _, svc, _ = live
     inputs = {"question": QUESTION, "documents": DOCS}
-    for engines, problem in (({"embed": "smollm2"}, "is a llm engine"), ({"llm": "nope"}, "no ready engine"),
+    for engines, problem in (({"embed": "smollm2"}, "of kind 'llm', not 'embed'"), ({"llm": "nope"}, "no ready engine"),
                              ({"llm": 5}, "must be a string"), ({"gpu": "smollm2"}, "unknown field")):
         with pytest.raises(WorkflowInputError, match=problem) as err:
             svc.prepare("naive_rag", inputs, {"engines": engines})
