@@ -45,4 +45,7 @@ def test_profile_finds_a_max_efficient_batch_size():
     assert out.returncode == 0, out.stderr
     assert "batch    1:" in out.stdout
     size = int(out.stdout.split("max efficient batch size for all-minilm-l6-v2: ")[1].split()[0])
-    assert size >= 2 and f"max_efficient_batch_size = {size}" in out.stdout
+    # Which size wins is a measurement (a loaded machine may find no gain past 1): assert only
+    # that the answer is one of the sizes it tried, and that it prints the config to set.
+    assert size in (1, 2, 4, 8, 16, 32) and f"batch {size:>4}:" in out.stdout
+    assert f"max_efficient_batch_size = {size}" in out.stdout
