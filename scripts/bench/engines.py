@@ -5,7 +5,11 @@ Prints a table with targets and writes bench-results/engines.json. Every ratio
 is measured within one run. The direct LLM figures come first; that engine is
 shut down before the HTTP server starts, so the two never share the cores.
 
-    python scripts/bench/engines.py [--quick] [--skip-http]
+    python scripts/bench/engines.py [--quick | --tiny] [--skip-http] [--out FILE]
+
+--tiny runs every part with minimal sizes (the time is mostly loading models and
+starting the server); the test suite runs it so the script cannot rot. Its
+figures mean nothing.
 """
 
 from __future__ import annotations
@@ -61,7 +65,10 @@ def engine_spec(name: str) -> EngineSpec:
 
 
 def engine_env(tmp: Path, batches: list | None = None) -> EngineEnv:
-    observe = (lambda op, n: batches.append((op, n))) if batches is not None else (lambda op, n: None)
+    def observe(op: str, size: int, start: float, end: float) -> None:  # the engine's BatchObserver
+        if batches is not None:
+            batches.append((op, size))
+
     return EngineEnv(data_dir=tmp, cache_dir=CACHE, lookup=lambda name: None, observe_batch=observe)
 
 
@@ -99,7 +106,7 @@ async def timed_round(one, idx: list[int]) -> tuple[list, float]:
 
 async def measure(one, args) -> dict:
     # Warm-up: a full-width batched round, then a solo request, so no shape is first seen while timed.
-    await timed_round(one, list(range(len(QUESTIONS))))
+    await timed_round(one, list(range(max(args.concurrency))))
     await one(0)
     out = {}
     for c in args.concurrency:
@@ -145,7 +152,8 @@ def bench_direct(args, tmp: Path) -> tuple[dict, dict]:
 async def bench_prefix(engine, args, batches: list) -> dict:
     text = " ".join(inspect.getdoc(m) or "" for m in (os, json, re, subprocess, inspect, statistics))
     prefix = engine.encode(text)[: args.prefix_tokens]
-    suffixes = [engine.encode(f"\nQuestion {i + 1}: {q}\nAnswer:") for i, q in enumerate(QUESTIONS)]
+    suffixes = [engine.encode(f"\nQuestion {i + 1}: {q}\nAnswer:")
+                for i, q in enumerate(QUESTIONS[: args.prefix_contexts])]
 
     async def prefill_all(jobs) -> None:  # concurrent, so the engine batches them
         async with anyio.create_task_group() as tg:
@@ -267,9 +275,9 @@ def bench_embed(args, tmp: Path) -> dict:
         future, _ = portal.start_task(engine.run)
         portal.call(rate, 32), portal.call(rate, 1)  # warm-up both shapes
         cpu = CPUWatch()
-        rates = {b: median([portal.call(rate, b) for _ in range(args.embed_reps)]) for b in (1, 32, len(sentences))}
+        b1, b32, one_call = (median([portal.call(rate, b) for _ in range(args.embed_reps)])
+                             for b in (1, 32, len(sentences)))
         future.cancel()
-    b1, b32, one_call = rates.values()
     return {"sentences": len(sentences), "avg_chars": sum(map(len, sentences)) / len(sentences),
             "reps": args.embed_reps, "batch1_per_s": b1, "batch32_per_s": b32, "ratio": b32 / b1,
             "one_call_per_s": one_call, "cpu_cores": cpu.cores()}
@@ -320,14 +328,22 @@ def report(res: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    size.add_argument("--tiny", action="store_true", help="minimal sizes: checks the script works, measures nothing")
     ap.add_argument("--skip-http", action="store_true", help="skip the /v1/chat/completions measurements")
+    ap.add_argument("--out", type=Path, default=OUT, help=f"where the JSON goes (default {OUT.relative_to(ROOT)})")
     args = ap.parse_args()
     q = args.quick
-    args.concurrency = [1, 4] if q else [1, 4, 16]
-    args.max_tokens, args.rounds = (16, 1) if q else (64, 5)
-    args.prefix_tokens, args.prefix_reps = 400, (1 if q else 5)
-    args.sentences, args.embed_reps = (64, 1) if q else (256, 3)
+    if args.tiny:
+        args.concurrency, args.max_tokens, args.rounds = [1, 2], 4, 1
+        args.prefix_tokens, args.prefix_contexts, args.prefix_reps = 32, 2, 1
+        args.sentences, args.embed_reps = 4, 1
+    else:
+        args.concurrency = [1, 4] if q else [1, 4, 16]
+        args.max_tokens, args.rounds = (16, 1) if q else (64, 5)
+        args.prefix_tokens, args.prefix_contexts, args.prefix_reps = 400, len(QUESTIONS), (1 if q else 5)
+        args.sentences, args.embed_reps = (64, 1) if q else (256, 3)
 
     t_start = perf_counter()
     with tempfile.TemporaryDirectory(prefix="headrace-bench-") as tmp_s:
@@ -335,15 +351,15 @@ def main() -> None:
         direct, prefix = bench_direct(args, tmp)  # the engine is shut down on return
         embed = bench_embed(args, tmp)
         http = None if args.skip_http else bench_http(args, tmp)
-    res = {"quick": q, "max_tokens": args.max_tokens, "rounds": args.rounds, "direct": direct, "http": http,
-           "prefix": prefix, "embed": embed, "ratios": {"prefix_reuse": prefix["ratio"],
-                                                        "embed_batch32_over_batch1": embed["ratio"]}}
+    res = {"quick": q, "tiny": args.tiny, "max_tokens": args.max_tokens, "rounds": args.rounds, "direct": direct,
+           "http": http, "prefix": prefix, "embed": embed,
+           "ratios": {"prefix_reuse": prefix["ratio"], "embed_batch32_over_batch1": embed["ratio"]}}
     if http:
         res["ratios"]["http_over_direct"] = {
             c: http["levels"][c]["tok_s"] / d["tok_s"] for c, d in direct["levels"].items()}
-    write_results(res, OUT, t_start)
+    write_results(res, args.out, t_start)
     report(res)
-    print(f"\nwrote {OUT.relative_to(ROOT)} ({res['meta']['elapsed_s']:.0f}s)")
+    print(f"\nwrote {args.out} ({res['meta']['elapsed_s']:.0f}s)")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping
 
+import anyio
 import torch
 
 from headrace.graph.graph import Node, Op
@@ -162,7 +163,10 @@ async def _prefill(node, scope, ctx, key):
     engine, sched = _engine(node, ctx)
     part = {Op.PARTIAL_PREFILL: "prefix", Op.FULL_PREFILL: "rest"}.get(node.op, "all")
     # A request that arrives already tokenized (an OpenAI chat) carries its tokens.
-    tokens = node.params["tokens"] if "tokens" in node.params else _prompt_tokens(engine, node, scope, part)
+    if "tokens" in node.params:
+        tokens = node.params["tokens"]
+    else:  # tokenizing a long prompt takes a while: off the event loop
+        tokens = await anyio.to_thread.run_sync(_prompt_tokens, engine, node, scope, part)
     parent = scope[node.params["parent"]] if node.op == Op.FULL_PREFILL else None
     context = engine.new_context_id()
     ctx.contexts.add((node.engine, context))

@@ -109,6 +109,10 @@ class LLMEngine(Engine, Protocol):
         """The chat template applied as text (special tokens spelled out), ready for the assistant's turn."""
         ...
 
+    def new_context_id(self) -> ContextId:
+        """A context id no other context of this engine has, for ``prefill``."""
+        ...
+
     async def prefill(self, ctx: ContextId, tokens: Sequence[int], parent: ContextId | None = None) -> None:
         """Fill a new KV context; a child reuses its parent's KV as its prefix."""
         ...

@@ -251,10 +251,10 @@ def test_out_of_vocabulary_tokens_fail_their_prefill_only(llm):
         async def unchecked(tokens):
             # Past the engine's own check (as if it had a bug): the batched prefill must still
             # fail only this job, retried one by one.
-            from headrace.plugins.engines.torch_llm import _Prefill, _Reply
+            from headrace.plugins.engines.llm_front import Prefill, Reply
 
-            reply = _Reply()
-            engine._commands.put(_Prefill("unchecked", tokens, None, reply))
+            reply = Reply()
+            engine._commands.put(Prefill("unchecked", tokens, None, reply))
             try:
                 await reply.wait()
             except EngineError as exc:
@@ -275,7 +275,7 @@ def test_out_of_vocabulary_tokens_fail_their_prefill_only(llm):
     for bad in ([1, 2, vocab], [-1, 5], [2**70], [1, 2.5]):
         assert isinstance(out[str(bad)], EngineError) and "vocabulary" in str(out[str(bad)])
     assert isinstance(out["unchecked"], EngineError) and "prefill failed" in str(out["unchecked"])
-    engine._contexts.pop("unchecked", None)
+    engine.core.contexts.pop("unchecked", None)
     assert portal.call(wait_for_no_contexts, engine)["contexts"] == 0
 
 
@@ -308,3 +308,51 @@ def test_a_huge_scoring_job_lets_running_decodes_step(llm):
     # Order of events, not timing: the whole decode ran while the scoring job was still going.
     assert events.index("decode done") < events.index("scored")
     assert events.count("token") >= 20
+
+
+def test_a_dead_worker_fails_waiting_requests_and_the_engine(tmp_path):
+    """A worker thread that dies (a bug past every isolation) answers what waits on it, and run() raises."""
+    env = EngineEnv(data_dir=tmp_path, cache_dir=Path.home() / ".cache" / "headrace", lookup=lambda name: None)
+    engine = TorchLLM(EngineSpec(name="doomed", plugin="torch", options={"threads": 2}), env)
+    with start_blocking_portal() as portal:
+        future, _ = portal.start_task(engine.run)
+        prompt = chat(engine, "Write a long essay about mountains.")
+        decoding = anyio.Event()
+        step = engine.core.step
+
+        def step_then_die(out):
+            if engine.core.stats()["decoding"] and decoding.is_set():
+                raise SystemExit("a bug that escapes the core")  # not an Exception: the worker thread ends
+            step(out)
+
+        engine.core.step = step_then_die
+
+        async def run():
+            out: dict = {}
+
+            async def decode():
+                stream = engine.generate(prompt, SamplingParams(max_tokens=200, temperature=0))
+                out["first"] = await stream.__anext__()
+                decoding.set()
+                out["decode"] = await outcome(stream)
+
+            async def prefill():  # waits on a reply the dead worker never gives
+                await decoding.wait()
+                try:
+                    await engine.prefill("late", prompt)
+                    out["prefill"] = "filled"
+                except EngineError as exc:
+                    out["prefill"] = exc
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(decode)
+                tg.start_soon(prefill)
+            return out
+
+        out = portal.call(run)
+        with pytest.raises(EngineError, match="worker thread stopped"):
+            future.result(timeout=60)
+    assert isinstance(out["decode"], EngineError) and "stopped" in str(out["decode"])
+    # The prefill either ran before the worker died or was answered when it did: it never hangs.
+    assert out["prefill"] == "filled" or "stopped" in str(out["prefill"])
+    assert engine.stats() == {"contexts": 0, "decoding": 0, "waiting": 0}

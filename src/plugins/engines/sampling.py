@@ -1,4 +1,4 @@
-"""Token sampling and incremental detokenisation for the torch LLM engine."""
+"""Token sampling and incremental detokenisation, shared by the cores of in-process LLM engines."""
 
 from __future__ import annotations
 
