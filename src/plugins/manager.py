@@ -23,6 +23,7 @@ ENTRY_POINT_GROUP = "headrace"
 
 DEFAULT_PLUGINS: tuple[str, ...] = (
     "headrace.plugins.engines.torch_llm",
+    "headrace.plugins.engines.llama_cpp",
     "headrace.plugins.engines.st_embed",
     "headrace.plugins.engines.rerankers",
     "headrace.plugins.engines.lancedb_store",

