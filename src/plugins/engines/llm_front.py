@@ -328,6 +328,14 @@ def sample_rows(rows: Sequence[Row], logits: torch.Tensor) -> list[int | BaseExc
 # ----- the front: event-loop side ----------------------------------------------------------
 
 
+def check_token_ids(tokens: Sequence[int], vocab_size: int, engine: str) -> None:
+    """Refuse token ids the model has no embedding for, before they can fail a batch (every engine's front)."""
+    for token in tokens:
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+            raise EngineError(f"token id {token!r} is not in the vocabulary of engine {engine!r} "
+                              f"(0 to {vocab_size - 1})")
+
+
 class LLMFront:
     """The ``LLMEngine`` protocol over one core and its worker thread."""
 
@@ -474,11 +482,7 @@ class LLMFront:
             raise EngineError(f"engine {self.name!r} is not running")
 
     def _check_tokens(self, tokens: Sequence[int]) -> None:
-        """Refuse token ids the model has no embedding for, before they can fail a batch."""
-        for token in tokens:
-            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size:
-                raise EngineError(f"token id {token!r} is not in the vocabulary of engine {self.name!r} "
-                                  f"(0 to {self.vocab_size - 1})")
+        check_token_ids(tokens, self.vocab_size, self.name)
 
     async def _decode(self, ctx: ContextId, params: SamplingParams, free_after: bool) -> AsyncIterator[TokenDelta]:
         self._require_running()

@@ -27,11 +27,16 @@ def parse_dtype(name: str, key: str) -> torch.dtype:
         raise ValueError(f"{key}: unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
 
 
-def _gguf_cache_dir(gguf: Path, cache_dir: Path) -> Path:
+def gguf_cache_key(gguf: Path) -> str:
+    """The name every engine's converted copy of ``gguf`` starts with: keyed by content identity,
+    so a changed file is converted again, and engines find each other's copies."""
     stat = gguf.stat()
-    # Keyed by content identity, so a changed file is converted again.
     digest = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache_dir / "models" / f"{gguf.stem}-{digest}"
+    return f"{gguf.stem}-{digest}"
+
+
+def _gguf_cache_dir(gguf: Path, cache_dir: Path) -> Path:
+    return cache_dir / "models" / gguf_cache_key(gguf)
 
 
 def convert_gguf(gguf: Path, cache_dir: Path) -> Path:

@@ -1,0 +1,98 @@
+"""The llama-cpp engine's library and files: the bindings (loaded on first use, logging routed
+to the daemon's logger), the model converted once to a faster quantization, and the model's HF
+tokenizer read from the GGUF once. The engine itself is in ``llama_cpp.py``."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from headrace.plugins.engines.torch_loading import gguf_cache_key
+
+log = logging.getLogger("headrace.plugins.engines.llama_cpp")  # llama.cpp's own log, at debug level
+
+# The quantization types `quantize` accepts (llama_ftype values), and "none": use the file as it is.
+QUANT_TYPES = {
+    "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_M": 17,
+    "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30,
+}
+
+
+# ----- llama.cpp, loaded on first use ----------------------------------------------------
+
+_llama: Any = None
+
+
+def llama() -> Any:
+    """The ``llama_cpp.llama_cpp`` bindings, backend initialised and logging routed to ``log``."""
+    global _llama
+    if _llama is None:
+        try:
+            from llama_cpp import llama_cpp as bindings
+        except ImportError as exc:
+            raise RuntimeError(
+                "the llama-cpp engine needs llama-cpp-python: run scripts/setup, or "
+                "`pip install llama-cpp-python==0.3.36` (it compiles llama.cpp, about 5 minutes)"
+            ) from exc
+        bindings.llama_backend_init()
+        bindings.llama_log_set(_log_callback, ctypes.c_void_p(0))
+        _llama = bindings
+    return _llama
+
+
+@ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+def _log_callback(level: int, text: bytes, user_data: Any) -> None:
+    # llama.cpp logs a lot at every load; it is the daemon's debug output, never its stderr.
+    # Module-level, so the callback outlives every engine (llama.cpp keeps the pointer).
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("%s", text.decode("utf-8", "replace").rstrip())
+
+
+# ----- files: the converted model, the tokenizer -------------------------------------------
+
+
+def quantized_model(source: Path, cache_dir: Path, quant: str, threads: int) -> Path:
+    """``source`` converted to ``quant`` once, cached under ``cache_dir``; ``source`` itself for "none"."""
+    if quant == "none":
+        return source
+    target = cache_dir / "models" / f"{gguf_cache_key(source)}.{quant}.gguf"
+    if target.exists():
+        return target
+    lc = llama()
+    log.info("converting %s to %s (once): %s", source.name, quant, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
+    params = lc.llama_model_quantize_default_params()
+    params.ftype = QUANT_TYPES[quant]
+    params.nthread = threads
+    params.allow_requantize = True  # the shipped model is quantized already
+    if lc.llama_model_quantize(str(source).encode(), str(partial).encode(), ctypes.byref(params)) != 0:
+        partial.unlink(missing_ok=True)
+        raise RuntimeError(f"llama.cpp could not convert {source} to {quant}")
+    partial.replace(target)  # atomic: a crashed conversion never looks complete
+    return target
+
+
+def load_tokenizer(gguf: Path, cache_dir: Path) -> Any:
+    """The model's HF tokenizer (and chat template), read from the GGUF once, then from the cache."""
+    from transformers import AutoTokenizer
+
+    key = gguf_cache_key(gguf)
+    for saved in (cache_dir / "models" / key, cache_dir / "models" / f"{key}.tokenizer"):
+        # The first is the torch engine's converted copy of the same file, when it exists.
+        if (saved / "tokenizer.json").exists() and (saved / "tokenizer_config.json").exists():
+            return AutoTokenizer.from_pretrained(saved)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)  # slow: parses the GGUF
+    target = cache_dir / "models" / f"{key}.tokenizer"
+    partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    tokenizer.save_pretrained(partial)
+    try:
+        partial.rename(target)
+    except OSError:  # another process saved it first
+        shutil.rmtree(partial, ignore_errors=True)
+    return tokenizer
