@@ -4,18 +4,32 @@ The engine batches every admitted request per iteration; this queue bounds how
 many are admitted (``max_running``) and times each request for the metrics:
 queue time, time to first token (from the prefill's arrival), inter-token
 latency and end-to-end latency.
+
+Each primitive comes with its ``PrimitiveMeta`` (None for a request from outside
+any run), kept per context while the context lives, for the LLM policies to read.
 """
 
 from __future__ import annotations
 
 import time
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Sequence
 
 import anyio
 
+from headrace.batching.meta import PrimitiveMeta
 from headrace.batching.observer import NullObserver, SchedulerObserver
 from headrace.plugins.protocols import LLMEngine, SamplingParams, TokenDelta
+
+
+@dataclass
+class ContextState:
+    """A live KV context, as the scheduler tracks it."""
+
+    arrival: float  # its prefill's arrival: time to first token counts from here
+    prompt_tokens: int
+    meta: PrimitiveMeta | None  # the primitive using it now: its prefill, then its decode
 
 
 class LLMScheduler:
@@ -25,7 +39,7 @@ class LLMScheduler:
         self._slots = anyio.CapacityLimiter(max_running)
         self._observer = observer or NullObserver()
         self.waiting = 0
-        self._arrivals: dict[str, tuple[float, int]] = {}  # ctx -> (prefill arrival, prompt tokens)
+        self.contexts: dict[str, ContextState] = {}
 
     @property
     def running(self) -> int:
@@ -35,7 +49,8 @@ class LLMScheduler:
         task_status.started()  # admission needs no loop of its own
 
     @asynccontextmanager
-    async def _admitted(self, arrival: float):
+    async def _admitted(self, arrival: float, meta: PrimitiveMeta | None):
+        # ``meta`` is what an LLM policy will order admission by; today admission is first come.
         self.waiting += 1
         self._observer.queued(self.name)
         try:
@@ -48,32 +63,37 @@ class LLMScheduler:
         finally:
             self._slots.release()
 
-    async def prefill(self, ctx: str, tokens: Sequence[int], parent: str | None = None) -> None:
+    async def prefill(self, ctx: str, tokens: Sequence[int], parent: str | None = None,
+                      meta: PrimitiveMeta | None = None) -> None:
         """A prefill primitive: fills a context (a fork when ``parent`` is given)."""
         arrival = time.monotonic()
-        async with self._admitted(arrival):
+        async with self._admitted(arrival, meta):
             await self.engine.prefill(ctx, tokens, parent)
-        self._arrivals[ctx] = (arrival, len(tokens))
+        self.contexts[ctx] = ContextState(arrival, len(tokens), meta)
 
-    async def decode(self, ctx: str, params: SamplingParams) -> AsyncIterator[TokenDelta]:
+    async def decode(self, ctx: str, params: SamplingParams,
+                     meta: PrimitiveMeta | None = None) -> AsyncIterator[TokenDelta]:
         """A decode primitive on a prefilled context; the context is freed when the iterator closes."""
-        arrival, prompt_tokens = self._arrivals.pop(ctx, (time.monotonic(), 0))
+        state = self.contexts.setdefault(ctx, ContextState(time.monotonic(), 0, None))
+        state.meta = meta or state.meta
         try:
-            async with self._admitted(time.monotonic()):
-                async for delta in self._timed(self.engine.decode(ctx, params), arrival, prompt_tokens):
+            async with self._admitted(time.monotonic(), state.meta):
+                async for delta in self._timed(self.engine.decode(ctx, params), state.arrival, state.prompt_tokens):
                     yield delta
         finally:
+            self.contexts.pop(ctx, None)
             with anyio.CancelScope(shield=True):
                 await self.engine.free(ctx)
 
     async def free(self, ctx: str) -> None:
-        self._arrivals.pop(ctx, None)
+        self.contexts.pop(ctx, None)
         await self.engine.free(ctx)
 
-    async def generate(self, tokens: Sequence[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
+    async def generate(self, tokens: Sequence[int], params: SamplingParams,
+                       meta: PrimitiveMeta | None = None) -> AsyncIterator[TokenDelta]:
         """Prefill, decode and free in one request. Close the iterator to abort it."""
         arrival = time.monotonic()
-        async with self._admitted(arrival):
+        async with self._admitted(arrival, meta):
             async for delta in self._timed(self.engine.generate(tokens, params), arrival, len(tokens)):
                 yield delta
 

@@ -6,7 +6,7 @@ the queue in arrival order and the batch's capacity in items.
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Protocol, Sequence
+from typing import Hashable, Protocol, Sequence
 
 from headrace.batching.queue import Pending
 from headrace.plugins.hookspecs import hookimpl
@@ -42,18 +42,18 @@ class FifoPolicy:
 class TopologyPolicy:
     """Topology-aware batching: Ayo (ASPLOS '25) Algorithm 2, Event 2 (section 5.2).
 
-    Queued requests are grouped into buckets by ``meta["run"]`` (one bucket per query;
+    Queued requests are grouped into buckets by ``meta.run`` (one bucket per query;
     a request with no run, such as a plain OpenAI call, is a bucket of its own).
     Buckets are ordered by their earliest arrival. The walk visits the buckets in
     that order, round-robin: each visit takes the requests of the bucket's current
-    highest-depth node (``meta["depth"]``, higher = more downstream work waits on
+    highest-depth node (``meta.depth``, higher = more downstream work waits on
     it; ties go to the node that arrived first), then moves on to the next bucket,
     until ``capacity`` items are taken or nothing more fits. This batches A and G
     of Figure 7 (advancing both queries) where FIFO would batch A and B.
 
     A request larger than the slots left is skipped for a later batch, never split;
     the first candidate still runs, alone, when it exceeds the whole capacity.
-    Requests of a node are told apart by ``meta["node"]`` (no node: the request is
+    Requests of a node are told apart by ``meta.node`` (no node: the request is
     its own node). The order returned is the order taken, which is deterministic.
     """
 
@@ -64,7 +64,7 @@ class TopologyPolicy:
         # (queue position breaks arrival ties, keeping the order deterministic).
         buckets: dict[Hashable, list[tuple[int, Pending]]] = {}
         for index, item in enumerate(queue):
-            run = item.meta.get("run")
+            run = run_of(item)
             key: Hashable = ("solo", id(item)) if run is None else ("run", run)
             buckets.setdefault(key, []).append((index, item))
         for items in buckets.values():
@@ -98,13 +98,16 @@ class TopologyPolicy:
         return batch
 
 
-def _depth(item: Pending) -> Any:
-    depth = item.meta.get("depth")
-    return 0 if depth is None else depth
+def run_of(item: Pending) -> str | None:
+    return None if item.meta is None else item.meta.run
+
+
+def _depth(item: Pending) -> int:
+    return 0 if item.meta is None else item.meta.depth
 
 
 def _node(item: Pending) -> Hashable:
-    node = item.meta.get("node")
+    node = None if item.meta is None else item.meta.node
     return ("item", id(item)) if node is None else ("node", node)
 
 

@@ -4,21 +4,24 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import anyio
+
+from headrace.batching.meta import PrimitiveMeta
 
 
 @dataclass(eq=False)
 class Pending:
     """One request waiting for its engine: its payload, size in items, and metadata.
 
-    ``meta`` carries what smarter policies look at (run, node, depth, task group).
+    ``meta`` is what smarter policies look at (run, node, depth, task group); None
+    for a request from outside any run.
     """
 
     payload: Any
     size: int
-    meta: Mapping[str, Any] = field(default_factory=dict)
+    meta: PrimitiveMeta | None = None
     arrival: float = field(default_factory=time.monotonic)
     done: anyio.Event = field(default_factory=anyio.Event)
     result: Any = None

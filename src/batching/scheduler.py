@@ -7,6 +7,12 @@ Faults stay with the request that caused them: nothing a request does (leaving
 while it waits, carrying a payload the engine rejects, naming an odd policy)
 ends the loop. A batch whose runner raises is split in halves and retried, so
 only the items that fail on their own get an error, each its own.
+
+A run may name its own batch policy (``PrimitiveMeta.policy``). The engine's
+policy forms each batch over the whole queue, so it decides how many slots each
+run gets; a run with its own policy then fills its slots with the requests its
+policy picks among that run's requests. So an override reorders its own run's
+requests and no one else's.
 """
 
 from __future__ import annotations
@@ -17,8 +23,9 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 import anyio
 
+from headrace.batching.meta import PrimitiveMeta
 from headrace.batching.observer import NullObserver, SchedulerObserver
-from headrace.batching.policies import BatchPolicy
+from headrace.batching.policies import BatchPolicy, run_of
 from headrace.batching.queue import Pending
 
 log = logging.getLogger(__name__)
@@ -54,8 +61,9 @@ class BatchScheduler:
     def waiting(self) -> int:
         return len(self._queue)
 
-    async def submit(self, payload: Any, size: int, meta: Mapping[str, Any] | None = None) -> Any:
-        item = Pending(payload, size, meta or {})
+    async def submit(self, payload: Any, size: int, meta: PrimitiveMeta | None = None) -> Any:
+        """The result of ``payload`` (an ``EngineRequest`` for the built-in runners) once its batch ran."""
+        item = Pending(payload, size, meta)
         self._queue.append(item)
         self._observer.queued(self.name)
         self._arrived.set()
@@ -112,17 +120,31 @@ class BatchScheduler:
 
     def _select(self) -> list[Pending]:
         """The policy's pick; the oldest request alone if the policy misbehaves."""
-        head = self._queue[0]
+        queue = list(self._queue)
         try:
-            name = head.meta.get("policy")
-            policy = self.policies.get(name, self.policy) if isinstance(name, str) else self.policy
-            picked = policy.select(list(self._queue), self.max_batch_size)
-            queued = set(self._queue)
-            batch = [item for item in dict.fromkeys(picked) if item in queued]
+            batch = _pick(self.policy, queue, self.max_batch_size)
         except Exception:
             log.exception("scheduler %s: batch policy failed; running the oldest request alone", self.name)
             batch = []
-        return batch or [head]
+        if not batch:
+            return [queue[0]]
+        for run, policy in self._overrides(queue).items():
+            try:
+                batch = _reorder_run(batch, queue, run, policy)
+            except Exception:  # that run's policy failed: its slots keep the engine policy's pick
+                log.exception("scheduler %s: batch policy %r of run %s failed", self.name, policy.name, run)
+        return batch
+
+    def _overrides(self, queue: Sequence[Pending]) -> dict[str, BatchPolicy]:
+        """The runs in the queue that name a known policy other than the engine's."""
+        out: dict[str, BatchPolicy] = {}
+        for item in queue:
+            if item.meta is None or not isinstance(item.meta.policy, str):
+                continue
+            policy = self.policies.get(item.meta.policy)
+            if policy is not None and policy.name != self.policy.name:
+                out.setdefault(item.meta.run, policy)
+        return out
 
     async def _run_batch(self, batch: list[Pending], *, first_try: bool) -> None:
         if first_try:
@@ -148,3 +170,26 @@ class BatchScheduler:
         for item, result in zip(batch, results):
             item.resolve(result)
             self._observer.finished(self.name, time.monotonic() - item.arrival, 0, 0)
+
+
+def _pick(policy: BatchPolicy, queue: Sequence[Pending], capacity: int) -> list[Pending]:
+    """What ``policy`` selects, each queued request at most once."""
+    queued = set(queue)
+    return [item for item in dict.fromkeys(policy.select(list(queue), capacity)) if item in queued]
+
+
+def _reorder_run(batch: list[Pending], queue: Sequence[Pending], run: str, policy: BatchPolicy) -> list[Pending]:
+    """Fill the slots ``batch`` gives ``run`` with what ``policy`` picks among the run's own requests.
+
+    The run keeps the capacity the engine's policy gave it; a pick that does not fit
+    it (an oversized request the policy would run alone) leaves the batch as it was.
+    """
+    slots = [i for i, item in enumerate(batch) if run_of(item) == run]
+    if not slots:
+        return batch
+    capacity = sum(batch[i].size for i in slots)
+    chosen = _pick(policy, [item for item in queue if run_of(item) == run], capacity)
+    if not chosen or sum(item.size for item in chosen) > capacity:
+        return batch
+    at = slots[0]  # the run's requests go where its first slot was
+    return batch[:at] + chosen + [item for item in batch[at:] if run_of(item) != run]

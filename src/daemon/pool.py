@@ -27,6 +27,8 @@ from typing import Any
 import anyio
 
 from headrace.batching.llm import LLMScheduler
+from headrace.batching.protocols import ResolvedEngine
+from headrace.batching.requests import runner_for
 from headrace.batching.scheduler import BatchScheduler
 from headrace.daemon import systemd
 from headrace.daemon.config import Config, ConfigError
@@ -66,7 +68,7 @@ class EngineSlot:
     name: str
     plugin: str
     engine: Any
-    scheduler: Any = None
+    scheduler: BatchScheduler | LLMScheduler | None = None
     state: str = "pending"  # pending | loading | ready | failed
     error: str | None = None
     load_seconds: float | None = None
@@ -105,12 +107,12 @@ class EnginePool:
             raise LookupError(f"engine {name!r} is not configured or not loaded yet (engines load in config order)")
         return slot.engine
 
-    def resolve(self, name: str) -> tuple[Any, Any]:
-        """(engine, scheduler) of a ready engine, for the graph executor."""
+    def resolve(self, name: str) -> ResolvedEngine:
+        """A ready engine and its scheduler, for the graph executor."""
         slot = self.slots.get(name)
-        if slot is None or slot.state != "ready":
+        if slot is None or slot.state != "ready" or slot.scheduler is None:
             raise LookupError(f"engine {name!r} is not configured or not ready")
-        return slot.engine, slot.scheduler
+        return ResolvedEngine(slot.engine, slot.scheduler)
 
     def engines_by_kind(self) -> dict[str, str]:
         """The first ready engine of each kind: a workflow's default engines."""
@@ -206,7 +208,7 @@ class EnginePool:
         self.metrics.engine_failures.labels(slot.name).inc()
         log.error("engine %s failed: %s", slot.name, reason, exc_info=exc)
 
-    def _scheduler_for(self, slot: EngineSlot) -> Any:
+    def _scheduler_for(self, slot: EngineSlot) -> BatchScheduler | LLMScheduler:
         batching = self.config.batching_for(slot.name)
         engine = slot.engine
         if engine.kind == "llm":
@@ -224,7 +226,7 @@ class EnginePool:
             raise ConfigError("batching.policy", f"no batch policy {batching.policy!r} is registered")
         scheduler = BatchScheduler(
             slot.name,
-            _runner_for(engine),
+            runner_for(engine),
             policy_factory(),
             max_batch_size=batching.max_batch_size,
             max_wait_ms=batching.max_wait_ms,
@@ -234,36 +236,3 @@ class EnginePool:
         self.metrics.watch(slot.name, running=lambda: 0, waiting=lambda: scheduler.waiting)
         return scheduler
 
-
-def _runner_for(engine: Any):
-    """How a batch of request payloads becomes one engine call."""
-    if engine.kind == "embed":
-
-        async def run_embed(payloads):
-            texts = [t for p in payloads for t in p]
-            vectors = await engine.embed(texts)
-            out, start = [], 0
-            for p in payloads:
-                out.append(vectors[start : start + len(p)])
-                start += len(p)
-            return out
-
-        return run_embed
-    if engine.kind == "rerank":
-
-        async def run_rerank(payloads):
-            pairs = [(q, d) for q, docs in payloads for d in docs]
-            scores = await engine.score_pairs(pairs)
-            out, start = [], 0
-            for _, docs in payloads:
-                out.append(scores[start : start + len(docs)])
-                start += len(docs)
-            return out
-
-        return run_rerank
-
-    async def run_each(payloads):
-        # Vector-store calls already carry many vectors each; a payload is (method, *args), run in order.
-        return [await getattr(engine, method)(*args) for method, *args in payloads]
-
-    return run_each

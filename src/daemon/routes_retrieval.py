@@ -9,6 +9,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from headrace.batching import requests as engine_requests
 from headrace.daemon import requests as rq
 from headrace.daemon.errors import bad_request
 from headrace.daemon.routes_openai import engine_for
@@ -24,7 +25,7 @@ async def embeddings(request: Request) -> Response:
     if body.dimensions is not None and body.dimensions != slot.engine.dimensions:
         raise bad_request(f"'dimensions' must be {slot.engine.dimensions} for '{slot.name}' (it cannot be reduced)",
                           param="dimensions", code="unsupported_parameter")
-    vectors = await slot.scheduler.submit(texts, len(texts))
+    vectors = await slot.scheduler.submit(engine_requests.EmbedRequest(tuple(texts)), len(texts))
     matrix = vectors.float().cpu().numpy().astype("<f4")
     data = [
         {"object": "embedding", "index": i,
@@ -48,7 +49,7 @@ async def rerank(request: Request) -> Response:
     docs = [d if isinstance(d, str) else d.text for d in body.documents]
     top_n = body.top_n or len(docs)
     return_documents = body.return_documents is not False
-    scores = await slot.scheduler.submit((query, docs), len(docs))
+    scores = await slot.scheduler.submit(engine_requests.RerankRequest(query, tuple(docs)), len(docs))
     order = np.argsort(-scores.float().numpy(), kind="stable")[:top_n]
     results = []
     for i in order.tolist():

@@ -22,7 +22,10 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 import anyio
 
+from headrace.batching.protocols import ResolvedEngine
+from headrace.batching.requests import VectorDrop
 from headrace.graph.graph import Graph, Node, Op
+from headrace.graph.objectives import objectives, task_groups
 from headrace.graph.ops import NodeError, OpContext, aggregate, run_op
 from headrace.graph.store import Store
 
@@ -64,6 +67,7 @@ class Run:
     result: Any = None
     error: str | None = None
     created: float = field(default_factory=time.time)
+    arrival: float = field(default_factory=time.monotonic)  # what the schedulers order runs by
     started: float = field(default_factory=time.monotonic)
     finished: float | None = None
     records: list[NodeRecord] = field(default_factory=list)
@@ -72,13 +76,14 @@ class Run:
     emit: Emit = lambda event: None
     on_delta: Callable[[Node, Any], Awaitable[None]] | None = None  # LLM token deltas as they decode
     policy: str | None = None  # this run's batch policy, overriding the engines' own
+    slo_seconds: float | None = None  # its deadline, counted from its arrival; None: none
     applied: list[tuple[str, list[str]]] = field(default_factory=list)  # what each pass changed
     isolate: bool = False  # one engine at a time: each node's duration is its batched compute alone
     owner: str | None = None  # the principal (API key digest) that created it; None: no auth
 
 
 class Executor:
-    def __init__(self, resolve: Callable[[str], tuple[Any, Any]]) -> None:
+    def __init__(self, resolve: Callable[[str], ResolvedEngine]) -> None:
         self.resolve = resolve
 
     async def execute(self, run: Run) -> Any:
@@ -86,7 +91,9 @@ class Executor:
         graph = run.graph
         store = Store(run.inputs, declares={v for n in graph.nodes.values() for v in n.outputs})
         ctx = OpContext(run.id, self.resolve, on_delta=run.on_delta, policy=run.policy,
-                        alone=EngineTurns() if run.isolate else None)
+                        alone=EngineTurns() if run.isolate else None, arrival=run.arrival,
+                        deadline=None if run.slo_seconds is None else run.arrival + run.slo_seconds,
+                        objectives=objectives(graph, run.outputs), task_groups=task_groups(graph))
         run.status, run.started = "running", time.monotonic()
         run.emit({"event": "run.started", "run": run.id, "workflow": run.workflow})
         try:
@@ -111,7 +118,7 @@ class Executor:
             with anyio.CancelScope(shield=True):
                 for engine, context in list(ctx.contexts):
                     try:
-                        await self.resolve(engine)[1].free(context)
+                        await self.resolve(engine).llm().free(context)
                     except Exception:  # its engine failed meanwhile: the run must still end
                         log.exception("run %s: could not free context %r on %s", run.id, context, engine)
                 await self._drop_collections(run, ctx)
@@ -128,7 +135,7 @@ class Executor:
         for engine, collection in sorted(ctx.collections):
             try:
                 with anyio.fail_after(COLLECTION_DROP_TIMEOUT):
-                    await self.resolve(engine)[1].submit(("drop", collection), 1, {"run": run.id})
+                    await self.resolve(engine).batch().submit(VectorDrop(collection), 1, ctx.run_meta())
             except Exception:  # the run's result stands; a leftover table is only disk
                 log.exception("run %s: could not drop its collection %r on %s", run.id, collection, engine)
         ctx.collections.clear()

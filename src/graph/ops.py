@@ -1,17 +1,22 @@
 """How each primitive runs: read its inputs from the run's scope, call its engine's scheduler.
 
-Every engine call goes through the engine's scheduler with the node's metadata,
-so batch policies see the primitive (run, node, depth), not an anonymous request.
+Every engine call goes through the engine's scheduler with the node's
+``PrimitiveMeta``, so schedulers and their policies see the primitive (run, node,
+depth, task group, objective), not an anonymous request.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping
 
 import anyio
 import torch
 
+from headrace.batching.meta import Objective, PrimitiveMeta
+from headrace.batching.protocols import ResolvedEngine
+from headrace.batching.requests import EmbedRequest, RerankRequest, VectorIngest, VectorSearch, VectorSearchText
 from headrace.graph.graph import Node, Op
 from headrace.graph.parsers import make_parser
 from headrace.graph.prompts import PromptTemplate
@@ -27,20 +32,29 @@ class NodeError(RuntimeError):
 @dataclass
 class OpContext:
     run_id: str
-    resolve: Callable[[str], tuple[Any, Any]]  # engine name -> (engine, scheduler)
+    resolve: Callable[[str], ResolvedEngine]
     contexts: set[tuple[str, str]] = field(default_factory=set)  # (engine, ctx) to free when the run ends
     collections: set[tuple[str, str]] = field(default_factory=set)  # (engine, run's own table) to drop at its end
     on_piece: Callable[[Node, str, tuple], Awaitable[None]] | None = None
     on_delta: Callable[[Node, Any], Awaitable[None]] | None = None  # token deltas, for a streamed response
     policy: str | None = None
     alone: Any = None  # an isolated run's EngineTurns: one engine computes at a time
+    arrival: float = field(default_factory=time.monotonic)  # the run's
+    deadline: float | None = None
+    objectives: Mapping[str, Objective] = field(default_factory=dict)  # node id -> objective
+    task_groups: Mapping[str, str] = field(default_factory=dict)  # node id -> its task group, if any
 
-    def meta(self, node: Node, key: tuple = ()) -> dict[str, Any]:
+    def meta(self, node: Node, key: tuple = ()) -> PrimitiveMeta:
         """What the engine's scheduler and its batch policy see: the primitive, not an anonymous request."""
-        meta = {"run": self.run_id, "node": node.id, "depth": node.depth, "key": key, "size": node.size}
-        if self.policy:
-            meta["policy"] = self.policy
-        return meta
+        return PrimitiveMeta(
+            run=self.run_id, node=node.id, key=key, depth=node.depth, task_group=self.task_groups.get(node.id),
+            objective=self.objectives.get(node.id, "latency"), prefix_hash=node.prefix_hash,
+            arrival=self.arrival, deadline=self.deadline, policy=self.policy,
+        )
+
+    def run_meta(self) -> PrimitiveMeta:
+        """For a request the run makes outside any primitive (dropping its own table at its end)."""
+        return PrimitiveMeta(run=self.run_id, arrival=self.arrival, deadline=self.deadline, policy=self.policy)
 
 
 def chunk_text(docs: Any, size: int, overlap: int) -> list[str]:
@@ -78,7 +92,7 @@ async def run_op(node: Node, scope: Mapping[str, Any], ctx: OpContext, key: tupl
     return await handler(node, scope, ctx, key)
 
 
-def _engine(node: Node, ctx: OpContext) -> tuple[Any, Any]:
+def _engine(node: Node, ctx: OpContext) -> ResolvedEngine:
     if not node.engine:
         raise NodeError(f"node {node.id!r} ({node.op}) names no engine")
     return ctx.resolve(node.engine)
@@ -92,17 +106,17 @@ async def _chunk(node, scope, ctx, key):
 
 
 async def _embed(node, scope, ctx, key):
-    _, sched = _engine(node, ctx)
+    sched = _engine(node, ctx).batch()
     texts = _texts(scope[node.inputs[0]])
     if "slice" in node.params:
         texts = texts[slice(*node.params["slice"])]
     if not texts:
         return {node.outputs[0]: torch.empty(0, 0)}
-    return {node.outputs[0]: await sched.submit(texts, len(texts), ctx.meta(node, key))}
+    return {node.outputs[0]: await sched.submit(EmbedRequest(tuple(texts)), len(texts), ctx.meta(node, key))}
 
 
 async def _ingest(node, scope, ctx, key):
-    _, sched = _engine(node, ctx)
+    sched = _engine(node, ctx).batch()
     vectors, texts = scope[node.inputs[0]], _texts(scope[node.inputs[1]])
     if "slice" in node.params:
         texts = texts[slice(*node.params["slice"])]
@@ -110,8 +124,8 @@ async def _ingest(node, scope, ctx, key):
     if not collection:  # the run's own table: recorded before the ingest, so even a failed one is dropped
         collection = f"run_{ctx.run_id}"
         ctx.collections.add((node.engine, collection))
-    payloads = [{"text": t} for t in texts]
-    await sched.submit(("ingest", collection, vectors, payloads), len(texts), ctx.meta(node, key))
+    payloads = tuple({"text": t} for t in texts)
+    await sched.submit(VectorIngest(collection, vectors, payloads), len(texts), ctx.meta(node, key))
     return {node.outputs[0]: collection}
 
 
@@ -120,30 +134,32 @@ def _dedupe(texts: list[str]) -> list[str]:
 
 
 async def _search(node, scope, ctx, key):
-    _, sched = _engine(node, ctx)
+    sched = _engine(node, ctx).batch()
     vectors, collection = scope[node.inputs[0]], scope[node.inputs[1]]
     if vectors.dim() == 1:
         vectors = vectors.unsqueeze(0)
-    hits = await sched.submit(("search", collection, vectors, node.params.get("k", 3)), len(vectors), ctx.meta(node, key))
+    hits = await sched.submit(VectorSearch(collection, vectors, node.params.get("k", 3)), len(vectors),
+                              ctx.meta(node, key))
     return {node.outputs[0]: _dedupe([h.payload["text"] for row in hits for h in row])}
 
 
 async def _text_search(node, scope, ctx, key):
-    _, sched = _engine(node, ctx)
+    sched = _engine(node, ctx).batch()
     collection = scope[node.inputs[1]] if len(node.inputs) > 1 else node.params["collection"]
     out = []
     for query in _texts(scope[node.inputs[0]]):
-        hits = await sched.submit(("search_text", collection, query, node.params.get("k", 3)), 1, ctx.meta(node, key))
+        hits = await sched.submit(VectorSearchText(collection, query, node.params.get("k", 3)), 1,
+                                  ctx.meta(node, key))
         out.extend(h.payload["text"] for h in hits)
     return {node.outputs[0]: _dedupe(out)}
 
 
 async def _rerank(node, scope, ctx, key):
-    _, sched = _engine(node, ctx)
+    sched = _engine(node, ctx).batch()
     query, docs = str(scope[node.inputs[0]]), _texts(scope[node.inputs[1]])
     if not docs:
         return {node.outputs[0]: []}
-    scores = await sched.submit((query, docs), len(docs), ctx.meta(node, key))
+    scores = await sched.submit(RerankRequest(query, tuple(docs)), len(docs), ctx.meta(node, key))
     order = torch.argsort(scores.float(), descending=True, stable=True)[: node.params.get("top_n", 3)]
     return {node.outputs[0]: [docs[i] for i in order.tolist()]}
 
@@ -160,7 +176,8 @@ def _prompt_tokens(engine: Any, node: Node, scope: Mapping[str, Any], part: str)
 
 
 async def _prefill(node, scope, ctx, key):
-    engine, sched = _engine(node, ctx)
+    resolved = _engine(node, ctx)
+    engine, sched = resolved.engine, resolved.llm()
     part = {Op.PARTIAL_PREFILL: "prefix", Op.FULL_PREFILL: "rest"}.get(node.op, "all")
     # A request that arrives already tokenized (an OpenAI chat) carries its tokens.
     if "tokens" in node.params:
@@ -170,7 +187,7 @@ async def _prefill(node, scope, ctx, key):
     parent = scope[node.params["parent"]] if node.op == Op.FULL_PREFILL else None
     context = engine.new_context_id()
     ctx.contexts.add((node.engine, context))
-    await sched.prefill(context, tokens, parent)
+    await sched.prefill(context, tokens, parent, ctx.meta(node, key))
     return {node.outputs[0]: context}
 
 
@@ -187,7 +204,7 @@ def sampling(node: Node) -> SamplingParams:
 
 
 async def _decode(node, scope, ctx, key):
-    _, sched = _engine(node, ctx)
+    sched = _engine(node, ctx).llm()
     context = scope[node.inputs[0]]
     parser = make_parser(node.splittable) if node.splittable else None
     pieces: list[str] = []
@@ -202,7 +219,7 @@ async def _decode(node, scope, ctx, key):
             if ctx.on_piece is not None and node.op == Op.PARTIAL_DECODE:
                 await ctx.on_piece(node, piece, key + (len(pieces) - 1,))
 
-    deltas = sched.decode(context, sampling(node))
+    deltas = sched.decode(context, sampling(node), ctx.meta(node, key))
     try:
         async for delta in deltas:
             if ctx.on_delta is not None:

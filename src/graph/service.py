@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator, Callable, Iterable, Mapping
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
+from headrace.batching.protocols import ResolvedEngine
 from headrace.graph.executor import Executor, Run
 from headrace.graph.graph import Graph, Node, Op
 from headrace.graph.optimizer import Optimized, Optimizer
@@ -37,6 +38,7 @@ class _Plan:
     optimized: Optimized
     policy: str | None
     isolate: bool
+    slo_seconds: float | None
 
 
 class UnknownWorkflow(KeyError):
@@ -49,7 +51,7 @@ class WorkflowService:
         self,
         workflows: Mapping[str, Workflow],
         passes: Mapping[str, GraphPass],
-        resolve: Callable[[str], tuple[Any, Any]],
+        resolve: Callable[[str], ResolvedEngine],
         engines_by_kind: Callable[[], dict[str, str]],
         max_efficient_batch: Callable[[str], int | None] = lambda engine: None,
         keep_runs: int = 1000,
@@ -108,13 +110,13 @@ class WorkflowService:
         pgraph = workflow.build(inputs, config, engines)
         env = PassEnv(max_efficient_batch=self._max_efficient_batch, inputs=set(inputs))
         optimized = self.optimizer.optimize(pgraph, env, passes)
-        return _Plan(workflow, inputs, optimized, policy, bool(config.get("isolate")))
+        return _Plan(workflow, inputs, optimized, policy, bool(config.get("isolate")), config.get("slo_seconds"))
 
     def _check_engines(self, chosen: Mapping[str, str]) -> dict[str, str]:
         """``config.engines``: each names a ready engine of its kind (else the run would fail, or worse)."""
         for kind, name in chosen.items():
             try:
-                engine, _ = self._resolve(name)
+                engine = self._resolve(name).engine
             except LookupError:
                 raise WorkflowInputError(f"config.engines.{kind}", f"no ready engine named {name!r}") from None
             if engine.kind != kind:
@@ -125,7 +127,7 @@ class WorkflowService:
                              llm: str) -> None:
         """Inputs that go whole into a prompt must leave the LLM room for its answer."""
         try:
-            engine, _ = self._resolve(llm)
+            engine = self._resolve(llm).engine
         except LookupError:  # not ready: the run cannot start anyway, and says so
             return
         limit = getattr(engine, "max_context_tokens", None)
@@ -143,7 +145,7 @@ class WorkflowService:
     def _register(self, plan: _Plan) -> Run:
         run = Run(workflow=plan.workflow.name, graph=plan.optimized.graph, inputs=plan.inputs,
                   outputs=plan.workflow.outputs, applied=plan.optimized.applied, policy=plan.policy,
-                  isolate=plan.isolate)
+                  isolate=plan.isolate, slo_seconds=plan.slo_seconds)
         run.emit = lambda event, _id=run.id: self._broadcast(_id, event)
         self.runs[run.id] = run
         while len(self.runs) > self._keep:

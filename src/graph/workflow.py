@@ -36,6 +36,8 @@ COMMON_CONFIG: dict[str, Any] = {
         "default": {},
     },
     "batch_policy": {"type": "string", "minLength": 1, "description": "override the engines' batch policy for this run"},
+    "slo_seconds": {"type": "number", "minimum": 0,
+                    "description": "the run's latency objective: the schedulers' deadline for it, from its arrival"},
     "isolate": {"type": "boolean", "default": False,
                 "description": "run one engine at a time, so each primitive's time is its compute alone "
                                "(profiling: the critical-path bound)"},

@@ -5,15 +5,14 @@ from __future__ import annotations
 import anyio
 import pytest
 
+from headrace.batching.meta import PrimitiveMeta
 from headrace.batching.policies import FifoPolicy, TopologyPolicy, register_batch_policies
 from headrace.batching.queue import Pending
 from headrace.batching.scheduler import BatchScheduler
 
 
 def item(name, *, run=None, node=None, depth=0, arrival, size=1):
-    meta = {}
-    if run is not None:
-        meta = {"run": run, "node": node or name, "depth": depth, "key": ()}
+    meta = None if run is None else PrimitiveMeta(run=run, node=node or name, depth=depth)
     return Pending(payload=name, size=size, meta=meta, arrival=arrival)
 
 
@@ -150,9 +149,9 @@ async def test_scheduler_with_topology_batches_the_deep_nodes_of_both_runs():
         await outer.start(sched.run)
         async with anyio.create_task_group() as tg:
             # All three are queued before the scheduler wakes to form its batch.
-            tg.start_soon(one, "a", {"run": "r1", "node": "A", "depth": 3, "key": ()})
-            tg.start_soon(one, "b", {"run": "r1", "node": "B", "depth": 1, "key": ()})
-            tg.start_soon(one, "g", {"run": "r2", "node": "G", "depth": 3, "key": ()})
+            tg.start_soon(one, "a", PrimitiveMeta(run="r1", node="A", depth=3))
+            tg.start_soon(one, "b", PrimitiveMeta(run="r1", node="B", depth=1))
+            tg.start_soon(one, "g", PrimitiveMeta(run="r2", node="G", depth=3))
         outer.cancel_scope.cancel()
 
     assert results == {"a": "A", "b": "B", "g": "G"}

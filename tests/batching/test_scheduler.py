@@ -6,7 +6,8 @@ import anyio
 import pytest
 
 from headrace.batching.llm import LLMScheduler
-from headrace.batching.policies import FifoPolicy
+from headrace.batching.meta import PrimitiveMeta
+from headrace.batching.policies import FifoPolicy, TopologyPolicy
 from headrace.batching.queue import Pending
 from headrace.batching.scheduler import BatchScheduler
 from headrace.plugins.protocols import SamplingParams, TokenDelta
@@ -158,7 +159,7 @@ async def test_a_misbehaving_policy_or_runner_never_ends_the_loop():
 
     async def body():
         assert await sched.submit(["x"], 1) == ["X"]  # the oldest runs alone
-        assert await sched.submit(["y"], 1, {"policy": ["unhashable"]}) == ["Y"]
+        assert await sched.submit(["y"], 1, PrimitiveMeta(run="r", policy="no-such-policy")) == ["Y"]
         with pytest.raises(RuntimeError, match="0 results for 1"):
             await wrong.submit(["z"], 1)
 
@@ -196,3 +197,113 @@ async def test_llm_admission_bounds_running_requests():
         for _ in range(5):
             tg.start_soon(one)
     assert Counter.peak == 2 and sched.running == 0 and sched.waiting == 0
+
+
+class Recorder:
+    """A batch runner that records each batch's payloads and answers each with itself."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[str]] = []
+
+    async def __call__(self, payloads):
+        self.batches.append(list(payloads))
+        return list(payloads)
+
+
+async def queue_then_serve(sched: BatchScheduler, requests: list[tuple[str, PrimitiveMeta]]) -> None:
+    """Queue ``requests`` in this order before the loop forms its first batch, then serve them all."""
+
+    async def one(payload, meta):
+        assert await sched.submit(payload, 1, meta) == payload
+
+    async with anyio.create_task_group() as tg:
+        async with anyio.create_task_group() as clients:
+            for payload, meta in requests:
+                clients.start_soon(one, payload, meta)
+                await anyio.wait_all_tasks_blocked()  # queued, in this order
+            assert sched.waiting == len(requests)
+            await tg.start(sched.run)
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_a_per_run_policy_override_changes_that_runs_order_only():
+    """The engine's FIFO gives each run its slots; run a, which asked for topology, fills its slots deepest first.
+
+    Run b keeps FIFO's order: the override neither is ignored nor leaks to the other run
+    (the whole batch taken by topology would put b's deep request before its shallow one).
+    """
+    policies = {"fifo": FifoPolicy(), "topology": TopologyPolicy()}
+
+    def meta(run: str, depth: int) -> PrimitiveMeta:
+        return PrimitiveMeta(run=run, node=f"{run}{depth}", depth=depth, policy="topology" if run == "a" else None)
+
+    requests = [("a0", meta("a", 0)), ("b0", meta("b", 0)), ("b2", meta("b", 2)), ("a2", meta("a", 2))]
+    runner = Recorder()
+    await queue_then_serve(BatchScheduler("rec", runner, FifoPolicy(), max_batch_size=2, max_wait_ms=0,
+                                          policies=policies), requests)
+    assert runner.batches == [["a2", "b0"], ["a0", "b2"]]
+
+    def order(batches, run):
+        return [p for batch in batches for p in batch if p.startswith(run)]
+
+    # Without the override both runs go by FIFO, and an override applied to everyone reorders run b too.
+    plain = Recorder()
+    await queue_then_serve(BatchScheduler("rec", plain, FifoPolicy(), max_batch_size=2, max_wait_ms=0),
+                           [(p, PrimitiveMeta(run=m.run, node=m.node, depth=m.depth)) for p, m in requests])
+    everyone = Recorder()
+    await queue_then_serve(BatchScheduler("rec", everyone, TopologyPolicy(), max_batch_size=2, max_wait_ms=0),
+                           requests)
+    assert order(plain.batches, "a") == ["a0", "a2"] != order(runner.batches, "a")
+    assert order(everyone.batches, "b") == ["b2", "b0"] != order(runner.batches, "b")
+
+
+@pytest.mark.anyio
+async def test_an_override_keeps_the_slots_the_engine_policy_gave_its_run():
+    """A run's own policy picks among the run's requests, within the capacity that run was given."""
+    runner = Recorder()
+    sched = BatchScheduler("rec", runner, TopologyPolicy(), max_batch_size=3, max_wait_ms=0,
+                           policies={"fifo": FifoPolicy(), "topology": TopologyPolicy()})
+    a = [(f"a{d}", PrimitiveMeta(run="a", node=f"a{d}", depth=d, policy="fifo")) for d in (0, 1, 2)]
+    b = [(f"b{d}", PrimitiveMeta(run="b", node=f"b{d}", depth=d)) for d in (0, 1, 2)]
+    await queue_then_serve(sched, [a[0], b[0], a[1], b[1], a[2], b[2]])
+    # Topology alone would batch [a2, b2, a1]: run a's two slots are filled oldest first, by its FIFO.
+    assert runner.batches == [["a0", "a1", "b2"], ["b1", "a2", "b0"]]
+
+
+@pytest.mark.anyio
+async def test_the_llm_scheduler_keeps_each_contexts_primitive():
+    """Prefill and decode carry their metadata; the context keeps the one using it now, until it is freed."""
+
+    class Echo:
+        """A real (tiny) LLM-shaped engine: decodes the prompt's tokens back."""
+
+        name, kind = "echo", "llm"
+
+        def __init__(self) -> None:
+            self.prompts: dict[str, list[int]] = {}
+
+        async def prefill(self, ctx, tokens, parent=None):
+            self.prompts[ctx] = list(tokens)
+
+        async def decode(self, ctx, params):
+            for token in self.prompts[ctx]:
+                yield TokenDelta(text=str(token), token_ids=[token])
+
+        async def free(self, ctx):
+            self.prompts.pop(ctx, None)
+
+    sched = LLMScheduler(Echo(), max_running=2)
+    fill = PrimitiveMeta(run="r", node="call.prefill", depth=1, prefix_hash="abc")
+    answer = PrimitiveMeta(run="r", node="call", depth=0)
+    await sched.prefill("c1", [7, 8], meta=fill)
+    await sched.prefill("c2", [9])
+    assert sched.contexts["c1"].meta == fill and sched.contexts["c1"].prompt_tokens == 2
+    assert sched.contexts["c2"].meta is None  # a request from outside any run
+    seen = []
+    async for delta in sched.decode("c1", SamplingParams(), answer):
+        seen.append((delta.text, sched.contexts["c1"].meta))
+    assert seen == [("7", answer), ("8", answer)]
+    assert "c1" not in sched.contexts
+    await sched.free("c2")
+    assert sched.contexts == {}

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from headrace.batching.policies import FifoPolicy
+from headrace.batching.requests import EmbedRequest
 from headrace.daemon.config import Config, DataConfig, EngineConfig
 from headrace.daemon.metrics import Metrics
 from headrace.daemon.pool import EnginePool
@@ -82,13 +83,13 @@ async def test_a_crashed_scheduler_loop_is_restarted(tmp_path):
     metrics = CrashingMetrics()
     pool = make_pool(tmp_path, metrics)
     async with serving(pool):
-        _, sched = pool.resolve("a")
+        sched = pool.resolve("a").batch()
         metrics.crashes = 2
         for _ in range(2):  # the batch in flight when the loop crashed fails; nothing hangs
             with pytest.raises(RuntimeError, match="scheduler stopped"):
-                await sched.submit(["x"], 1)
+                await sched.submit(EmbedRequest(("x",)), 1)
         with anyio.fail_after(30):
-            assert await sched.submit(["x"], 1) == ["X"]
+            assert await sched.submit(EmbedRequest(("x",)), 1) == ["X"]
         assert pool.ready and pool.health().alive and pool.health().problems == {}
         assert metric_value(metrics.render().decode(), "headrace_scheduler_restarts_total", engine="a") == 2
 
@@ -98,18 +99,18 @@ async def test_a_scheduler_loop_that_keeps_crashing_is_given_up(tmp_path):
     metrics = CrashingMetrics()
     pool = make_pool(tmp_path, metrics)
     async with serving(pool):
-        _, sched = pool.resolve("a")
+        sched = pool.resolve("a").batch()
         metrics.crashes = 1000
         while pool.slots["a"].state == "ready":
             with pytest.raises(RuntimeError):
-                await sched.submit(["x"], 1)
+                await sched.submit(EmbedRequest(("x",)), 1)
         health = pool.health()
         assert not health.alive and "crashed" in health.problems["a"] and not pool.ready
         with pytest.raises(LookupError):
             pool.resolve("a")
         # The other engine serves on.
         metrics.crashes = 0
-        assert await pool.resolve("b")[1].submit(["y"], 1) == ["Y"]
+        assert await pool.resolve("b").batch().submit(EmbedRequest(("y",)), 1) == ["Y"]
 
 
 @pytest.mark.anyio
@@ -123,7 +124,7 @@ async def test_an_engine_that_dies_fails_its_slot_only(tmp_path):
         health = pool.health()
         assert not health.alive and "device fell off" in health.problems["a"] and "b" not in health.problems
         assert not pool.ready and pool.engines_by_kind() == {"embed": "b"}
-        assert await pool.resolve("b")[1].submit(["y"], 1) == ["Y"]
+        assert await pool.resolve("b").batch().submit(EmbedRequest(("y",)), 1) == ["Y"]
         assert metric_value(metrics.render().decode(), "headrace_engine_failures_total", engine="a") == 1
 
 

@@ -8,6 +8,7 @@ import anyio
 import pytest
 import torch
 
+from headrace.batching.protocols import ResolvedEngine
 from headrace.graph.executor import Executor, Run
 from headrace.graph.graph import Graph, Node, Op
 from headrace.graph.ops import NodeError, aggregate
@@ -234,7 +235,16 @@ class StubLLM:
     def __init__(self, deltas, delay=0.02):
         self.deltas, self.delay = deltas, delay
 
-    async def decode(self, context, params):
+    async def prefill(self, context, tokens, parent=None, meta=None):
+        pass
+
+    async def free(self, context):
+        pass
+
+    def generate(self, tokens, params, meta=None):
+        raise NotImplementedError
+
+    async def decode(self, context, params, meta=None):
         for text in self.deltas:
             await anyio.sleep(self.delay)
             yield SimpleNamespace(text=text)
@@ -246,10 +256,10 @@ class StubEmbed:
     def __init__(self):
         self.requests = []
 
-    async def submit(self, texts, size, meta):
-        self.requests.append((list(texts), meta))
+    async def submit(self, request, size, meta=None):
+        self.requests.append((list(request.texts), meta))
         await anyio.sleep(0.001)
-        return torch.tensor([[float(len(t))] for t in texts])
+        return torch.tensor([[float(len(t))] for t in request.texts])
 
 
 async def test_streamed_region_runs_per_piece_as_pieces_arrive():
@@ -266,7 +276,7 @@ async def test_streamed_region_runs_per_piece_as_pieces_arrive():
     assert g.in_edges("up")[0].stream
     events = []
     run = make_run(g, {"ctx": "c0"}, ["answer"], events)
-    engines = {"lm": (None, StubLLM(deltas))}
+    engines = {"lm": ResolvedEngine(None, StubLLM(deltas))}
     await Executor(engines.__getitem__).execute(run)
     assert run.status == "succeeded", run.error
     # Pieces in order; the aggregate dedupes the repeated one; the decode's own output is every piece.
@@ -291,7 +301,7 @@ async def test_pipelined_decode_embeds_each_piece_and_aggregates_vectors():
     g.compute_depths()
     assert g.nodes["embed"].region == "expand"
     embed = StubEmbed()
-    engines = {"lm": (None, StubLLM(['["ab", "c', 'de", "f"', "]"])), "emb": (None, embed)}
+    engines = {"lm": ResolvedEngine(None, StubLLM(['["ab", "c', 'de", "f"', "]"])), "emb": ResolvedEngine(None, embed)}
     run = make_run(g, {"ctx": "c0"}, ["n", "vectors"])
     await Executor(engines.__getitem__).execute(run)
     assert run.status == "succeeded", run.error
@@ -299,9 +309,9 @@ async def test_pipelined_decode_embeds_each_piece_and_aggregates_vectors():
     assert run.result["vectors"].flatten().tolist() == [2.0, 3.0, 1.0]
     assert [texts for texts, _ in embed.requests] == [["ab"], ["cde"], ["f"]]
     # The scheduler sees the primitive: its run, node and piece key.
-    assert [meta["key"] for _, meta in embed.requests] == [(0,), (1,), (2,)]
-    assert {meta["node"] for _, meta in embed.requests} == {"embed"}
-    assert {meta["run"] for _, meta in embed.requests} == {run.id}
+    assert [meta.key for _, meta in embed.requests] == [(0,), (1,), (2,)]
+    assert {meta.node for _, meta in embed.requests} == {"embed"}
+    assert {meta.run for _, meta in embed.requests} == {run.id}
 
 
 async def test_region_failure_names_the_inner_node():
@@ -314,7 +324,7 @@ async def test_region_failure_names_the_inner_node():
              params={"op": "concat", "source": "expand", "reads": ("expand.pieces",)}),
     )
     run = make_run(g, {"ctx": "c"}, ["ok"])
-    await Executor({"lm": (None, StubLLM(["fine\n", "bad\n", "more\n"]))}.__getitem__).execute(run)
+    await Executor({"lm": ResolvedEngine(None, StubLLM(["fine\n", "bad\n", "more\n"]))}.__getitem__).execute(run)
     assert run.status == "failed"
     assert "'check'" in run.error and "ZeroDivisionError" in run.error
     assert not [r for r in run.records if r.state == "running"]
@@ -341,12 +351,12 @@ async def test_error_inside_a_region_source_names_the_cause():
     )
 
     class Broken(StubLLM):
-        async def decode(self, context, params):
+        async def decode(self, context, params, meta=None):
             yield SimpleNamespace(text="one\n")
             raise RuntimeError("engine fell over")
 
     run = make_run(g, {"ctx": "c"}, ["u"])
-    await Executor({"lm": (None, Broken([]))}.__getitem__).execute(run)
+    await Executor({"lm": ResolvedEngine(None, Broken([]))}.__getitem__).execute(run)
     assert run.status == "failed"
     assert "'expand'" in run.error and "engine fell over" in run.error
 
@@ -475,6 +485,7 @@ async def test_aggregate_node_over_stages_runs_in_the_executor():
 async def test_a_runs_own_collection_is_dropped_when_it_ends(tmp_path, ending):
     """An ingest with no explicit collection makes run_<id>.lance; the run's end drops it, however it ends."""
     from headrace.batching.policies import FifoPolicy
+    from headrace.batching.requests import runner_for
     from headrace.batching.scheduler import BatchScheduler
     from headrace.plugins.engines import lancedb_store
     from headrace.plugins.protocols import EngineEnv, EngineSpec
@@ -484,10 +495,7 @@ async def test_a_runs_own_collection_is_dropped_when_it_ends(tmp_path, ending):
     env = EngineEnv(data_dir=tmp_path, cache_dir=tmp_path, lookup=lambda name: None)
     store = lancedb_store.factory(EngineSpec(name="vs", plugin="lancedb"), env)
 
-    async def run_each(payloads):
-        return [await getattr(store, method)(*args) for method, *args in payloads]
-
-    sched = BatchScheduler("vs", run_each, FifoPolicy(), max_batch_size=8, max_wait_ms=0)
+    sched = BatchScheduler("vs", runner_for(store), FifoPolicy(), max_batch_size=8, max_wait_ms=0)
     ingested = anyio.Event()
 
     async def after_ingest(collection):
@@ -507,7 +515,7 @@ async def test_a_runs_own_collection_is_dropped_when_it_ends(tmp_path, ending):
     tables = lambda: sorted(p.name for p in (tmp_path / "lancedb").glob("run_*"))  # noqa: E731
     async with running(store), anyio.create_task_group() as tg:
         await tg.start(sched.run)
-        tg.start_soon(Executor({"vs": (store, sched)}.__getitem__).execute, run)
+        tg.start_soon(Executor({"vs": ResolvedEngine(store, sched)}.__getitem__).execute, run)
         with anyio.fail_after(60):
             await ingested.wait()
         assert tables() == [f"run_{run.id}.lance"]  # it existed while the run lived

@@ -1,0 +1,33 @@
+"""What a scheduler knows about a request: the primitive it comes from, not an anonymous call.
+
+The graph fills a ``PrimitiveMeta`` for every engine request of a run; the
+schedulers and their policies read it (Ayo's two-tier scheduling, Parrot's
+performance objectives). A request from outside any run (a plain
+``/v1/embeddings`` call) carries none.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+# Parrot (OSDI '24) §5.2: a latency-critical request is served so that its own latency holds; a
+# throughput one may wait in a larger batch, since only its task group's completion time matters.
+Objective = Literal["latency", "throughput"]
+
+
+@dataclass(frozen=True)
+class PrimitiveMeta:
+    """One engine request's place in its run."""
+
+    run: str
+    node: str | None = None  # None: the run's own housekeeping (dropping its table), not a primitive
+    key: tuple[int, ...] = ()  # which piece of a streamed region this instance serves
+    depth: int = 0  # Ayo Algorithm 2: hops to the graph's sinks, as ``Graph.compute_depths`` counts them
+    task_group: str | None = None  # the parallel primitives of one stage share it (unique within the run)
+    objective: Objective = "latency"
+    prefix_hash: str | None = None  # the prompt's static prefix (Parrot's PrefixHash); LLM prefills only
+    arrival: float = field(default_factory=time.monotonic)  # the run's, on the ``time.monotonic`` clock
+    deadline: float | None = None  # arrival + the run's SLO, same clock; None: no SLO
+    policy: str | None = None  # the run's batch policy override; None: the engine's own
