@@ -10,7 +10,7 @@ import pytest
 import torch
 from anyio.from_thread import start_blocking_portal
 
-from headrace.plugins.engines.llama_cpp import LlamaCppLLM
+from headrace.plugins.engines.llama_cpp import MIN_SHARED_SCORING_PREFIX, LlamaCppLLM, shared_prefix_groups
 from headrace.plugins.engines.llm_front import EngineError
 from headrace.plugins.protocols import EngineEnv, EngineSpec, SamplingParams
 
@@ -221,6 +221,47 @@ def test_next_token_logits_shape_and_values(llm):
     assert batch.shape == (2, 2) and batch.dtype == torch.float32
     assert torch.allclose(batch[1], single[0], atol=0.15)
     assert portal.call(engine.next_token_logits, [], [yes, no]).shape == (0, 2)
+    assert portal.call(wait_for_no_contexts, engine)["contexts"] == 0
+
+
+def test_shared_prefix_groups_pay_off():
+    """One query's documents share the system prompt and the query; the next query starts its own group."""
+    system = list(range(100, 130))
+    a = [system + [1] * 40 + [1000 + i, 7, 8] for i in range(5)]  # query 1: 70 shared tokens
+    b = [system + [2] * 40 + [2000 + i, 7, 8] for i in range(3)]  # query 2: shares only the system prompt with a
+    alone = [list(range(500, 510))]
+    groups = shared_prefix_groups(a + b + alone, 16)
+    assert [(g.start, g.end, g.length) for g in groups] == [(0, 5, 70), (5, 8, 70), (8, 9, 0)]
+    # A prefix always leaves the shorter prompt its last token (its logits are the score).
+    groups = shared_prefix_groups([system + [5], system + [5, 6]], 16)
+    assert [(g.start, g.end, g.length) for g in groups] == [(0, 2, 30)]
+    assert shared_prefix_groups([system, list(range(30))], 16)[0].length == 0
+
+
+@pytest.mark.slow
+def test_scoring_prompts_prefill_their_shared_prefix_once(llm):
+    """Documents of one query fork a prefill of the shared system prompt and query; scores are unchanged."""
+    portal, engine = llm
+    query = "Which of these rivers is the longest, and through which countries does it flow? " * 3
+    docs = ["Nile: about 6650 km through eleven countries.", "Amazon: the largest by discharge.",
+            "Danube: through ten countries, Germany to Romania.", "Rhine: from the Alps to the North Sea."]
+    prompts = [chat(engine, f"Query: {query}\nDocument: {d}\nIs it relevant? Answer yes or no.") for d in docs]
+    prompts.append(chat(engine, "Is fire cold? Answer yes or no."))  # shares only the template's start
+    shared = min(len(p) for p in prompts[:-1]) - 1
+    while any(p[:shared] != prompts[0][:shared] for p in prompts[:-1]):
+        shared -= 1
+    assert shared >= MIN_SHARED_SCORING_PREFIX
+    yes, no = engine.encode("yes")[0], engine.encode("no")[0]
+    before = engine.core.token_counts["score"]
+    together = portal.call(engine.next_token_logits, prompts, [yes, no])
+    used = engine.core.token_counts["score"] - before
+    assert used == shared + sum(len(p) - shared for p in prompts[:-1]) + len(prompts[-1])
+    alone = torch.cat([portal.call(engine.next_token_logits, [p], [yes, no]) for p in prompts])
+    # The prefix's KV comes from another batch shape, and llama.cpp's quantized kernels round
+    # activations per batch: close, not equal (as for any two batch shapes).
+    assert torch.allclose(together, alone, rtol=0.05, atol=0.5)
+    margin = lambda logits: logits[:, 0] - logits[:, 1]  # what the reranker scores by
+    assert torch.allclose(margin(together), margin(alone), atol=0.5)
     assert portal.call(wait_for_no_contexts, engine)["contexts"] == 0
 
 

