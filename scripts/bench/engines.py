@@ -1,11 +1,18 @@
 #!/usr/bin/env python3
-"""Engine benchmarks: LLM decode (direct vs HTTP), KV prefix reuse, embedding batching.
+"""Engine benchmarks: LLM decode (direct vs HTTP), KV prefix reuse, embedding batching,
+and the LLM engines against each other.
 
 Prints a table with targets and writes bench-results/engines.json. Every ratio
-is measured within one run. The direct LLM figures come first; that engine is
-shut down before the HTTP server starts, so the two never share the cores.
+is measured within one run. Each engine is shut down before the next one
+starts, so no two share the cores: first the LLM engines named by --llm, in
+turn (direct calls: decode at each concurrency, 16 full prefills, a fork), then
+the embedder, then the HTTP server of configs/default.toml.
 
-    python scripts/bench/engines.py [--quick | --tiny] [--skip-http] [--out FILE]
+    python scripts/bench/engines.py [--quick | --tiny] [--llm torch llama-cpp vllm] [--skip-http] [--out FILE]
+
+Each LLM runs SmolLM2-135M as the first file in configs/ that serves `smollm2` on
+that plugin configures it (configs/default.toml first). `vllm` runs in
+.venv-vllm (scripts/setup-vllm builds it), in a child process of this script.
 
 --tiny runs every part with minimal sizes (the time is mostly loading models and
 starting the server); the test suite runs it so the script cannot rot. Its
@@ -37,11 +44,13 @@ from anyio.from_thread import start_blocking_portal
 
 from benchlib import CPUWatch, cpu_note, median, write_results  # beside this script
 from headrace.plugins.engines.st_embed import SentenceTransformerEmbedder
-from headrace.plugins.engines.torch_llm import TorchLLM
+from headrace.plugins.manager import collect
 from headrace.plugins.protocols import EngineEnv, EngineSpec, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "default.toml"
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+LLM_PLUGINS = ("torch", "llama-cpp", "vllm")
 OUT = ROOT / "bench-results" / "engines.json"
 CACHE = Path.home() / ".cache" / "headrace"  # the server's default: both share the converted model
 
@@ -62,6 +71,16 @@ def engine_spec(name: str) -> EngineSpec:
     """The named [[engines]] entry of configs/default.toml, as the daemon would build it."""
     e = next(e for e in tomllib.loads(CONFIG.read_text())["engines"] if e["name"] == name)
     return EngineSpec(name=e["name"], plugin=e["plugin"], model=e.get("model", ""), options=e.get("options", {}))
+
+
+def llm_spec(plugin: str) -> tuple[EngineSpec, Path]:
+    """`smollm2` on ``plugin``, as the first config serving it so configures it (default.toml first)."""
+    for path in [CONFIG, *sorted((ROOT / "configs").glob("*.toml"))]:
+        for e in tomllib.loads(path.read_text()).get("engines", []):
+            if e["name"] == "smollm2" and e["plugin"] == plugin:
+                return EngineSpec(name="smollm2", plugin=plugin, model=e.get("model", ""),
+                                  options=e.get("options", {})), path
+    raise SystemExit(f"no file in configs/ serves smollm2 on the {plugin!r} plugin")
 
 
 def engine_env(tmp: Path, batches: list | None = None) -> EngineEnv:
@@ -124,9 +143,25 @@ async def measure(one, args) -> dict:
     return out
 
 
-def bench_direct(args, tmp: Path) -> tuple[dict, dict]:
+def bench_llm(plugin: str, args, tmp: Path) -> dict:
+    """One LLM engine's direct figures; vLLM's from a child process in .venv-vllm when not importable here."""
+    if plugin in collect().engines:
+        spec, config = llm_spec(plugin)
+        decode, prefix = bench_direct(spec, args, tmp)
+        res = {"config": str(config.relative_to(ROOT)), "options": spec.options, "decode": decode, "prefix": prefix}
+        return json.loads(json.dumps(res))  # keys as a child's JSON has them (concurrency levels as strings)
+    if plugin != "vllm" or not VLLM_PYTHON.exists():
+        raise SystemExit(f"the {plugin!r} engine plugin is not installed" +
+                         (" (scripts/setup-vllm builds .venv-vllm)" if plugin == "vllm" else ""))
+    out = tmp / f"{plugin}.json"
+    cmd = [str(VLLM_PYTHON), __file__, "--llm", plugin, "--only-llm", "--out", str(out), *args.size_flags]
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    return json.loads(out.read_text())["llm"][plugin]
+
+
+def bench_direct(spec: EngineSpec, args, tmp: Path) -> tuple[dict, dict]:
     batches: list = []
-    engine = TorchLLM(engine_spec("smollm2"), engine_env(tmp, batches))
+    engine = collect().engines[spec.plugin](spec, engine_env(tmp, batches))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     with start_blocking_portal() as portal:
         future, _ = portal.start_task(engine.run)
@@ -196,6 +231,7 @@ async def bench_prefix(engine, args, batches: list) -> dict:
     return {"prefix_tokens": len(prefix), "suffix_tokens_avg": sum(map(len, suffixes)) / len(suffixes),
             "contexts": len(suffixes), "reps": args.prefix_reps, "full_s": f, "shared_s": s, "children_only_s": ch,
             "ratio": f / s, "ratio_children_only": f / ch,
+            "prefill_tok_s": (len(suffixes) * len(prefix) + sum(map(len, suffixes))) / f,
             "prefill_batch_sizes": sorted({n for op, n in batches if op == "prefill"})}
 
 
@@ -291,31 +327,39 @@ def verdict(value: float, target: float, unit: str = "x") -> str:
 
 
 def report(res: dict) -> None:
-    direct, http = res["direct"], res["http"]
-    print(f"\n== LLM decode: smollm2 bf16, threads=2, greedy, max_tokens={res['max_tokens']}, "
-          f"median of {res['rounds']} rounds ==")
-    print(f"{'conc':>4}  {'path':<6} {'tokens':>7} {'tok/s':>8} {'decode tok/s':>13} {'TTFT p50':>9}")
-    for c, d in direct["levels"].items():
-        for name, m in [("direct", d)] + ([("http", http["levels"][c])] if http else []):
-            print(f"{c:>4}  {name:<6} {m['tokens']:>7} {m['tok_s']:>8.1f} {m['decode_tok_s']:>13.1f} "
-                  f"{m['ttft_p50_s'] * 1000:>7.0f}ms")
-        if http:
-            r = res["ratios"]["http_over_direct"][c]
-            print(f"{'':>4}  http/direct tok/s = {r:.3f}   {verdict(r, 0.9, '')}")
-    print(f"  direct: {cpu_note(direct)}")
-    if http:
-        cores = http["cpu_cores"]
-        print(f"  http:   {cpu_note(http)}; server {cores['pids']:.2f} cores, client {cores['self']:.2f} cores")
-    p = res["prefix"]
-    print(f"\n== Prefix reuse: {p['contexts']} suffixes of ~{p['suffix_tokens_avg']:.0f} tokens on one "
-          f"{p['prefix_tokens']}-token prefix, median of {p['reps']} ==")
-    print(f"  {p['contexts']} full prefills, concurrent  {p['full_s'] * 1000:8.1f} ms")
-    print(f"  parent + {p['contexts']} children        {p['shared_s'] * 1000:8.1f} ms"
-          f"   (children alone {p['children_only_s'] * 1000:.1f} ms)")
-    print(f"  speedup {p['ratio']:.2f}x   {verdict(p['ratio'], 5)}   (children alone: "
-          f"{p['ratio_children_only']:.2f}x; prefill batch sizes seen {p['prefill_batch_sizes']})")
-    print(f"  {cpu_note(p)}")
-    e = res["embed"]
+    http = res["http"]
+    for plugin, llm in res["llm"].items():
+        direct = llm["decode"]
+        print(f"\n== LLM decode: smollm2 on {plugin} ({llm['config']}), greedy, max_tokens={res['max_tokens']}, "
+              f"median of {res['rounds']} rounds ==")
+        print(f"{'conc':>4}  {'path':<6} {'tokens':>7} {'tok/s':>8} {'decode tok/s':>13} {'TTFT p50':>9}")
+        with_http = http is not None and plugin == res["http_plugin"]
+        for c, d in direct["levels"].items():
+            for name, m in [("direct", d)] + ([("http", http["levels"][c])] if with_http else []):
+                print(f"{c:>4}  {name:<6} {m['tokens']:>7} {m['tok_s']:>8.1f} {m['decode_tok_s']:>13.1f} "
+                      f"{m['ttft_p50_s'] * 1000:>7.0f}ms")
+            if with_http:
+                r = res["ratios"]["http_over_direct"][c]
+                print(f"{'':>4}  http/direct tok/s = {r:.3f}   {verdict(r, 0.9, '')}")
+        print(f"  direct: {cpu_note(direct)}")
+        if with_http:
+            cores = http["cpu_cores"]
+            print(f"  http:   {cpu_note(http)}; server {cores['pids']:.2f} cores, client {cores['self']:.2f} cores")
+        p = llm["prefix"]
+        print(f"\n== Prefix reuse on {plugin}: {p['contexts']} suffixes of ~{p['suffix_tokens_avg']:.0f} tokens on "
+              f"one {p['prefix_tokens']}-token prefix, median of {p['reps']} ==")
+        print(f"  {p['contexts']} full prefills, concurrent  {p['full_s'] * 1000:8.1f} ms"
+              f"   ({p['prefill_tok_s']:.0f} tok/s)")
+        print(f"  parent + {p['contexts']} children        {p['shared_s'] * 1000:8.1f} ms"
+              f"   (children alone {p['children_only_s'] * 1000:.1f} ms)")
+        print(f"  speedup {p['ratio']:.2f}x   {verdict(p['ratio'], 5)}   (children alone: "
+              f"{p['ratio_children_only']:.2f}x; prefill batch sizes seen {p['prefill_batch_sizes']})")
+        print(f"  {cpu_note(p)}")
+    if len(res["llm"]) > 1:
+        compare(res)
+    e = res.get("embed")
+    if e is None:
+        return
     print(f"\n== Embeddings: all-MiniLM-L6-v2, {e['sentences']} docstring sentences of ~{e['avg_chars']:.0f} chars, "
           f"median of {e['reps']} ==")
     print(f"  batch 1   {e['batch1_per_s']:8.1f} sentences/s")
@@ -326,15 +370,37 @@ def report(res: dict) -> None:
     print(f"  {cpu_note(e)}")
 
 
+def compare(res: dict) -> None:
+    """The LLM engines side by side, each ratio against the first engine measured."""
+    llms = res["llm"]
+    names = list(llms)
+    rows = [(f"decode tok/s, concurrency {c}", lambda m, c=c: m["decode"]["levels"][c]["tok_s"])
+            for c in llms[names[0]]["decode"]["levels"]]
+    rows += [("prefill tok/s (concurrent full prefills)", lambda m: m["prefix"]["prefill_tok_s"]),
+             ("fork speedup (parent + children vs full)", lambda m: m["prefix"]["ratio"])]
+    print(f"\n== LLM engines side by side (ratio: against {names[0]}) ==")
+    print(f"{'':<44}" + "".join(f"{n:>12}" for n in names) + "".join(f"{n + '/' + names[0]:>18}" for n in names[1:]))
+    for label, figure in rows:
+        values = [figure(llms[n]) for n in names]
+        print(f"{label:<44}" + "".join(f"{v:>12.1f}" for v in values)
+              + "".join(f"{v / values[0]:>17.2f}x" for v in values[1:]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     size.add_argument("--tiny", action="store_true", help="minimal sizes: checks the script works, measures nothing")
+    ap.add_argument("--llm", nargs="+", choices=LLM_PLUGINS, help="LLM engines to measure, one after the other "
+                    "(default: the plugin of configs/default.toml's smollm2)")
+    ap.add_argument("--only-llm", action="store_true", help="only the LLM engines: no embedder, no HTTP server")
     ap.add_argument("--skip-http", action="store_true", help="skip the /v1/chat/completions measurements")
     ap.add_argument("--out", type=Path, default=OUT, help=f"where the JSON goes (default {OUT.relative_to(ROOT)})")
     args = ap.parse_args()
     q = args.quick
+    args.size_flags = ["--tiny"] if args.tiny else ["--quick"] if q else []
+    default_plugin = engine_spec("smollm2").plugin
+    args.llm = args.llm or [default_plugin]
     if args.tiny:
         args.concurrency, args.max_tokens, args.rounds = [1, 2], 4, 1
         args.prefix_tokens, args.prefix_contexts, args.prefix_reps = 32, 2, 1
@@ -348,15 +414,19 @@ def main() -> None:
     t_start = perf_counter()
     with tempfile.TemporaryDirectory(prefix="headrace-bench-") as tmp_s:
         tmp = Path(tmp_s)
-        direct, prefix = bench_direct(args, tmp)  # the engine is shut down on return
-        embed = bench_embed(args, tmp)
-        http = None if args.skip_http else bench_http(args, tmp)
-    res = {"quick": q, "tiny": args.tiny, "max_tokens": args.max_tokens, "rounds": args.rounds, "direct": direct,
-           "http": http, "prefix": prefix, "embed": embed,
-           "ratios": {"prefix_reuse": prefix["ratio"], "embed_batch32_over_batch1": embed["ratio"]}}
-    if http:
+        llms = {plugin: bench_llm(plugin, args, tmp) for plugin in args.llm}  # each shut down on return
+        embed = None if args.only_llm else bench_embed(args, tmp)
+        # The server runs configs/default.toml: its LLM's direct figures are what it is compared with.
+        skip_http = args.only_llm or args.skip_http or default_plugin not in llms
+        http = None if skip_http else json.loads(json.dumps(bench_http(args, tmp)))  # string keys, as the LLMs
+    res = {"quick": q, "tiny": args.tiny, "max_tokens": args.max_tokens, "rounds": args.rounds, "llm": llms,
+           "http": http, "http_plugin": default_plugin, "embed": embed,
+           "ratios": {"prefix_reuse": {p: m["prefix"]["ratio"] for p, m in llms.items()}}}
+    if embed:
+        res["ratios"]["embed_batch32_over_batch1"] = embed["ratio"]
+    if http and default_plugin in llms:
         res["ratios"]["http_over_direct"] = {
-            c: http["levels"][c]["tok_s"] / d["tok_s"] for c, d in direct["levels"].items()}
+            c: http["levels"][c]["tok_s"] / d["tok_s"] for c, d in llms[default_plugin]["decode"]["levels"].items()}
     write_results(res, args.out, t_start)
     report(res)
     print(f"\nwrote {args.out} ({res['meta']['elapsed_s']:.0f}s)")

@@ -1,0 +1,463 @@
+#!/usr/bin/env python3
+"""headrace against each of its LLM engines' own standalone servers, on the same weights and settings.
+
+    python scripts/bench/peers.py [--tiny] [--pair llama-cpp|vllm|all] [--out FILE]
+
+Pairs (one server runs at a time, never two sharing the cores):
+  llama-cpp  `headrace serve --config configs/llama-cpp.toml` vs `python -m llama_cpp.server`
+             (llama-cpp-python's own server) on the same converted GGUF the engine loads;
+  vllm       `headrace serve --config configs/vllm-cpu.toml` vs vLLM's OpenAI server (what
+             `vllm serve` runs) on the same safetensors directory the plugin converts the GGUF
+             to, both from .venv-vllm (scripts/setup-vllm builds it; the pair is skipped without it).
+
+Each server is measured by the same client the same way: streamed POST /v1/completions,
+temperature 0, the same prompt text (rendered here with the model's chat template, so both
+servers tokenize identical text and neither applies a template of its own). Generated tokens
+are counted from the text actually received, re-tokenized with the model's tokenizer (the
+llama.cpp peer reports no usage when streaming). Figures: aggregate decode tok/s at each
+concurrency (all tokens received / round wall time, median of rounds; open-ended prompts so
+answers run to max_tokens) and the time to the first token of a long (~1,000-token) prompt,
+each a distinct text so no prefix cache serves it (median of a few). Ratios are
+headrace/peer, peer/headrace for TTFT: above 1 means headrace is better. Target >= 0.95x.
+
+--tiny runs everything with minimal sizes (the time is mostly starting servers); the test
+suite runs it so the script cannot rot. Its figures mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from time import perf_counter
+from typing import Any, Iterator
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models ship in packages; never reach for a hub
+
+import anyio
+import httpx
+
+from benchlib import CPUWatch, cpu_note, median, write_results  # beside this script
+from engines import QUESTIONS, stdlib_sentences  # the open-ended prompts engines.py decodes
+from headrace.daemon.config import DataConfig
+from headrace.plugins.engines.llama_cpp_files import load_tokenizer, quantized_model
+from headrace.plugins.engines.model_paths import resolve_model
+
+ROOT = Path(__file__).resolve().parents[2]
+OUT = ROOT / "bench-results" / "peers.json"
+VLLM_VENV = ROOT / ".venv-vllm"
+LLM = "smollm2"  # the LLM engine's name in both configs, and the model id both servers answer to
+TARGET = 0.95
+# Drop HEADRACE_* overrides (an API key, a cache dir) so each server runs exactly its config file.
+BASE_ENV = {k: v for k, v in os.environ.items() if not k.startswith("HEADRACE_")}
+CACHE = DataConfig().cache_path(BASE_ENV)  # where the servers' converted models live
+
+
+def llm_entry(config: Path) -> dict:
+    """The LLM's [[engines]] entry in ``config``."""
+    return next(e for e in tomllib.loads(config.read_text())["engines"] if e["name"] == LLM)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ----- the servers ------------------------------------------------------------------------
+
+
+@dataclass
+class ServerSpec:
+    """How to start one server, and what its requests need beyond the common body."""
+
+    label: str
+    argv: list[str]  # "{port}" is filled in at start
+    ready_path: str
+    env: dict[str, str] = field(default_factory=dict)  # on top of BASE_ENV
+    # Sampling fields that make the server's defaults greedy and penalty-free, as headrace's are.
+    body_extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Pair:
+    name: str
+    title: str
+    headrace: ServerSpec
+    peer: ServerSpec
+    settings: dict[str, Any]
+    notes: list[str]
+
+
+def headrace_spec(python: str, config: Path, env: dict[str, str] | None = None) -> ServerSpec:
+    # --data-dir is filled in at start (a fresh one per run); the cache stays the default, shared with the peer.
+    return ServerSpec("headrace", [python, "-m", "headrace.daemon.cli", "serve", "--config", str(config),
+                                   "--port", "{port}", "--data-dir", "{tmp}/data"], "/ready", env or {})
+
+
+def llama_cpp_pair() -> Pair | str:
+    """headrace's llama-cpp engine vs llama-cpp-python's server; a reason string when it cannot run."""
+    missing = [m for m in ("fastapi", "sse_starlette", "starlette_context", "pydantic_settings")
+               if not _importable(m)]
+    if missing:
+        return (f"llama_cpp.server needs {', '.join(missing)}: run scripts/setup "
+                "(the bench extra installs llama-cpp-python[server])")
+    config = ROOT / "configs" / "llama-cpp.toml"
+    entry = llm_entry(config)
+    if entry["plugin"] != "llama-cpp":
+        raise SystemExit(f"{config}: {LLM} runs on {entry['plugin']!r}, not llama-cpp, which this pair measures")
+    opts = entry.get("options", {})
+    threads, quant = opts["threads"], opts.get("quantize", "Q4_0")
+    # The very file the engine loads: its converted copy, made here once if no server made it yet.
+    gguf = quantized_model(resolve_model(entry["model"]), CACHE, quant, threads)
+    batch = str(opts.get("max_batch_tokens", 512))
+    # llama_cpp.server's settings (llama_cpp/server/settings.py): one Llama behind a lock, no parallel
+    # slots, so requests run one at a time and one context of the engine's per-context size suffices.
+    peer_argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", LLM,
+                 "--host", "127.0.0.1", "--port", "{port}",
+                 "--n_threads", str(threads), "--n_threads_batch", str(threads),
+                 "--n_ctx", str(opts.get("max_context_tokens", 2048)), "--n_batch", batch, "--n_ubatch", batch,
+                 # Its default True computes logits for every prompt token (only logprobs need them).
+                 "--logits_all", "false",
+                 # The engine's context uses llama.cpp's default "auto", which turns flash attention on for CPU.
+                 "--flash_attn", "true",
+                 # Its default True ends a streaming request as soon as another arrives.
+                 "--interrupt_requests", "false",
+                 "--use_mlock", "false", "--verbose", "false"]
+    return Pair(
+        "llama-cpp", f"headrace llama-cpp engine vs llama_cpp.server: {gguf.name}, {threads} threads",
+        headrace_spec(sys.executable, config),
+        # Its server defaults to repeat_penalty 1.1, which changes greedy output; headrace applies none.
+        ServerSpec("llama_cpp.server", peer_argv, "/v1/models", body_extra={"repeat_penalty": 1.0}),
+        {"model_file": str(gguf), "threads": threads, "quantize": quant},
+        ["llama_cpp.server serves one request at a time (no parallel slots); concurrent requests queue"],
+    )
+
+
+def vllm_pair() -> Pair | str:
+    """headrace's vLLM plugin vs vLLM's own server, both from .venv-vllm; a reason string when it cannot run."""
+    python = VLLM_VENV / "bin" / "python"
+    if not python.exists():
+        return f"{VLLM_VENV.relative_to(ROOT)} is absent: run scripts/setup-vllm to build it"
+    config = ROOT / "configs" / "vllm-cpu.toml"
+    entry = llm_entry(config)
+    opts = entry.get("options", {})
+    threads = opts.get("threads", 2)
+    # The plugin's model directory, found as its _model_dir finds it, in its own venv (the GGUF is that
+    # venv's copy, so the cached conversion's name differs from the main venv's).
+    find = ("import sys; from pathlib import Path; "
+            "from headrace.plugins.engines.model_paths import resolve_model; "
+            "from headrace.plugins.engines.torch_loading import convert_gguf; "
+            "p = resolve_model(sys.argv[1]); "
+            "print(convert_gguf(p, Path(sys.argv[2])) if p.is_file() and p.suffix == '.gguf' else p)")
+    found = subprocess.run([str(python), "-c", find, entry["model"], str(CACHE)], capture_output=True, text=True,
+                           env=BASE_ENV, cwd=ROOT)
+    if found.returncode != 0:
+        raise SystemExit(f"could not find the vLLM plugin's model directory:\n{found.stderr[-3000:]}")
+    model_dir = found.stdout.strip().splitlines()[-1]
+    # The CPU settings vllm-cpu needs here (the team's notes), the same for both servers.
+    env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+           "VLLM_CPU_KVCACHE_SPACE": str(int(opts.get("kv_cache_space", 1))), "OMP_NUM_THREADS": str(threads)}
+    # `vllm serve` with one API server runs entrypoints.launchers.api_server.entry.run_server; the `vllm`
+    # command itself fails in vllm-cpu 0.32 (it asks for the version of a distribution named "vllm"),
+    # so the same server starts from the module that calls that function. The plugin's engine
+    # arguments (headrace_vllm VLLMEngine._build) become its flags.
+    peer_argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+                 "--served-model-name", LLM, "--host", "127.0.0.1", "--port", "{port}",
+                 "--dtype", opts.get("dtype", "bfloat16"), "--max-model-len", str(opts.get("max_model_len", 2048)),
+                 "--max-num-seqs", str(opts.get("max_num_seqs", 32)),
+                 "--kv-cache-memory-bytes", str(int(opts.get("kv_cache_space", 1) * 2**30)),
+                 "--enable-prefix-caching", "--scheduling-policy", "priority", "--disable-log-stats",
+                 # vLLM's neutral sampling defaults, not ones read from the model directory.
+                 "--generation-config", "vllm"]
+    if opts.get("enforce_eager", True):
+        peer_argv.append("--enforce-eager")
+    return Pair(
+        "vllm", f"headrace vLLM plugin vs vLLM's server: {Path(model_dir).name}, {opts.get('dtype', 'bfloat16')}, "
+                f"{threads} threads",
+        headrace_spec(str(python), config, env), ServerSpec("vllm server", peer_argv, "/v1/models", env),
+        {"model_dir": model_dir, "threads": threads, "env": env},
+        ["vLLM's server runs its engine core in a subprocess; headrace runs it in the daemon's process"],
+    )
+
+
+def _importable(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid``'s child processes, recursively (vLLM's engine core is one)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            with contextlib.suppress(OSError):
+                kids = [int(k) for k in (task / "children").read_text().split()]
+                out += kids
+                todo += kids
+    return out
+
+
+@contextlib.contextmanager
+def running(spec: ServerSpec, tmp: Path, ready_timeout: float) -> Iterator[tuple[str, list[int], list[str]]]:
+    """Start ``spec`` on a free 127.0.0.1 port; yield (base URL, its process ids, its argv) once ready; stop it."""
+    port = free_port()
+    argv = [a.replace("{port}", str(port)).replace("{tmp}", str(tmp)) for a in spec.argv]
+    log = tmp / f"{spec.label.replace(' ', '-')}.log"
+    # Its own process group, so a server's children (vLLM's engine core) are stopped with it.
+    proc = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**BASE_ENV, **spec.env},
+                            cwd=ROOT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + ready_timeout
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"{spec.label} did not become ready ({' '.join(argv)}):\n{log.read_text()[-6000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(base + spec.ready_path, timeout=2).status_code == 200:
+                    break
+            time.sleep(0.5)
+        yield base, [proc.pid, *descendants(proc.pid)], argv
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        with contextlib.suppress(ProcessLookupError):  # whatever it left behind in its group
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+# ----- the client -------------------------------------------------------------------------
+
+
+class ServerFailed(RuntimeError):
+    """A server answered a benchmark request with an error: the run is void."""
+
+
+@dataclass
+class Received:
+    text: str
+    first: float | None  # perf_counter at the first chunk with text (or the finish)
+    last: float | None
+    reported: int | None  # completion_tokens from the server's usage chunk, where it sends one
+
+
+class Client:
+    def __init__(self, http: httpx.AsyncClient, extra: dict[str, Any]) -> None:
+        self.http, self.extra = http, extra
+
+    def body(self, prompt: str, max_tokens: int, stream: bool) -> dict[str, Any]:
+        body = {"model": LLM, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream,
+                **self.extra}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        return body
+
+    async def stream(self, prompt: str, max_tokens: int) -> Received:
+        text, first, last, reported = [], None, None, None
+        async with self.http.stream("POST", "/v1/completions", json=self.body(prompt, max_tokens, True)) as resp:
+            if resp.status_code != 200:
+                raise ServerFailed(f"{resp.status_code} from {resp.url}: {(await resp.aread()).decode()[:2000]}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue  # blank separators, SSE pings
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise ServerFailed(f"error event from {resp.url}: {chunk['error']}")
+                if chunk.get("usage"):
+                    reported = chunk["usage"]["completion_tokens"]
+                for choice in chunk.get("choices") or []:
+                    if choice.get("text") or choice.get("finish_reason"):
+                        last = perf_counter()
+                        first = first or last
+                        text.append(choice.get("text") or "")
+        return Received("".join(text), first, last, reported)
+
+    async def prompt_tokens(self, prompt: str) -> int:
+        """The prompt's length as the server counts it (its usage), from a non-streamed request."""
+        resp = await self.http.post("/v1/completions", json=self.body(prompt, 1, False))
+        if resp.status_code != 200:
+            raise ServerFailed(f"{resp.status_code} from {resp.url}: {resp.text[:2000]}")
+        return resp.json()["usage"]["prompt_tokens"]
+
+
+async def timed_round(client: Client, prompts: list[str], max_tokens: int) -> tuple[list[Received], float]:
+    """All ``prompts`` at once; the responses and the round's wall time (until the last stream ended)."""
+    results: list[Received | None] = [None] * len(prompts)
+    t0 = perf_counter()
+
+    async def one(k: int) -> None:
+        results[k] = await client.stream(prompts[k], max_tokens)
+
+    async with anyio.create_task_group() as tg:
+        for k in range(len(prompts)):
+            tg.start_soon(one, k)
+    return results, perf_counter() - t0  # type: ignore[return-value]
+
+
+async def measure(base: str, extra: dict[str, Any], work: Workload, args) -> dict:
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as http:
+        client = Client(http, extra)
+        # Warm-up: a full-width round, one solo request and one long prompt, so no shape is first seen while timed.
+        await timed_round(client, work.chat[: max(args.concurrency)], min(args.max_tokens, 16))
+        await timed_round(client, work.chat[:1], args.max_tokens)
+        long_tokens = await client.prompt_tokens(work.long[0])
+        levels = {}
+        for c in args.concurrency:
+            rates, tokens, reported = [], 0, []
+            for r in range(args.rounds):
+                prompts = [work.chat[(r * c + i) % len(work.chat)] for i in range(c)]
+                got, wall = await timed_round(client, prompts, args.max_tokens)
+                n = sum(work.count(g.text) for g in got)  # counted after the round: no client work while timed
+                tokens += n
+                rates.append(n / wall)
+                reported += [g.reported for g in got]
+            levels[c] = {"requests": c * args.rounds, "tokens": tokens, "tok_s": median(rates), "tok_s_rounds": rates,
+                         # what the server itself said it sent (None where it reports no usage when streaming)
+                         "tokens_reported": None if None in reported else sum(reported)}
+        ttfts = []
+        for prompt in work.long[1:]:
+            t0 = perf_counter()
+            got = await client.stream(prompt, 1)
+            ttfts.append(got.first - t0)
+    return {"levels": levels, "ttft": {"prompt_tokens": long_tokens, "ttft_s": median(ttfts), "ttft_s_reps": ttfts}}
+
+
+# ----- the prompts --------------------------------------------------------------------------
+
+
+@dataclass
+class Workload:
+    chat: list[str]  # open-ended questions, rendered with the chat template
+    long: list[str]  # distinct long prompts: long[0] warms up, the rest are timed
+    tokenizer: Any
+
+    def count(self, text: str) -> int:
+        return len(self.tokenizer.encode(text, add_special_tokens=False)) if text else 0
+
+
+def workload(args) -> Workload:
+    llm_model = llm_entry(ROOT / "configs" / "llama-cpp.toml")["model"]
+    tokenizer = load_tokenizer(resolve_model(llm_model), CACHE)  # the same model as every server here serves
+
+    def render(messages: list[dict[str, str]]) -> str:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    chat = [render([{"role": "user", "content": q}]) for q in QUESTIONS]
+    sentences = stdlib_sentences(400)
+    long = []
+    for k in range(args.ttft_reps + 1):
+        # A distinct system line and passage each, so neither server's prefix cache serves any but a few tokens.
+        rotated = sentences[k * 37 % len(sentences):] + sentences[: k * 37 % len(sentences)]
+
+        def prompt(passage: str) -> str:
+            return render([{"role": "system", "content": f"Session {k + 1}. You summarize texts."},
+                           {"role": "user", "content": f"{passage}\n\nSummarize the text above in one sentence."}])
+
+        room = args.long_tokens - len(tokenizer.encode(prompt(""), add_special_tokens=False))
+        passage_ids = tokenizer.encode(" ".join(rotated), add_special_tokens=False)[: max(room, 1)]
+        long.append(prompt(tokenizer.decode(passage_ids)))
+    return Workload(chat, long, tokenizer)
+
+
+# ----- a pair ---------------------------------------------------------------------------------
+
+
+def bench_pair(pair: Pair, work: Workload, args, tmp: Path) -> dict:
+    out: dict[str, Any] = {"title": pair.title, "settings": pair.settings, "notes": pair.notes}
+    for role, spec in (("headrace", pair.headrace), ("peer", pair.peer)):  # one at a time, never two
+        print(f"[{pair.name}] starting {spec.label} ...", flush=True)
+        run_dir = tmp / f"{pair.name}-{role}"
+        run_dir.mkdir()
+        with running(spec, run_dir, args.ready_timeout) as (base, pids, argv):
+            cpu = CPUWatch(pids)
+            res = anyio.run(measure, base, spec.body_extra, work, args)
+            res["cpu_cores"] = cpu.cores()
+        out[role] = {"server": spec.label, "argv": argv, "env": spec.env, "body_extra": spec.body_extra, **res}
+    h, p = out["headrace"], out["peer"]
+    out["ratios"] = {
+        "tok_s": {c: h["levels"][c]["tok_s"] / p["levels"][c]["tok_s"] for c in args.concurrency},
+        "ttft": p["ttft"]["ttft_s"] / h["ttft"]["ttft_s"],  # > 1: headrace's first token came sooner
+    }
+    return out
+
+
+def report(res: dict) -> None:
+    print(f"\n(streamed /v1/completions, greedy, max_tokens={res['max_tokens']}, median of {res['rounds']} rounds; "
+          f"ratio = headrace/peer, peer/headrace for TTFT; target >= {TARGET:g}x)")
+    for name, pair in res["pairs"].items():
+        if "skipped" in pair:
+            print(f"\n== {name}: skipped: {pair['skipped']} ==")
+            continue
+        h, p, ratios = pair["headrace"], pair["peer"], pair["ratios"]
+        print(f"\n== {pair['title']} ==")
+        print(f"{'metric':<34} {'headrace':>10} {'peer':>10} {'ratio':>8}")
+        rows = [(f"decode tok/s, {c} stream{'s' if int(c) > 1 else ''}", f"{h['levels'][c]['tok_s']:.1f}",
+                 f"{p['levels'][c]['tok_s']:.1f}", ratios["tok_s"][c]) for c in h["levels"]]
+        tokens = f"{h['ttft']['prompt_tokens']}/{p['ttft']['prompt_tokens']}"
+        rows.append((f"TTFT, {tokens}-token prompt, p50", f"{h['ttft']['ttft_s'] * 1000:.0f}ms",
+                     f"{p['ttft']['ttft_s'] * 1000:.0f}ms", ratios["ttft"]))
+        for metric, hv, pv, ratio in rows:
+            print(f"{metric:<34} {hv:>10} {pv:>10} {ratio:>7.2f}x  {'PASS' if ratio >= TARGET else 'MISS'}")
+        for c in h["levels"]:
+            if h["levels"][c]["tokens"] != p["levels"][c]["tokens"]:
+                print(f"  {c} stream(s): tokens received differ: headrace {h['levels'][c]['tokens']}, "
+                      f"peer {p['levels'][c]['tokens']} (an answer ended before max_tokens)")
+        for note in pair["notes"]:
+            print(f"  note: {note}")
+        for role in ("headrace", "peer"):
+            cores = pair[role]["cpu_cores"]
+            print(f"  {pair[role]['server']}: {cpu_note(pair[role])}; server {cores['pids']:.2f} cores, "
+                  f"client {cores['self']:.2f} cores")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="minimal sizes: checks the script works, measures nothing")
+    ap.add_argument("--pair", choices=["llama-cpp", "vllm", "all"], default="all", help="which pair (default all)")
+    ap.add_argument("--out", type=Path, default=OUT, help=f"where the JSON goes (default {OUT.relative_to(ROOT)})")
+    args = ap.parse_args()
+    if args.tiny:
+        args.concurrency, args.max_tokens, args.rounds, args.long_tokens, args.ttft_reps = [1, 2], 4, 1, 64, 1
+    else:
+        args.concurrency, args.max_tokens, args.rounds, args.long_tokens, args.ttft_reps = [1, 4, 16], 128, 3, 1000, 5
+    args.ready_timeout = 900  # vLLM's server takes minutes to start on 2 busy cores
+
+    t_start = perf_counter()
+    work = workload(args)
+    pairs: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="headrace-peers-") as tmp_s:
+        for name, make in (("llama-cpp", llama_cpp_pair), ("vllm", vllm_pair)):
+            if args.pair not in (name, "all"):
+                continue
+            pair = make()
+            if isinstance(pair, str):
+                print(f"[{name}] skipped: {pair}", flush=True)
+                pairs[name] = {"skipped": pair}
+            else:
+                pairs[name] = bench_pair(pair, work, args, Path(tmp_s))
+    res = {"tiny": args.tiny, "endpoint": "/v1/completions", "stream": True, "temperature": 0,
+           "max_tokens": args.max_tokens, "rounds": args.rounds, "concurrency": args.concurrency,
+           "long_prompt_tokens_target": args.long_tokens, "ttft_reps": args.ttft_reps, "target": TARGET,
+           "pairs": pairs}
+    write_results(res, args.out, t_start)
+    report(res)
+    print(f"\nwrote {args.out} ({res['meta']['elapsed_s']:.0f}s)")
+
+
+if __name__ == "__main__":
+    main()
