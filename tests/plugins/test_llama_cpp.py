@@ -340,8 +340,49 @@ def test_bad_token_ids_fail_their_prefill_only(llm):
 
 
 @pytest.mark.slow
+def test_a_prefill_waits_for_a_free_sequence_then_gives_up_clearly(tmp_path):
+    """Under load every sequence may be held: a prefill waits for one (not an error), within a bound."""
+    engine = LlamaCppLLM(engine_spec(n_seq_max=2, n_ctx=512, max_batch_tokens=256, context_wait_seconds=1),
+                         make_env(tmp_path))
+
+    async def scenario():
+        async with anyio.create_task_group() as tg:
+            await tg.start(engine.run)
+            await engine.prefill("a", [1, 2, 3])
+            await engine.prefill("b", [1, 2, 3])
+            started = anyio.Event()
+
+            async def third():
+                started.set()
+                await engine.prefill("c", [4, 5, 6])
+
+            async with anyio.create_task_group() as inner:
+                inner.start_soon(third)
+                await started.wait()
+                while engine.stats()["waiting"] == 0:  # "c" is queued behind the two held sequences
+                    await anyio.sleep(0.01)
+                assert engine.stats()["contexts"] == 2
+                await engine.free("a")  # frees a sequence: "c" gets it
+            assert engine.stats()["contexts"] == 2
+            # Nothing frees a sequence now: the wait ends in a clear error.
+            with pytest.raises(EngineError, match="holds at most 2 contexts.*none was freed within 1 s"):
+                await engine.prefill("d", [7, 8])
+            for ctx in ("b", "c"):
+                await engine.free(ctx)
+            stats = await wait_for_no_contexts(engine)
+            tg.cancel_scope.cancel()
+        return stats
+
+    async def run():
+        with anyio.fail_after(600):
+            return await scenario()
+
+    assert anyio.run(run) == {"contexts": 0, "decoding": 0, "waiting": 0}
+
+
 def test_too_many_contexts_and_a_full_kv_cache_are_clear_errors(tmp_path):
-    engine = LlamaCppLLM(engine_spec(n_seq_max=2, n_ctx=512, max_batch_tokens=256), make_env(tmp_path))
+    engine = LlamaCppLLM(engine_spec(n_seq_max=2, n_ctx=512, max_batch_tokens=256, context_wait_seconds=0),
+                         make_env(tmp_path))
 
     async def run():
         with anyio.fail_after(600):

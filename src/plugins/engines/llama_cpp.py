@@ -178,6 +178,10 @@ class LlamaCppCore(LLMCore):
         self._n_ctx = _positive(opts.pop("n_ctx", 16384), f"{key}.n_ctx")
         self.max_contexts = _positive(opts.pop("n_seq_max", 64), f"{key}.n_seq_max")
         self.max_batch_tokens = _positive(opts.pop("max_batch_tokens", 512), f"{key}.max_batch_tokens")
+        wait = opts.pop("context_wait_seconds", 120)
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait < 0:
+            raise ValueError(f"{key}.context_wait_seconds: must be a number >= 0, not {wait!r}")
+        self._context_wait = float(wait)
         self._quant = str(opts.pop("quantize", DEFAULT_QUANTIZE))
         max_context_tokens = _positive(opts.pop("max_context_tokens", 2048), f"{key}.max_context_tokens")
         if opts:
@@ -199,6 +203,8 @@ class LlamaCppCore(LLMCore):
         self._rows: list[Row] = []
         self._waiting: list[Row] = []
         self._prefills: deque[_Fill] = deque()
+        # Prefills waiting for a free sequence (all n_seq_max in use), oldest first, with when they came.
+        self._blocked: deque[tuple[float, Prefill]] = deque()
         self._scoring: deque[_ScoreJob] = deque()
         # Tokens put through llama_decode since load, by part kind: what a cache or a shared prefix saved.
         self.token_counts = {"decode": 0, "prefill": 0, "score": 0}
@@ -275,11 +281,42 @@ class LlamaCppCore(LLMCore):
         return bool(self._rows or self._waiting or self._prefills or self._scoring)
 
     def add_prefills(self, jobs: list[Prefill], out: Outbox) -> None:
-        for job in jobs:
+        now = time.monotonic()
+        self._blocked.extend((now, job) for job in jobs)
+        self._admit_blocked(out)
+
+    def _admit_blocked(self, out: Outbox) -> None:
+        """Start waiting prefills, oldest first, while sequences are free.
+
+        Under load every sequence may be held (contexts a run keeps between its prefill and its
+        decode): a prefill then waits for one to be freed, as a request waits for KV blocks in
+        vLLM, rather than failing; after ``context_wait_seconds`` it fails with a clear error.
+        """
+        now = time.monotonic()
+        while self._blocked:
+            since, job = self._blocked[0]
+            if job.reply.abandoned:
+                self._blocked.popleft()
+                continue
+            if not self._free_seqs and job.ctx not in self._contexts:
+                if now - since < self._context_wait:
+                    return
+                self._blocked.popleft()
+                out.reply(job.reply, error=EngineError(
+                    f"engine {self.name!r} holds at most {self.max_contexts} contexts at once "
+                    f"(engines.{self.name}.options.n_seq_max), and none was freed within "
+                    f"{self._context_wait:g} s (context_wait_seconds)"))
+                continue
+            self._blocked.popleft()
             try:
                 self._add_prefill(job)
             except Exception as exc:
                 out.reply(job.reply, error=self.error(exc))
+
+    def wake_after(self) -> float | None:
+        if not self._blocked:
+            return None
+        return max(0.0, self._blocked[0][0] + self._context_wait - time.monotonic())
 
     def _add_prefill(self, job: Prefill) -> None:
         base = 0
@@ -323,6 +360,7 @@ class LlamaCppCore(LLMCore):
         self._waiting.append(self.new_row(cmd, ctx.length))
 
     def stop(self, ctx: ContextId, free: bool) -> None:
+        self._blocked = deque((t, job) for t, job in self._blocked if job.ctx != ctx)
         self._rows = [r for r in self._rows if r.ctx != ctx]
         self._waiting = [r for r in self._waiting if r.ctx != ctx]
         seq = self._contexts.get(ctx)
@@ -353,11 +391,14 @@ class LlamaCppCore(LLMCore):
         super().row_finished(r)
 
     def stats(self) -> dict[str, int]:
-        return {"contexts": len(self._contexts), "decoding": len(self._rows), "waiting": len(self._waiting)}
+        # Waiting: decodes not yet in the batch, and prefills waiting for a free sequence.
+        return {"contexts": len(self._contexts), "decoding": len(self._rows),
+                "waiting": len(self._waiting) + len(self._blocked)}
 
     # ----- one iteration -------------------------------------------------------------------
 
     def step(self, out: Outbox) -> None:
+        self._admit_blocked(out)
         self._admit(out)
         parts = self._plan()
         if parts:
@@ -587,6 +628,9 @@ class LlamaCppCore(LLMCore):
         for job in list(self._scoring):
             out.reply(job.cmd.reply, error=error)
             self._end_scoring(job)
+        for _, job in self._blocked:
+            out.reply(job.reply, error=error)
+        self._blocked.clear()
 
     def abandon(self, error: BaseException, out: Outbox) -> None:
         """The worker has stopped (and freed llama.cpp's state): answer what is left, on the event loop."""
@@ -596,6 +640,9 @@ class LlamaCppCore(LLMCore):
             out.reply(fill.prefill.reply, error=error)
         for job in self._scoring:
             out.reply(job.cmd.reply, error=error)
+        for _, job in self._blocked:
+            out.reply(job.reply, error=error)
+        self._blocked.clear()
         self._rows, self._waiting = [], []
         self._prefills.clear()
         self._scoring.clear()

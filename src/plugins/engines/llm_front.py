@@ -238,6 +238,10 @@ class LLMCore(ABC):
     def stats(self) -> dict[str, int]:
         """At least ``contexts`` (live KV contexts), ``decoding`` and ``waiting`` (rows)."""
 
+    def wake_after(self) -> float | None:
+        """Seconds until the core wants an iteration though no command comes (a wait to time out); None: never."""
+        return None
+
     # ----- given to every core -------------------------------------------------------------
 
     def iterate(self, commands: list[Command], out: Outbox) -> None:
@@ -517,7 +521,7 @@ class LLMFront:
         try:
             with self.core.serving():
                 while True:
-                    commands = self._take_commands(block=not self.core.has_work())
+                    commands = self._take_commands(block=not self.core.has_work(), timeout=self.core.wake_after())
                     if commands is None:
                         break
                     out = Outbox()
@@ -536,11 +540,11 @@ class LLMFront:
             except (RuntimeError, concurrent.futures.CancelledError):  # the event loop is shutting down
                 pass
 
-    def _take_commands(self, block: bool) -> list[Command] | None:
-        """Everything queued now (waiting for one command first when idle); None means stop."""
+    def _take_commands(self, block: bool, timeout: float | None = None) -> list[Command] | None:
+        """Everything queued now (waiting for one command first when idle, at most ``timeout`` s); None means stop."""
         commands: list[Command | None] = []
         try:
-            commands.append(self._commands.get() if block else self._commands.get_nowait())
+            commands.append(self._commands.get(timeout=timeout) if block else self._commands.get_nowait())
             while True:
                 commands.append(self._commands.get_nowait())
         except queue.Empty:
