@@ -334,9 +334,18 @@ class VLLMEngine:
                         out[row] = torch.tensor([item.scores[t] for t in token_ids])
 
         # All prompts go in at once: vLLM batches them with whatever else is running.
-        async with anyio.create_task_group() as tg:
-            for row, prompt in enumerate(prompts):
-                tg.start_soon(score, row, prompt)
+        try:
+            async with anyio.create_task_group() as tg:
+                for row, prompt in enumerate(prompts):
+                    tg.start_soon(score, row, prompt)
+        except BaseExceptionGroup as group:
+            # One prompt's failure cancels the others: the caller gets that error, as from every engine.
+            first = group.exceptions[0]
+            while isinstance(first, BaseExceptionGroup):
+                first = first.exceptions[0]
+            if isinstance(first, Exception):
+                raise (first if isinstance(first, EngineError) else EngineError(f"scoring failed: {first}")) from group
+            raise
         return out
 
     async def reset_prefix_cache(self) -> bool:
