@@ -14,6 +14,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from headrace import __version__
 from headrace.daemon import systemd
+from headrace.daemon.collections import CollectionRegistry
 from headrace.daemon.config import Config
 from headrace.daemon.errors import APIError, api_error_handler, internal_error_handler
 from headrace.daemon.lifecycle import DrainMiddleware, Lifecycle
@@ -21,6 +22,8 @@ from headrace.daemon.metrics import Metrics
 from headrace.daemon.openapi import openapi_json
 from headrace.daemon.pool import EnginePool
 from headrace.daemon.routes_openai import chat_completions, completions, list_models
+from headrace.daemon.routes_collections import (add_documents, create_collection, delete_collection,
+                                                 delete_document, get_collection, list_collections)
 from headrace.daemon.routes_retrieval import embeddings, rerank
 from headrace.daemon.routes_workflows import (cancel_run, create_run, get_run, get_timeline, get_timeline_png,
                                                list_workflows, run_graph)
@@ -107,8 +110,10 @@ def create_app(config: Config, registry: Registry | None = None) -> Starlette:
     registry = registry or collect()
     metrics_ = Metrics()
     pool = EnginePool(config, registry, metrics_)
+    collections = CollectionRegistry(config.data.data_path())
     workflows = WorkflowService(registry.workflows, registry.passes, pool.resolve, pool.engines_by_kind,
-                                pool.max_efficient_batch, policies=registry.batch_policies)
+                                pool.max_efficient_batch, policies=registry.batch_policies,
+                                collections=collections.lookup)
     metrics_.watch_optimizer(workflows.optimizer.stats)
 
     lifecycle = Lifecycle(pool, workflows, config.server.drain_seconds)
@@ -143,6 +148,13 @@ def create_app(config: Config, registry: Registry | None = None) -> Starlette:
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/embeddings", embeddings, methods=["POST"]),
             Route("/v1/rerank", rerank, methods=["POST"]),
+            Route("/v1/collections", list_collections),
+            Route("/v1/collections", create_collection, methods=["POST"]),
+            Route("/v1/collections/{collection}", get_collection),
+            Route("/v1/collections/{collection}", delete_collection, methods=["DELETE"]),
+            Route("/v1/collections/{collection}/documents", add_documents, methods=["POST"]),
+            # :path, because an id may hold '/' (headrace ingest names documents by relative path)
+            Route("/v1/collections/{collection}/documents/{document_id:path}", delete_document, methods=["DELETE"]),
             Route("/v1/workflows", list_workflows),
             Route("/v1/workflows/{name}/runs", create_run, methods=["POST"]),
             Route("/v1/runs/{run_id}", get_run),
@@ -156,7 +168,7 @@ def create_app(config: Config, registry: Registry | None = None) -> Starlette:
         lifespan=lifespan,
     )
     app.state.config, app.state.pool, app.state.metrics, app.state.registry = config, pool, metrics_, registry
-    app.state.workflows, app.state.lifecycle = workflows, lifecycle
+    app.state.workflows, app.state.lifecycle, app.state.collections = workflows, lifecycle, collections
     app.add_middleware(APIKeyMiddleware, api_keys=config.server.keys())
     app.add_middleware(DrainMiddleware, lifecycle=lifecycle)  # outermost: a drain refuses before anything
     return app

@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 from headrace import __version__
 from headrace.daemon.config import ConfigError, load_config
+from headrace.graph.collections import UnknownCollection
 from headrace.graph.executor import first_error
 from headrace.graph.service import UnknownWorkflow
 from headrace.graph.workflow import WorkflowInputError
@@ -41,6 +42,16 @@ def build_parser() -> tuple[argparse.ArgumentParser, Any]:
     prof.add_argument("engine")
     prof.add_argument("--max-batch", type=int, default=256, help="largest batch size to try")
     prof.add_argument("--daemon-config", type=Path, default=os.environ.get("HEADRACE_CONFIG", "configs/default.toml"))
+    ingest = sub.add_parser("ingest", help="load text and markdown files into a collection of a running daemon")
+    ingest.add_argument("collection", help="the collection (created when missing)")
+    ingest.add_argument("paths", nargs="+", metavar="PATH",
+                        help="files, or directories (their .txt and .md files, recursively); a document's id is "
+                             "its path relative to the argument, so ingesting again replaces it")
+    ingest.add_argument("--url", default=os.environ.get("HEADRACE_URL", "http://127.0.0.1:8000"),
+                        help="the daemon (default: $HEADRACE_URL or http://127.0.0.1:8000)")
+    ingest.add_argument("--api-key", default=os.environ.get("HEADRACE_API_KEY"),
+                        help="its API key (default: $HEADRACE_API_KEY)")
+    ingest.add_argument("--no-progress", action="store_true", help="no progress bar")
     sub.add_parser("plugins", help="list the loaded plugins and what each registers")
     sub.add_parser("version", help="print the version")
     return parser, sub
@@ -61,13 +72,15 @@ def dispatch(args: argparse.Namespace) -> int:
             return _plugins()
         if args.command in ("run", "profile"):
             return _local(args)
+        if args.command == "ingest":
+            return _ingest(args)
         return _serve(args)
-    except (ConfigError, PluginError, WorkflowInputError, UnknownWorkflow) as exc:
+    except (ConfigError, PluginError, WorkflowInputError, UnknownWorkflow, UnknownCollection) as exc:
         print(f"headrace: {exc}", file=sys.stderr)
         return 2
     except BaseExceptionGroup as group:  # raised through a task group: report the cause
         cause = first_error(group)
-        if isinstance(cause, (ConfigError, PluginError, WorkflowInputError, UnknownWorkflow)):
+        if isinstance(cause, (ConfigError, PluginError, WorkflowInputError, UnknownWorkflow, UnknownCollection)):
             print(f"headrace: {cause}", file=sys.stderr)
             return 2
         raise
@@ -92,6 +105,16 @@ def _local(args: argparse.Namespace) -> int:
         except (OSError, json.JSONDecodeError) as exc:
             raise ConfigError("--config", f"{args.config}: {exc}") from None
     return anyio.run(local.run_workflow, config, args.workflow, args.input, run_config)
+
+
+def _ingest(args: argparse.Namespace) -> int:
+    from headrace.daemon.ingest import IngestError, ingest
+
+    try:
+        return ingest(args.collection, args.paths, args.url, args.api_key, progress=not args.no_progress)
+    except IngestError as exc:
+        print(f"headrace ingest: {exc}", file=sys.stderr)
+        return exc.status
 
 
 def _plugins() -> int:

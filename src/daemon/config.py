@@ -5,7 +5,7 @@ each ``[[engines]]`` entry is an ``EngineConfig``, ...). ``load_config`` layers 
 sources, highest first: overrides (CLI flags) > ``HEADRACE_*`` env > file > defaults.
 
 Environment variables are ``HEADRACE_<SECTION>_<FIELD>`` for the scalar fields of
-``server``, ``data`` and ``batching`` (``HEADRACE_SERVER_PORT``, ``HEADRACE_DATA_DIR``,
+``server``, ``data``, ``batching`` and ``collections`` (``HEADRACE_SERVER_PORT``, ``HEADRACE_DATA_DIR``,
 ``HEADRACE_DATA_CACHE_DIR``, ``HEADRACE_BATCHING_MAX_WAIT_MS``...) and for lists of
 scalars, comma-separated (``HEADRACE_SERVER_API_KEYS=key1,key2``). ``HEADRACE_API_KEY``
 is a short alias for ``server.api_key``; when both are set, the full name
@@ -116,6 +116,20 @@ class DataConfig:
         return Path(self.cache_dir).expanduser() if self.cache_dir else _xdg("XDG_CACHE_HOME", ".cache", env)
 
 
+@dataclass(frozen=True)
+class CollectionsConfig:
+    """``[collections]``: persistent collections (``/v1/collections``), stored under the data dir."""
+
+    # Vector search is exact (a scan of every chunk) until a collection holds this many chunks;
+    # an ingest that reaches it builds LanceDB's ANN index (IVF partitions, HNSW inside each,
+    # scalar-quantized vectors), after which a search probes only the nearest partitions.
+    # Below a few tens of thousands of chunks a scan is fast and exact; 0 never builds one.
+    ann_index_rows: int = 50_000
+
+    def __post_init__(self) -> None:
+        _check(self.ann_index_rows >= 0, "ann_index_rows", f"must be >= 0, got {self.ann_index_rows}")
+
+
 def _check_batching(b: BatchingConfig | BatchingOverride) -> None:
     if b.policy is not None:
         _check(bool(b.policy), "policy", "must not be empty")
@@ -184,6 +198,7 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     batching: BatchingConfig = field(default_factory=BatchingConfig)
+    collections: CollectionsConfig = field(default_factory=CollectionsConfig)
     engines: list[EngineConfig] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -296,7 +311,8 @@ def _from_string(tp: Any, text: str) -> Any:
 # ----- loading ----------------------------------------------------------------
 
 # The sections whose scalar fields env vars and dotted overrides may set.
-_SECTIONS: dict[str, type] = {"server": ServerConfig, "data": DataConfig, "batching": BatchingConfig}
+_SECTIONS: dict[str, type] = {"server": ServerConfig, "data": DataConfig, "batching": BatchingConfig,
+                              "collections": CollectionsConfig}
 
 
 def _read_file(path: Path) -> dict[str, Any]:

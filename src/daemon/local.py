@@ -12,6 +12,7 @@ from typing import Any, AsyncIterator
 
 import anyio
 
+from headrace.daemon.collections import CollectionRegistry
 from headrace.daemon.config import Config, ConfigError
 from headrace.daemon.metrics import Metrics
 from headrace.daemon.pool import EnginePool
@@ -27,10 +28,12 @@ async def engines(config: Config, only: set[str] | None = None) -> AsyncIterator
     registry = collect()
     if only is not None:
         config = Config(server=config.server, data=config.data, batching=config.batching,
-                        engines=[e for e in config.engines if e.name in only])
+                        collections=config.collections, engines=[e for e in config.engines if e.name in only])
     pool = EnginePool(config, registry, Metrics())
+    collections = CollectionRegistry(config.data.data_path())  # `headrace run` may search a collection too
     service = WorkflowService(registry.workflows, registry.passes, pool.resolve, pool.engines_by_kind,
-                              pool.max_efficient_batch, policies=registry.batch_policies)
+                              pool.max_efficient_batch, policies=registry.batch_policies,
+                              collections=collections.lookup)
     async with anyio.create_task_group() as tg:
         await tg.start(pool.run)
         while not pool.ready:

@@ -40,6 +40,10 @@ ERRORS = {
     "5XX": _json(_ref(s.ErrorResponse), "the server failed or is not ready; OpenAI's error envelope"),
 }
 RUN_ID = {"name": "run_id", "in": "path", "required": True, "schema": {"type": "string"}}
+COLLECTION = {"name": "collection", "in": "path", "required": True,
+              "schema": {"type": "string", "pattern": s.COLLECTION_NAME}}
+DOCUMENT_ID = {"name": "document_id", "in": "path", "required": True, "schema": {"type": "string"},
+               "description": "may hold '/' (an ingested file's relative path)"}
 
 
 def _op(summary: str, ok: dict[str, dict[str, Any]], body: dict[str, Any] | None = None, *,
@@ -55,9 +59,11 @@ def _op(summary: str, ok: dict[str, dict[str, Any]], body: dict[str, Any] | None
 
 
 def document(workflows: Mapping[str, Workflow]) -> dict[str, Any]:
-    requests = [s.ChatCompletionRequest, s.CompletionRequest, s.EmbeddingRequest, s.RerankRequest, s.RunRequest]
+    requests = [s.ChatCompletionRequest, s.CompletionRequest, s.EmbeddingRequest, s.RerankRequest, s.RunRequest,
+                s.CreateCollectionRequest, s.AddDocumentsRequest]
     responses = [s.ErrorResponse, s.Health, s.Readiness, s.ModelList, s.ChatCompletion, s.Completion,
-                 s.EmbeddingList, s.RerankResponse, s.WorkflowList, s.RunRecord, s.RunGraph, s.RunTimeline]
+                 s.EmbeddingList, s.RerankResponse, s.WorkflowList, s.RunRecord, s.RunGraph, s.RunTimeline,
+                 s.CollectionCard, s.CollectionList, s.DocumentsAdded, s.Deleted]
     _, defs = models_json_schema([(m, "validation") for m in requests + responses], ref_template=REF)
     components = dict(defs.get("$defs", {}))
     text = {"description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}}
@@ -77,6 +83,22 @@ def document(workflows: Mapping[str, Workflow]) -> dict[str, Any]:
                                        _ref(s.EmbeddingRequest))},
         "/v1/rerank": {"post": _op("rerank documents against a query", {"200": _json(_ref(s.RerankResponse))},
                                    _ref(s.RerankRequest))},
+        "/v1/collections": {
+            "get": _op("the persistent collections, with document and chunk counts",
+                       {"200": _json(_ref(s.CollectionList))}),
+            "post": _op("create a collection (409 if the name is taken)", {"200": _json(_ref(s.CollectionCard))},
+                        _ref(s.CreateCollectionRequest)),
+        },
+        "/v1/collections/{collection}": {
+            "get": _op("a collection", {"200": _json(_ref(s.CollectionCard))}, params=[COLLECTION]),
+            "delete": _op("delete a collection and its chunks", {"200": _json(_ref(s.Deleted))},
+                          params=[COLLECTION]),
+        },
+        "/v1/collections/{collection}/documents": {"post": _op(
+            "chunk, embed and index documents; re-posting an id replaces that document",
+            {"200": _json(_ref(s.DocumentsAdded))}, _ref(s.AddDocumentsRequest), params=[COLLECTION])},
+        "/v1/collections/{collection}/documents/{document_id}": {"delete": _op(
+            "delete a document's chunks", {"200": _json(_ref(s.Deleted))}, params=[COLLECTION, DOCUMENT_ID])},
         "/v1/workflows": {"get": _op("the workflows and their schemas", {"200": _json(_ref(s.WorkflowList))})},
         "/v1/runs/{run_id}": {
             "get": _op("a run's record", {"200": _json(_ref(s.RunRecord))}, params=[RUN_ID]),

@@ -13,6 +13,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from headrace.daemon import requests as rq
 from headrace.daemon.errors import APIError, bad_request
 from headrace.daemon.schemas import RunRequest
+from headrace.graph.collections import UnknownCollection
 from headrace.graph.executor import Run
 from headrace.graph.service import UnknownWorkflow, WorkflowService, seconds, timeline
 from headrace.graph.workflow import WorkflowInputError
@@ -63,6 +64,8 @@ async def create_run(request: Request) -> Response:
         run = await service.prepare_off_loop(request.path_params["name"], body.inputs, body.config)
     except UnknownWorkflow as exc:
         raise APIError(404, str(exc), param="name", code="workflow_not_found") from None
+    except UnknownCollection as exc:
+        raise APIError(404, str(exc), param="inputs.collection", code="collection_not_found") from None
     except WorkflowInputError as exc:
         raise bad_request(str(exc), param=exc.field) from None
     run.owner = getattr(request.state, "principal", None)

@@ -125,6 +125,31 @@ class RunRequest(Body):
     background: bool | None = Field(None, description="answer 202 at once; the run goes on without the client")
 
 
+COLLECTION_NAME = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"  # headrace.graph.collections.NAME
+
+
+class CreateCollectionRequest(Body):
+    name: str = Field(pattern=COLLECTION_NAME, description="1-64 letters, digits, '_' or '-', starting with a "
+                                                           "letter or digit")
+    embedding_model: NonEmptyStr | None = Field(None, description="an embed engine; default: the first one")
+    vector_store: NonEmptyStr | None = Field(None, description="a vector-store engine; default: the first one")
+    chunk_size: Annotated[int, Field(ge=16, le=1024)] = Field(256, description="words per chunk")
+    chunk_overlap: Annotated[int, Field(ge=0, le=1023)] = Field(30, description="words shared by neighbours; "
+                                                                                "less than chunk_size")
+
+
+class CollectionDocument(Body):
+    # No control characters: an id is a file path or a key, and ends up in URLs and logs.
+    id: str | None = Field(None, pattern=r"^[^\x00-\x1f\x7f]{1,256}$",
+                           description="re-posting an id replaces that document; default: a new id")
+    text: NonEmptyStr
+    metadata: dict[str, Any] | None = Field(None, description="kept with each of the document's chunks")
+
+
+class AddDocumentsRequest(Body):
+    documents: Annotated[list[CollectionDocument], Field(min_length=1, max_length=1000)]
+
+
 Sampling.model_rebuild()
 ChatCompletionRequest.model_rebuild()
 CompletionRequest.model_rebuild()
@@ -240,6 +265,37 @@ class RerankResponse(BaseModel):
     id: str
     model: str
     results: list[RerankResult]
+
+
+class CollectionCard(BaseModel):
+    id: str
+    object: Literal["collection"]
+    embedding_model: str
+    vector_store: str
+    chunk_size: int
+    chunk_overlap: int
+    created: int
+    documents: int
+    chunks: int
+    ann_index: bool = Field(description="vector search uses an ANN index (from collections.ann_index_rows chunks)")
+
+
+class CollectionList(BaseModel):
+    object: Literal["list"]
+    data: list[CollectionCard]
+
+
+class DocumentsAdded(BaseModel):
+    object: Literal["collection.documents"]
+    collection: str
+    ids: list[str] = Field(description="the documents' ids, in request order")
+    chunks: int = Field(description="chunks the documents made")
+
+
+class Deleted(BaseModel):
+    id: str
+    object: str
+    deleted: bool
 
 
 class WorkflowList(BaseModel):

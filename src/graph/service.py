@@ -15,6 +15,8 @@ import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
 from headrace.batching.protocols import ResolvedEngine
+from headrace.graph import collections
+from headrace.graph.collections import CollectionLookup, UnknownCollection
 from headrace.graph.executor import Executor, Run
 from headrace.graph.graph import Graph, Node, Op
 from headrace.graph.optimizer import Optimized, Optimizer
@@ -56,8 +58,10 @@ class WorkflowService:
         max_efficient_batch: Callable[[str], int | None] = lambda engine: None,
         keep_runs: int = 1000,
         policies: Iterable[str] = (),
+        collections: CollectionLookup | None = None,
     ) -> None:
         self.policies = set(policies)
+        self._collections = collections
         self.workflows = dict(workflows)
         self.optimizer = Optimizer(passes)
         self.executor = Executor(resolve)
@@ -93,7 +97,8 @@ class WorkflowService:
         if workflow is None:
             raise UnknownWorkflow(name)
         inputs, config = workflow.validate(inputs, config)
-        engines = {**self._engines_by_kind(), **self._check_engines(config.get("engines", {}))}
+        chosen = self._check_engines(config.get("engines", {}))
+        engines = {**self._engines_by_kind(), **chosen, **self._collection_engines(workflow, inputs, chosen)}
         for kind in workflow.kinds:
             if kind not in engines:
                 raise WorkflowInputError(f"config.engines.{kind}", f"no {kind} engine is configured or ready")
@@ -122,6 +127,31 @@ class WorkflowService:
             if engine.kind != kind:
                 raise WorkflowInputError(f"config.engines.{kind}", f"{name!r} is an engine of kind {engine.kind!r}, not {kind!r}")
         return dict(chosen)
+
+    def _collection_engines(self, workflow: Workflow, inputs: dict[str, Any], chosen: Mapping[str, str]) -> dict[str, str]:
+        """A run on a persistent collection: it must exist and hold chunks, and its question is
+        embedded (and searched) by the engines that indexed it, or the vectors would not compare."""
+        if "collection" not in workflow.inputs or "collection" not in inputs:
+            return {}
+        name = inputs["collection"]
+        problem = collections.check_name(name)
+        if problem:
+            raise WorkflowInputError("inputs.collection", problem)
+        info = self._collections(name) if self._collections is not None else None
+        if info is None:
+            raise UnknownCollection(name)
+        if info.chunks == 0:
+            raise WorkflowInputError("inputs.collection", f"collection {name!r} holds no documents yet")
+        for kind, engine in info.engines.items():
+            if kind in chosen and chosen[kind] != engine:
+                raise WorkflowInputError(f"config.engines.{kind}", f"collection {name!r} was indexed with "
+                                         f"{engine!r}; a run on it must use that engine, not {chosen[kind]!r}")
+            try:
+                self._resolve(engine)
+            except LookupError:
+                raise WorkflowInputError("inputs.collection", f"collection {name!r} was indexed with {engine!r}, "
+                                         "which is not configured or not ready") from None
+        return dict(info.engines)
 
     def _check_prompt_inputs(self, workflow: Workflow, inputs: dict[str, Any], config: dict[str, Any],
                              llm: str) -> None:

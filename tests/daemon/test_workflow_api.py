@@ -32,7 +32,7 @@ def test_lists_workflows_with_schemas(server):
     assert {"naive_rag", "advanced_rag", "search_gen", "contextual_retrieval", "map_reduce_summary",
             "chain_summary", "fact_verify"} <= names
     naive = next(w for w in data if w["name"] == "naive_rag")
-    assert naive["inputs"]["required"] == ["question", "documents"]
+    assert naive["inputs"]["required"] == ["question"]  # and one of documents / collection
     assert naive["config"]["properties"]["top_k"]["default"] == 3
 
 

@@ -20,6 +20,10 @@ CHUNK_CONFIG = {
 }
 DOCUMENTS = {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1}
 QUESTION = {"type": "string", "minLength": 1}
+# A run given a collection searches it instead of indexing documents of its own.
+COLLECTION = {"type": "string", "minLength": 1, "maxLength": 64,
+              "description": "a persistent collection (POST /v1/collections) to search instead of indexing "
+                             "the run's documents"}
 
 chunk = Component("chunk", "chunk", inputs=("documents",), outputs=("chunks",))
 embed_chunks = Component("embed_chunks", "embed", inputs=("chunks",), outputs=("chunk_vectors",), batchable=True)

@@ -4,31 +4,47 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from headrace.graph import collections
 from headrace.graph.components import Component, GraphBuilder, Template
 from headrace.graph.workflow import Workflow
 from headrace.graph.workflows import common
-from headrace.graph.workflows.common import CHUNK_CONFIG, DOCUMENTS, QUESTION, SYNTHESIS_MODES
+from headrace.graph.workflows.common import CHUNK_CONFIG, COLLECTION, DOCUMENTS, QUESTION, SYNTHESIS_MODES
 
 embed_question = Component("embed_question", "embed", inputs=("question",), outputs=("question_vector",),
                            batchable=True)
 search = Component("search", "search", inputs=("question_vector", "collection"), outputs=("contexts",),
                    batchable=True)
 
+RAG_INPUTS = {"question": QUESTION, "documents": DOCUMENTS, "collection": COLLECTION}
+
+
+def index_or_collection(b: GraphBuilder, inputs: dict[str, Any], config: dict[str, Any]) -> list[Component]:
+    """Index the run's documents, or point the search at a persistent collection (no indexing then).
+
+    Returns the indexing components the run's template holds. The service has already checked
+    that the collection exists (and chosen the engines that embedded it).
+    """
+    if collections.source(inputs, "documents") == "documents":
+        common.index(b, inputs, config)
+        return [common.chunk, common.embed_chunks, common.ingest]
+    inputs["collection"] = collections.table_name(inputs["collection"])  # the search reads it as a variable
+    return []
+
 
 def build_naive(inputs: dict[str, Any], config: dict[str, Any], engines: Mapping[str, str]):
     b = GraphBuilder("naive_rag", engines)
-    common.index(b, inputs, config)
+    indexing = index_or_collection(b, inputs, config)
     b.emit(embed_question)
     b.emit(search, k=config["top_k"])
     synth = common.synthesize(b, config["synthesis"], "contexts", config["top_k"], config)
-    return b.finish(Template([common.chunk, common.embed_chunks, common.ingest, embed_question, search, *synth]))
+    return b.finish(Template([*indexing, embed_question, search, *synth]))
 
 
 NAIVE = Workflow(
     name="naive_rag",
-    description="Chunk, embed and index the documents; retrieve the top chunks for the question; tree synthesis.",
-    inputs={"question": QUESTION, "documents": DOCUMENTS},
-    required=("question", "documents"),
+    description="Chunk, embed and index the documents (or use a collection); retrieve the top chunks for the question; tree synthesis.",
+    inputs=RAG_INPUTS,
+    required=("question",),
     config={**CHUNK_CONFIG, "top_k": {"type": "integer", "minimum": 1, "maximum": 16, "default": 3},
             "synthesis": {"type": "string", "enum": list(SYNTHESIS_MODES), "default": "tree"}},
     build=build_naive,
@@ -49,7 +65,7 @@ rerank = Component("rerank", "rerank", inputs=("question", "pool"), outputs=("to
 
 def build_advanced(inputs: dict[str, Any], config: dict[str, Any], engines: Mapping[str, str]):
     b = GraphBuilder("advanced_rag", engines)
-    common.index(b, inputs, config)
+    indexing = index_or_collection(b, inputs, config)
     inputs["n_queries"] = str(config["n_queries"])  # a prompt input
     b.emit(expand, max_tokens=16 * config["n_queries"], max_pieces=config["n_queries"])
     b.emit(embed_queries, size=config["n_queries"])
@@ -60,15 +76,15 @@ def build_advanced(inputs: dict[str, Any], config: dict[str, Any], engines: Mapp
     b.emit(merge)
     b.emit(rerank, top_n=config["top_n"], size=config["k_per_query"] * (config["n_queries"] + 1))
     synth = common.synthesize(b, config["synthesis"], "top", config["top_n"], config)
-    return b.finish(Template([common.chunk, common.embed_chunks, common.ingest, expand, embed_queries,
+    return b.finish(Template([*indexing, expand, embed_queries,
                               search_queries, embed_question, search, merge, rerank, *synth]))
 
 
 ADVANCED = Workflow(
     name="advanced_rag",
     description="Query expansion (streamed line by line), multi-query retrieval, rerank, refine synthesis.",
-    inputs={"question": QUESTION, "documents": DOCUMENTS},
-    required=("question", "documents"),
+    inputs=RAG_INPUTS,
+    required=("question",),
     config={**CHUNK_CONFIG,
             "n_queries": {"type": "integer", "minimum": 1, "maximum": 8, "default": 3},
             "k_per_query": {"type": "integer", "minimum": 1, "maximum": 64, "default": 16},

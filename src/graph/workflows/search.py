@@ -5,7 +5,8 @@
   needed, and a condition takes the "search" branch (a full-text search of the
   question over the run's corpus) or the "direct" one; the core LLM answers
   with the draft and whatever evidence was found. The corpus is indexed in
-  parallel with the proxy and the judge.
+  parallel with the proxy and the judge; a persistent ``collection`` is searched
+  instead, with nothing indexed in the run.
 - contextual_retrieval: Anthropic's contextual retrieval. Each chunk gets a
   one-sentence context written by the LLM from the chunk and its neighbours
   (one call per chunk: they batch); context and chunk are embedded and
@@ -18,10 +19,11 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping
 
+from headrace.graph import collections
 from headrace.graph.components import Component, GraphBuilder, Template
 from headrace.graph.workflow import Workflow
 from headrace.graph.workflows import common
-from headrace.graph.workflows.common import DOCUMENTS, QUESTION
+from headrace.graph.workflows.common import COLLECTION, DOCUMENTS, QUESTION
 
 MAX_TOKENS = {"type": "integer", "minimum": 1, "maximum": 1024, "default": 48, "description": "tokens per LLM answer"}
 
@@ -75,11 +77,16 @@ core = Component("answer", "llm", prompt=CORE)
 
 def build_search_gen(inputs: dict[str, Any], config: dict[str, Any], engines: Mapping[str, str]):
     b = GraphBuilder("search_gen", engines)
-    n = common.count_chunks(inputs, "corpus", config)
     inputs["search_mode"] = config["search"]  # read by the decide function
-    b.emit(corpus_chunk, size=n, words=config["chunk_size"], overlap=config["chunk_overlap"])
-    b.emit(embed_passages, size=n)
-    b.emit(ingest_passages, size=n)
+    indexing = []
+    if collections.source(inputs, "corpus") == "corpus":
+        n = common.count_chunks(inputs, "corpus", config)
+        b.emit(corpus_chunk, size=n, words=config["chunk_size"], overlap=config["chunk_overlap"])
+        b.emit(embed_passages, size=n)
+        b.emit(ingest_passages, size=n)
+        indexing = [corpus_chunk, embed_passages, ingest_passages]
+    else:  # a persistent collection: its table already has the full-text index; nothing to index here
+        inputs["collection"] = collections.table_name(inputs["collection"])
     b.emit(proxy, max_tokens=config["max_tokens"])
     b.emit(judge, max_tokens=JUDGE_TOKENS)
     b.emit(decide_)
@@ -87,8 +94,7 @@ def build_search_gen(inputs: dict[str, Any], config: dict[str, Any], engines: Ma
     searched = b.emit(text_search, k=config["k"])
     b.branch(condition, "search", searched)
     b.emit(core, max_tokens=config["max_tokens"])
-    return b.finish(Template([corpus_chunk, embed_passages, ingest_passages, proxy, judge, decide_, route,
-                              text_search, core]))
+    return b.finish(Template([*indexing, proxy, judge, decide_, route, text_search, core]))
 
 
 SEARCH_GEN = Workflow(
@@ -96,8 +102,9 @@ SEARCH_GEN = Workflow(
     description="Search-engine-augmented generation: a proxy LLM drafts an answer, a judge LLM decides whether "
                 "to search, a full-text search over the corpus runs only if so, and the core LLM answers.",
     inputs={"question": QUESTION,
-            "corpus": {**DOCUMENTS, "description": "documents to index for full-text search"}},
-    required=("question", "corpus"),
+            "corpus": {**DOCUMENTS, "description": "documents to index for full-text search"},
+            "collection": COLLECTION},
+    required=("question",),  # and one of corpus / collection
     config={
         "chunk_size": {"type": "integer", "minimum": 16, "maximum": 1024, "default": 128,
                        "description": "words per indexed passage"},

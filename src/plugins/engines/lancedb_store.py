@@ -2,8 +2,10 @@
 
 One table per collection: ``id`` string, ``vector`` fixed-size float32 list,
 ``text`` string (the payload's "text", full-text indexed) and ``payload`` (the
-whole payload as JSON). Vector search is exact (no ANN index) under the cosine
-metric; full-text search uses LanceDB's native BM25 index.
+whole payload as JSON). Vector search is exact under the cosine metric until
+``build_vector_index`` gives a table an ANN index (the daemon does, for a
+persistent collection past ``collections.ann_index_rows``); full-text search
+uses LanceDB's native BM25 index.
 
 Options: ``path`` (default ``<data_dir>/lancedb``), ``fts_reindex_rows``
 (fold new rows into the FTS index once this many are unindexed, default 256;
@@ -100,6 +102,21 @@ class LanceDBStore:
         _check_name(collection)
         await self._call(self._drop, collection)
 
+    async def delete_rows(self, collection: str, ids: Sequence[str]) -> None:
+        """Delete the rows with these ids (absent ones, or an absent collection, are no error)."""
+        _check_name(collection)
+        if ids:
+            await self._call(self._delete_rows, collection, list(ids))
+
+    async def build_vector_index(self, collection: str) -> bool:
+        """Give the collection's vectors an ANN index unless it has one; True when one was built."""
+        _check_name(collection)
+        return await self._call(self._build_vector_index, collection)
+
+    async def has_vector_index(self, collection: str) -> bool:
+        _check_name(collection)
+        return await self._call(lambda: _vector_index_name(self._table(collection)) is not None)
+
     async def search_text(self, collection: str, query: str, k: int) -> list[SearchHit]:
         if k < 1:
             raise ValueError("k must be >= 1")
@@ -125,6 +142,32 @@ class LanceDBStore:
         self._tables.pop(collection, None)
         # A run that failed before its ingest never created its table.
         self._db.drop_table(collection, ignore_missing=True)
+
+    def _delete_rows(self, collection: str, ids: list[str]) -> None:
+        try:
+            table = self._table(collection)
+        except CollectionNotFound:
+            return
+        quoted = ", ".join("'" + row_id.replace("'", "''") + "'" for row_id in ids)  # SQL string literals
+        table.delete(f"id IN ({quoted})")
+
+    def _build_vector_index(self, collection: str) -> bool:
+        from lancedb.index import IvfHnswSq
+
+        table = self._table(collection)
+        if _vector_index_name(table) is not None:
+            return False
+        # IVF-HNSW-SQ: HNSW graphs keep recall high at any size, 8-bit scalar quantization
+        # cuts the index to a quarter of the float32 vectors, and (unlike PQ, which trains
+        # 256 centroids per sub-vector) it trains on a table of any size. LanceDB advises few
+        # partitions for HNSW; one per million rows keeps each graph a manageable build.
+        # Searches pass the same cosine metric (``_search``): an index trained on another
+        # metric would answer wrongly. Rows added later are scanned exactly until
+        # ``optimize()`` (see ``_refresh_fts``) folds them into the index.
+        partitions = max(1, table.count_rows() // 1_000_000)
+        table.create_index("vector", config=IvfHnswSq(distance_type="cosine", num_partitions=partitions),
+                           replace=False)
+        return True
 
     def _ingest(self, collection: str, dim: int, rows: list[dict[str, Any]]) -> list[str]:
         try:
@@ -220,6 +263,13 @@ def _check_dim(collection: str, expected: int, got: int) -> None:
 
 def _table_dim(table: Any) -> int:
     return table.schema.field("vector").type.list_size
+
+
+def _vector_index_name(table: Any) -> str | None:
+    for index in table.list_indices():
+        if "vector" in index.columns and index.index_type != "FTS":
+            return index.name
+    return None
 
 
 def _fts_index_name(table: Any) -> str | None:
