@@ -142,3 +142,8 @@ def live(tmp_path_factory):
     cfg = load_config(ROOT / "configs" / "default.toml", env={}, overrides={"data.dir": str(data)})
     with start_blocking_portal() as portal, portal.wrap_async_context_manager(engines(cfg)) as (pool, svc):
         yield portal, svc, pool
+
+
+def idle(stats: dict) -> bool:
+    """An LLM engine's stats say it holds no context and runs or queues nothing (other keys aside)."""
+    return (stats["contexts"], stats["decoding"], stats["waiting"]) == (0, 0, 0)

@@ -10,8 +10,9 @@ from headrace.plugins.manager import HOOKS
 DOCS = (Path(__file__).resolve().parents[1] / "docs" / "plugins.md").read_text()
 
 
-def test_hooks_are_the_four_registration_hooks():
-    assert set(HOOKS) == {"register_engines", "register_passes", "register_batch_policies", "register_workflows"}
+def test_hooks_are_the_registration_hooks():
+    assert set(HOOKS) == {"register_engines", "register_passes", "register_batch_policies", "register_llm_policies",
+                          "register_workflows"}
 
 
 @pytest.mark.parametrize("hook", HOOKS)

@@ -1,23 +1,32 @@
-"""The per-engine scheduler for LLMs: admission queue in front of continuous batching.
+"""The per-engine scheduler for LLMs: a policy-ordered admission queue in front of continuous batching.
 
-The engine batches every admitted request per iteration; this queue bounds how
-many are admitted (``max_running``) and times each request for the metrics:
-queue time, time to first token (from the prefill's arrival), inter-token
-latency and end-to-end latency.
+The engine batches every admitted request per iteration; this scheduler
 
-Each primitive comes with its ``PrimitiveMeta`` (None for a request from outside
-any run), kept per context while the context lives, for the LLM policies to read.
+- ranks each request by its LLM policy (``llm_policies``: ``fifo``, ``topology``,
+  ``objective``) from the primitive's ``PrimitiveMeta`` (None for a request from
+  outside any run), and hands the rank to the engine as its ``priority``, which
+  every iteration of the engine honours;
+- bounds how many requests are admitted (``max_running``), admitting waiting
+  ones most urgent first, in the same order;
+- times each request for the metrics: queue time, time to first token (from the
+  prefill's arrival), inter-token latency and end-to-end latency.
+
+A context keeps the meta of the primitive using it (its prefill, then its decode).
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from typing import Any, AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Mapping, Sequence
 
 import anyio
+import torch
 
+from headrace.batching.llm_policies import FifoLLMPolicy, LLMPolicy, priority
 from headrace.batching.meta import PrimitiveMeta
 from headrace.batching.observer import NullObserver, SchedulerObserver
 from headrace.plugins.protocols import LLMEngine, SamplingParams, TokenDelta
@@ -32,31 +41,81 @@ class ContextState:
     meta: PrimitiveMeta | None  # the primitive using it now: its prefill, then its decode
 
 
+@dataclass(order=True)
+class _Waiter:
+    priority: int
+    order: int
+    admitted: anyio.Event = field(compare=False, default_factory=anyio.Event)
+
+
+class PriorityGate:
+    """At most ``capacity`` holders; waiters are admitted lowest priority first, in arrival order among equals."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.borrowed = 0
+        self._heap: list[_Waiter] = []
+        self._order = itertools.count()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._heap)
+
+    async def acquire(self, priority: int) -> None:
+        if self.borrowed < self.capacity and not self._heap:
+            self.borrowed += 1
+            return
+        waiter = _Waiter(priority, next(self._order))
+        heapq.heappush(self._heap, waiter)
+        try:
+            await waiter.admitted.wait()
+        except BaseException:
+            if waiter.admitted.is_set():
+                self.release()  # admitted as it was cancelled: hand the slot on
+            else:
+                self._heap.remove(waiter)
+                heapq.heapify(self._heap)
+            raise
+
+    def release(self) -> None:
+        self.borrowed -= 1
+        while self.borrowed < self.capacity and self._heap:
+            self.borrowed += 1
+            heapq.heappop(self._heap).admitted.set()
+
+
 class LLMScheduler:
-    def __init__(self, engine: LLMEngine, *, max_running: int, observer: SchedulerObserver | None = None) -> None:
+    def __init__(self, engine: LLMEngine, *, max_running: int, observer: SchedulerObserver | None = None,
+                 policy: LLMPolicy | None = None, policies: Mapping[str, LLMPolicy] | None = None) -> None:
         self.engine = engine
         self.name = engine.name
-        self._slots = anyio.CapacityLimiter(max_running)
+        self.policy: LLMPolicy = policy or FifoLLMPolicy()
+        # Policies a run may name for its own requests (``PrimitiveMeta.policy``).
+        self.policies = dict(policies or {})
+        self._slots = PriorityGate(max_running)
         self._observer = observer or NullObserver()
-        self.waiting = 0
         self.contexts: dict[str, ContextState] = {}
 
     @property
     def running(self) -> int:
-        return self._slots.borrowed_tokens
+        return self._slots.borrowed
+
+    @property
+    def waiting(self) -> int:
+        return self._slots.waiting
 
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()  # admission needs no loop of its own
 
+    def priority(self, meta: PrimitiveMeta | None, arrival: float) -> int:
+        """The engine priority of a request arriving at ``arrival`` (``time.monotonic()``)."""
+        run_policy = self.policies.get(meta.policy) if meta is not None and meta.policy else None
+        return priority(self.policy, run_policy, meta, int(arrival * 1000))
+
     @asynccontextmanager
-    async def _admitted(self, arrival: float, meta: PrimitiveMeta | None):
-        # ``meta`` is what an LLM policy will order admission by; today admission is first come.
-        self.waiting += 1
+    async def _admitted(self, arrival: float, rank: int):
         self._observer.queued(self.name)
-        try:
-            await self._slots.acquire()
-        finally:
-            self.waiting -= 1
+        await self._slots.acquire(rank)
         self._observer.started(self.name, time.monotonic() - arrival)
         try:
             yield
@@ -67,8 +126,9 @@ class LLMScheduler:
                       meta: PrimitiveMeta | None = None) -> None:
         """A prefill primitive: fills a context (a fork when ``parent`` is given)."""
         arrival = time.monotonic()
-        async with self._admitted(arrival, meta):
-            await self.engine.prefill(ctx, tokens, parent)
+        rank = self.priority(meta, arrival)
+        async with self._admitted(arrival, rank):
+            await self.engine.prefill(ctx, tokens, parent, priority=rank)
         self.contexts[ctx] = ContextState(arrival, len(tokens), meta)
 
     async def decode(self, ctx: str, params: SamplingParams,
@@ -76,9 +136,12 @@ class LLMScheduler:
         """A decode primitive on a prefilled context; the context is freed when the iterator closes."""
         state = self.contexts.setdefault(ctx, ContextState(time.monotonic(), 0, None))
         state.meta = meta or state.meta
+        arrival = time.monotonic()
+        rank = self.priority(state.meta, arrival)
         try:
-            async with self._admitted(time.monotonic(), state.meta):
-                async for delta in self._timed(self.engine.decode(ctx, params), state.arrival, state.prompt_tokens):
+            async with self._admitted(arrival, rank):
+                deltas = self.engine.decode(ctx, params, priority=rank)
+                async for delta in self._timed(deltas, state.arrival, state.prompt_tokens):
                     yield delta
         finally:
             self.contexts.pop(ctx, None)
@@ -93,9 +156,21 @@ class LLMScheduler:
                        meta: PrimitiveMeta | None = None) -> AsyncIterator[TokenDelta]:
         """Prefill, decode and free in one request. Close the iterator to abort it."""
         arrival = time.monotonic()
-        async with self._admitted(arrival, meta):
-            async for delta in self._timed(self.engine.generate(tokens, params), arrival, len(tokens)):
+        rank = self.priority(meta, arrival)
+        async with self._admitted(arrival, rank):
+            async for delta in self._timed(self.engine.generate(tokens, params, priority=rank), arrival, len(tokens)):
                 yield delta
+
+    async def next_token_logits(self, prompts: Sequence[Sequence[int]], token_ids: Sequence[int],
+                                metas: Sequence[PrimitiveMeta | None] = ()) -> torch.Tensor:
+        """Prefill-only scoring (the LLM reranker's call), admitted and ranked like every other request.
+
+        One call may serve several primitives (a rerank batch of several runs): it ranks as the
+        most urgent of ``metas``."""
+        arrival = time.monotonic()
+        rank = min((self.priority(m, arrival) for m in metas), default=self.priority(None, arrival))
+        async with self._admitted(arrival, rank):
+            return await self.engine.next_token_logits(prompts, token_ids, priority=rank)
 
     async def _timed(self, deltas: AsyncIterator[TokenDelta], arrival: float, prompt_tokens: int):
         generated, last = 0, None

@@ -40,6 +40,11 @@ class LLMSchedulerProtocol(Protocol):
     def generate(self, tokens: Sequence[int], params: SamplingParams,
                  meta: PrimitiveMeta | None = None) -> AsyncIterator[TokenDelta]: ...
 
+    async def next_token_logits(self, prompts: Sequence[Sequence[int]], token_ids: Sequence[int],
+                                metas: Sequence[PrimitiveMeta | None] = ()) -> Any:
+        """Prefill-only scoring, ranked as the most urgent of ``metas``."""
+        ...
+
 
 @dataclass(frozen=True)
 class ResolvedEngine:

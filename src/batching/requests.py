@@ -8,10 +8,11 @@ requests already carry many vectors each, so they run one call each, in order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, ClassVar, Sequence
 
+from headrace.batching.meta import PrimitiveMeta
 from headrace.plugins.protocols import EmbedEngine, Engine, RerankEngine, VectorStore
 
 if TYPE_CHECKING:
@@ -29,6 +30,8 @@ class RerankRequest:
     kind: ClassVar[str] = "rerank"
     query: str
     docs: tuple[str, ...]
+    # The primitive asking: an LLM reranker ranks its LLM call by the batch's most urgent one.
+    meta: PrimitiveMeta | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,8 @@ async def _embed(engine: EmbedEngine, requests: Sequence[EmbedRequest]) -> list[
 
 
 async def _rerank(engine: RerankEngine, requests: Sequence[RerankRequest]) -> list[Any]:
-    scores = await engine.score_pairs([(r.query, doc) for r in requests for doc in r.docs])
+    metas = [r.meta for r in requests if r.meta is not None]
+    scores = await engine.score_pairs([(r.query, doc) for r in requests for doc in r.docs], metas)
     out, start = [], 0
     for r in requests:
         out.append(scores[start : start + len(r.docs)])

@@ -112,7 +112,7 @@ def create_app(config: Config, registry: Registry | None = None) -> Starlette:
     pool = EnginePool(config, registry, metrics_)
     collections = CollectionRegistry(config.data.data_path())
     workflows = WorkflowService(registry.workflows, registry.passes, pool.resolve, pool.engines_by_kind,
-                                pool.max_efficient_batch, policies=registry.batch_policies,
+                                pool.max_efficient_batch, policies=[*registry.batch_policies, *registry.llm_policies],
                                 collections=collections.lookup)
     metrics_.watch_optimizer(workflows.optimizer.stats)
 

@@ -133,6 +133,8 @@ class CollectionsConfig:
 def _check_batching(b: BatchingConfig | BatchingOverride) -> None:
     if b.policy is not None:
         _check(bool(b.policy), "policy", "must not be empty")
+    if isinstance(b, BatchingConfig):
+        _check(bool(b.llm_policy), "llm_policy", "must not be empty")
     for name in ("max_batch_size", "max_running"):
         value = getattr(b, name)
         _check(value is None or value >= 1, name, f"must be >= 1, got {value}")
@@ -143,7 +145,10 @@ def _check_batching(b: BatchingConfig | BatchingOverride) -> None:
 class BatchingConfig:
     """``[batching]``: how each engine's scheduler forms batches (global defaults)."""
 
-    policy: str = "fifo"  # a batch policy registered by a plugin
+    policy: str = "fifo"  # a batch policy registered by a plugin (embed, rerank, vector store)
+    # The LLM engines' scheduling policy (fifo, topology, objective; plugins add more). An LLM engine's
+    # own [engines.batching] policy overrides it.
+    llm_policy: str = "fifo"
     max_batch_size: int = 32
     max_wait_ms: float = 5.0  # how long a partial batch may wait for more requests; 0: never
     max_running: int = 64  # LLM admission: concurrent decoding requests; the rest queue

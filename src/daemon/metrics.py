@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -66,6 +66,7 @@ class Metrics:
         self._running: dict[str, Callable[[], int]] = {}
         self._waiting: dict[str, Callable[[], int]] = {}
         self._contexts: dict[str, Callable[[], int]] = {}
+        self._engine_stats: dict[str, Callable[[], Mapping[str, int]]] = {}
         registry = self
 
         class _Live:
@@ -79,15 +80,35 @@ class Metrics:
                     for model, read in table.items():
                         family.add_metric([model], read())
                     yield family
+                stats = {model: read() for model, read in registry._engine_stats.items()}
+                cached = {model: s for model, s in stats.items() if "prefix_cache_queries" in s}
+                queries = CounterMetricFamily("headrace_prefix_cache_queries", "Prompt tokens looked up in the "
+                                              "prefix cache.", labels=["model"])
+                hits = CounterMetricFamily("headrace_prefix_cache_hits", "Prompt tokens the prefix cache served.",
+                                           labels=["model"])
+                usage = GaugeMetricFamily("headrace_prefix_cache_usage_perc", "Fraction of the prefix cache's "
+                                          "token budget in use.", labels=["model"])
+                for model, s in cached.items():
+                    queries.add_metric([model], s["prefix_cache_queries"])
+                    hits.add_metric([model], s["prefix_cache_hits"])
+                    usage.add_metric([model], s["prefix_cache_tokens"] / max(1, s["prefix_cache_capacity"]))
+                yield from (queries, hits, usage)
 
         r.register(_Live())
 
     def watch(self, model: str, *, running: Callable[[], int], waiting: Callable[[], int],
-              contexts: Callable[[], int] | None = None) -> None:
-        """Read these gauges live at scrape time rather than mirror them."""
+              contexts: Callable[[], int] | None = None,
+              engine_stats: Callable[[], Mapping[str, int]] | None = None) -> None:
+        """Read these gauges live at scrape time rather than mirror them.
+
+        ``engine_stats``: an LLM engine's ``stats()``; its ``prefix_cache_*`` keys become the
+        prefix-cache metrics (vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``, in tokens).
+        """
         self._running[model], self._waiting[model] = running, waiting
         if contexts is not None:
             self._contexts[model] = contexts
+        if engine_stats is not None:
+            self._engine_stats[model] = engine_stats
 
     def watch_optimizer(self, stats: Any) -> None:
         """The e-graph cache's hit rate and graph-building time, read at scrape time."""

@@ -93,6 +93,7 @@ class EnginePool:
                 data_dir=data_dir,
                 cache_dir=cache_dir,
                 lookup=self._lookup,
+                lookup_scheduled=self._lookup_scheduled,
                 observe_batch=metrics.batch_observer(ec.name),
             )
             try:
@@ -106,6 +107,12 @@ class EnginePool:
         if slot is None or slot.state != "ready":
             raise LookupError(f"engine {name!r} is not configured or not loaded yet (engines load in config order)")
         return slot.engine
+
+    def _lookup_scheduled(self, name: str) -> LLMScheduler:
+        slot = self.slots.get(name)
+        if slot is None or slot.state != "ready" or not isinstance(slot.scheduler, LLMScheduler):
+            raise LookupError(f"LLM engine {name!r} is not configured or not loaded yet (engines load in config order)")
+        return slot.scheduler
 
     def resolve(self, name: str) -> ResolvedEngine:
         """A ready engine and its scheduler, for the graph executor."""
@@ -212,13 +219,23 @@ class EnginePool:
         batching = self.config.batching_for(slot.name)
         engine = slot.engine
         if engine.kind == "llm":
-            scheduler = LLMScheduler(engine, max_running=batching.max_running, observer=self.metrics)
+            override = self.config.engine(slot.name).batching
+            # An LLM engine's own `policy` names an LLM policy; otherwise the global llm_policy applies.
+            key, name = ((f"engines.{slot.name}.batching.policy", override.policy) if override and override.policy
+                         else ("batching.llm_policy", batching.llm_policy))
+            llm_policy = self.registry.llm_policies.get(name)
+            if llm_policy is None:
+                raise ConfigError(key, f"no LLM policy {name!r} is registered; known: {sorted(self.registry.llm_policies)}")
+            scheduler = LLMScheduler(engine, max_running=batching.max_running, observer=self.metrics,
+                                     policy=llm_policy(),
+                                     policies={n: f() for n, f in self.registry.llm_policies.items()})
             stats = getattr(engine, "stats", None)
             self.metrics.watch(
                 slot.name,
                 running=lambda: scheduler.running,
                 waiting=lambda: scheduler.waiting,
                 contexts=(lambda: stats()["contexts"]) if stats else None,
+                engine_stats=stats,
             )
             return scheduler
         policy_factory = self.registry.batch_policies.get(batching.policy)

@@ -159,7 +159,8 @@ async def _rerank(node, scope, ctx, key):
     query, docs = str(scope[node.inputs[0]]), _texts(scope[node.inputs[1]])
     if not docs:
         return {node.outputs[0]: []}
-    scores = await sched.submit(RerankRequest(query, tuple(docs)), len(docs), ctx.meta(node, key))
+    meta = ctx.meta(node, key)
+    scores = await sched.submit(RerankRequest(query, tuple(docs), meta), len(docs), meta)
     order = torch.argsort(scores.float(), descending=True, stable=True)[: node.params.get("top_n", 3)]
     return {node.outputs[0]: [docs[i] for i in order.tolist()]}
 

@@ -35,7 +35,7 @@ COMMON_CONFIG: dict[str, Any] = {
         "properties": {kind: {"type": "string", "minLength": 1} for kind in ("llm", "embed", "rerank", "vector_store")},
         "default": {},
     },
-    "batch_policy": {"type": "string", "minLength": 1, "description": "override the engines' batch policy for this run"},
+    "batch_policy": {"type": "string", "minLength": 1, "description": "this run's own batch or LLM policy: it orders the run's own requests (within the place the engines' policy gives the run)"},
     "slo_seconds": {"type": "number", "minimum": 0,
                     "description": "the run's latency objective: the schedulers' deadline for it, from its arrival"},
     "isolate": {"type": "boolean", "default": False,

@@ -22,5 +22,10 @@ def register_batch_policies(register):
 
 
 @hookspec
+def register_llm_policies(register):
+    """Register LLM scheduling policies: ``register(name, policy_factory)``."""
+
+
+@hookspec
 def register_workflows(register):
     """Register workflows: ``register(name, workflow)``."""

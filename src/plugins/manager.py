@@ -28,6 +28,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "headrace.plugins.engines.rerankers",
     "headrace.plugins.engines.lancedb_store",
     "headrace.batching.policies",
+    "headrace.batching.llm_policies",
     "headrace.graph.passes",
     "headrace.graph.workflows.builtin",
 )
@@ -48,6 +49,7 @@ class Registry:
     engines: dict[str, Callable[..., Any]] = field(default_factory=dict)
     passes: dict[str, Any] = field(default_factory=dict)
     batch_policies: dict[str, Any] = field(default_factory=dict)
+    llm_policies: dict[str, Any] = field(default_factory=dict)
     workflows: dict[str, Any] = field(default_factory=dict)
     # plugin name -> hook -> names it registered, for `headrace plugins`
     by_plugin: dict[str, dict[str, list[str]]] = field(default_factory=dict)

@@ -39,6 +39,10 @@ class EngineEnv:
     # Resolves another configured engine by name (an LLM reranker uses its LLM).
     lookup: Callable[[str], Any]
     observe_batch: BatchObserver = lambda op, size, start, end: None
+    # Another LLM engine behind its scheduler (a ``ScheduledScoring``): an engine that calls an LLM (the
+    # LLM reranker) goes through it, so its calls are admitted and ranked like every LLM primitive.
+    # None outside a daemon (an engine used on its own): call the engine itself.
+    lookup_scheduled: Callable[[str], "ScheduledScoring"] | None = None
 
 
 @runtime_checkable
@@ -95,9 +99,18 @@ class TokenDelta:
     finish_reason: FinishReason | None = None
 
 
+Priority = int
+"""Which LLM work an engine runs first when it cannot run everything at once: lower first, ties in
+arrival order (vLLM's and SGLang's priority scheduling). The LLM scheduler's policy sets it."""
+
+
 @runtime_checkable
 class LLMEngine(Engine, Protocol):
-    """Fill / Generate / FreeContext, after Parrot's engine API."""
+    """Fill / Generate / FreeContext, after Parrot's engine API.
+
+    Every call takes a keyword-only ``priority``: each iteration the engine picks the prefills,
+    scoring prompts and joining decodes it runs by it, within its token budget.
+    """
 
     def encode(self, text: str) -> TokenIds: ...
 
@@ -113,22 +126,35 @@ class LLMEngine(Engine, Protocol):
         """A context id no other context of this engine has, for ``prefill``."""
         ...
 
-    async def prefill(self, ctx: ContextId, tokens: Sequence[int], parent: ContextId | None = None) -> None:
+    async def prefill(self, ctx: ContextId, tokens: Sequence[int], parent: ContextId | None = None, *,
+                      priority: Priority = 0) -> None:
         """Fill a new KV context; a child reuses its parent's KV as its prefix."""
         ...
 
-    def decode(self, ctx: ContextId, params: SamplingParams) -> AsyncIterator[TokenDelta]:
+    def decode(self, ctx: ContextId, params: SamplingParams, *, priority: Priority = 0) -> AsyncIterator[TokenDelta]:
         """Yield token deltas; leaving the iterator early frees the decode slot."""
         ...
 
     async def free(self, ctx: ContextId) -> None: ...
 
-    def generate(self, tokens: Sequence[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
+    def generate(self, tokens: Sequence[int], params: SamplingParams, *,
+                 priority: Priority = 0) -> AsyncIterator[TokenDelta]:
         """Prefill, decode and free in one call."""
         ...
 
-    async def next_token_logits(self, prompts: Sequence[Sequence[int]], token_ids: Sequence[int]) -> "torch.Tensor":
+    async def next_token_logits(self, prompts: Sequence[Sequence[int]], token_ids: Sequence[int], *,
+                                priority: Priority = 0) -> "torch.Tensor":
         """Prefill-only scoring: logits of ``token_ids`` after each prompt, shape (len(prompts), len(token_ids))."""
+        ...
+
+
+@runtime_checkable
+class ScheduledScoring(Protocol):
+    """An LLM's scheduler, as an engine that scores with that LLM sees it."""
+
+    async def next_token_logits(self, prompts: Sequence[Sequence[int]], token_ids: Sequence[int],
+                                metas: Sequence[Any] = ()) -> "torch.Tensor":
+        """``LLMEngine.next_token_logits``, ranked by the most urgent of ``metas`` (the primitives asking)."""
         ...
 
 
@@ -152,8 +178,11 @@ class RerankEngine(Engine, Protocol):
         """One relevance score per document, higher is more relevant."""
         ...
 
-    async def score_pairs(self, pairs: Sequence[tuple[str, str]]) -> "torch.Tensor":
-        """One score per (query, document) pair: how a scheduler batches several requests."""
+    async def score_pairs(self, pairs: Sequence[tuple[str, str]], metas: Sequence[Any] = ()) -> "torch.Tensor":
+        """One score per (query, document) pair: how a scheduler batches several requests.
+
+        ``metas``: the batch's primitives (``PrimitiveMeta``, opaque here), for an engine that
+        passes its work on to an LLM scheduler."""
         ...
 
 

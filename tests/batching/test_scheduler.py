@@ -177,7 +177,7 @@ async def test_llm_admission_bounds_running_requests():
         name, kind = "counter", "llm"
         peak = running = 0
 
-        async def generate(self, tokens, params):
+        async def generate(self, tokens, params, *, priority=0):
             Counter.running += 1
             Counter.peak = max(Counter.peak, Counter.running)
             try:
@@ -283,10 +283,10 @@ async def test_the_llm_scheduler_keeps_each_contexts_primitive():
         def __init__(self) -> None:
             self.prompts: dict[str, list[int]] = {}
 
-        async def prefill(self, ctx, tokens, parent=None):
+        async def prefill(self, ctx, tokens, parent=None, *, priority=0):
             self.prompts[ctx] = list(tokens)
 
-        async def decode(self, ctx, params):
+        async def decode(self, ctx, params, *, priority=0):
             for token in self.prompts[ctx]:
                 yield TokenDelta(text=str(token), token_ids=[token])
 

@@ -244,6 +244,9 @@ class StubLLM:
     def generate(self, tokens, params, meta=None):
         raise NotImplementedError
 
+    async def next_token_logits(self, prompts, token_ids, metas=()):
+        raise NotImplementedError
+
     async def decode(self, context, params, meta=None):
         for text in self.deltas:
             await anyio.sleep(self.delay)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from anyio.from_thread import start_blocking_portal
 
+from conftest import idle
 from headrace.plugins.engines.torch_llm import EngineError, TorchLLM
 from headrace.plugins.protocols import EngineEnv, EngineSpec, SamplingParams
 
@@ -150,7 +151,7 @@ def test_cancelled_decode_frees_its_context(llm):
         return await wait_for_no_contexts(engine)
 
     stats = portal.call(run)
-    assert stats == {"contexts": 0, "decoding": 0, "waiting": 0}
+    assert idle(stats)
 
 
 def test_bad_requests_raise_clear_errors(llm):
@@ -280,7 +281,7 @@ def test_out_of_vocabulary_tokens_fail_their_prefill_only(llm):
 
 
 def test_a_huge_scoring_job_lets_running_decodes_step(llm):
-    """2,000 prompts are scored a chunk at a time, with decode steps in between: the decode ends first."""
+    """2,000 prompts are scored within each iteration's token budget, with decode steps in between: the decode ends first."""
     portal, engine = llm
     prompts = [[1 + i % 500, 2 + i % 300, 3] for i in range(2000)]
     yes, no = engine.encode("yes")[0], engine.encode("no")[0]
@@ -303,7 +304,13 @@ def test_a_huge_scoring_job_lets_running_decodes_step(llm):
                 events.append("token" if delta.finish_reason is None else "decode done")
         return events, scores["value"]
 
-    events, scores = portal.call(run)
+    # One 16-prompt chunk per iteration: the budget bounds each iteration, whatever the job's size.
+    core = engine.core
+    saved, core.max_iteration_tokens = core.max_iteration_tokens, 16 * 3
+    try:
+        events, scores = portal.call(run)
+    finally:
+        core.max_iteration_tokens = saved
     assert scores.shape == (2000, 2) and torch.isfinite(scores).all()
     # Order of events, not timing: the whole decode ran while the scoring job was still going.
     assert events.index("decode done") < events.index("scored")
@@ -355,4 +362,48 @@ def test_a_dead_worker_fails_waiting_requests_and_the_engine(tmp_path):
     assert isinstance(out["decode"], EngineError) and "stopped" in str(out["decode"])
     # The prefill either ran before the worker died or was answered when it did: it never hangs.
     assert out["prefill"] == "filled" or "stopped" in str(out["prefill"])
-    assert engine.stats() == {"contexts": 0, "decoding": 0, "waiting": 0}
+    assert idle(engine.stats())
+
+
+def test_a_shared_prefix_is_prefilled_once_and_decodes_as_uncached(llm):
+    """Automatic prefix caching: a second prompt with the same 500-token prefix fills only its suffix."""
+    portal, engine = llm
+    core = engine.core
+    prefix = engine.encode(" ".join(f"Rule {i}: the mill wheel turns when water flows." for i in range(60)))[:500]
+    first = prefix + chat(engine, "Which way does the wheel turn?")
+    second = prefix + chat(engine, "What carries the water to the wheel?")
+
+    async def answer(tokens):
+        return await text_of(engine.generate(tokens, GREEDY))
+
+    core.prefix_cache.clear()
+    uncached = portal.call(answer, second)
+    core.prefix_cache.clear()
+    portal.call(answer, first)  # fills the cache with the prefix
+    before, hits_before = core.token_counts["prefill"], core.prefix_cache.stats.hits
+    cached = portal.call(answer, second)
+    filled = core.token_counts["prefill"] - before
+    reused = core.prefix_cache.stats.hits - hits_before
+    assert reused >= 500 - core.prefix_cache.block  # the prefix, to its last whole block
+    assert filled == len(second) - reused and filled < len(second) - 480
+    assert cached == uncached
+    assert engine.stats()["prefix_cache_hits"] >= reused
+
+
+def test_the_prefix_cache_stays_within_its_budget(llm):
+    portal, engine = llm
+    cache = engine.core.prefix_cache
+    cache.clear()
+
+    async def fill(n: int):
+        for i in range(n):
+            await text_of(engine.generate(chat(engine, f"Tell me fact number {i} about rivers. " * 8),
+                                          SamplingParams(max_tokens=1, temperature=0)))
+
+    saved, cache.capacity_tokens = cache.capacity_tokens, 256
+    try:
+        portal.call(fill, 6)
+        assert 0 < cache.used_tokens <= 256 and cache.stats.evictions > 0
+    finally:
+        cache.capacity_tokens = saved
+        cache.clear()

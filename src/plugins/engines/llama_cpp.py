@@ -293,6 +293,8 @@ class LlamaCppCore(LLMCore):
         vLLM, rather than failing; after ``context_wait_seconds`` it fails with a clear error.
         """
         now = time.monotonic()
+        # The most urgent first (lowest priority; stable, so oldest first among equals).
+        self._blocked = deque(sorted(self._blocked, key=lambda e: e[1].priority))
         while self._blocked:
             since, job = self._blocked[0]
             if job.reply.abandoned:
@@ -407,6 +409,7 @@ class LlamaCppCore(LLMCore):
     def _admit(self, out: Outbox) -> None:
         """Rows join the batch with the token their prefill's logits give."""
         room = max(0, self.max_batch_tokens // 2 - len(self._rows))  # leave prefills half the budget
+        self._waiting.sort(key=lambda r: r.priority)  # the most urgent join first; stable among equals
         joining, self._waiting = self._waiting[:room], self._waiting[room:]
         for r in joining:
             try:
@@ -426,21 +429,34 @@ class LlamaCppCore(LLMCore):
             parts.append(_Part("decode", rows=list(self._rows), count=len(self._rows)))
         budget = self.max_batch_tokens - len(self._rows)
         self._drop_abandoned_scoring()
-        # With scoring waiting too, prefills take at most half the budget, so neither starves.
-        prefill_budget = budget // 2 if self._scoring else budget
+        # The policy's order: the most urgent prefills and scoring jobs first (stable among equals).
+        self._prefills = deque(sorted(self._prefills, key=lambda f: f.prefill.priority))
+        self._scoring = deque(sorted(self._scoring, key=lambda j: j.cmd.priority))
+        scoring_first = bool(self._scoring) and (
+            not self._prefills or self._scoring[0].cmd.priority < self._prefills[0].prefill.priority)
+        # With both waiting at the same urgency, prefills take at most half the budget, so neither starves.
+        prefill_budget = budget // 2 if self._scoring and not scoring_first else budget
         used = 0
-        for fill in self._prefills:
-            if used >= prefill_budget:
-                break
-            n = min(fill.remaining, prefill_budget - used)
-            parts.append(_Part("prefill", fill=fill, count=n))
-            used += n
+
+        def take_prefills(limit: int) -> None:
+            nonlocal used
+            for fill in self._prefills:
+                if used >= limit:
+                    break
+                n = min(fill.remaining, limit - used)
+                parts.append(_Part("prefill", fill=fill, count=n))
+                used += n
+
+        if not scoring_first:
+            take_prefills(prefill_budget)
         for fill in self._scoring_fills():
             if used >= budget:
                 break
             n = min(fill.remaining, budget - used)
             parts.append(_Part("score", fill=fill, count=n))
             used += n
+        if scoring_first:
+            take_prefills(budget)
         return parts
 
     def _drop_abandoned_scoring(self) -> None:

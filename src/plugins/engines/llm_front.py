@@ -97,6 +97,7 @@ class Prefill:
     tokens: TokenIds
     parent: ContextId | None
     reply: Reply  # resolved with None once the context holds the tokens
+    priority: int = 0  # lower runs first (the LLM scheduler's policy sets it)
 
 
 @dataclass
@@ -105,6 +106,7 @@ class Decode:
     params: SamplingParams
     send: Any  # MemoryObjectSendStream[TokenDelta | BaseException]
     free_after: bool  # generate(): the context goes when the decode ends
+    priority: int = 0
 
 
 @dataclass
@@ -124,6 +126,7 @@ class Logits:
     reply: Reply  # resolved with a (len(prompts), len(token_ids)) float32 tensor
     scored: list[torch.Tensor] = field(default_factory=list)  # one tensor per chunk done
     next: int = 0  # the first prompt not scored yet
+    priority: int = 0
 
 
 Command = Prefill | Decode | Stop | Logits
@@ -166,6 +169,7 @@ class Row:
     params: SamplingParams
     send: Any
     free_after: bool
+    priority: int
     generator: torch.Generator
     detok: Detokenizer
     length: int  # tokens in this row's KV
@@ -283,7 +287,7 @@ class LLMCore(ABC):
         return None
 
     def new_row(self, cmd: Decode, length: int) -> Row:
-        return Row(ctx=cmd.ctx, params=cmd.params, send=cmd.send, free_after=cmd.free_after,
+        return Row(ctx=cmd.ctx, params=cmd.params, send=cmd.send, free_after=cmd.free_after, priority=cmd.priority,
                    generator=make_generator(cmd.params.seed), detok=Detokenizer(self.tokenizer, cmd.params.stop),
                    length=length)
 
@@ -412,7 +416,8 @@ class LLMFront:
     def new_context_id(self) -> ContextId:
         return f"{self.name}-ctx-{next(self._ctx_ids)}"
 
-    async def prefill(self, ctx: ContextId, tokens: Sequence[int], parent: ContextId | None = None) -> None:
+    async def prefill(self, ctx: ContextId, tokens: Sequence[int], parent: ContextId | None = None, *,
+                      priority: int = 0) -> None:
         self._require_running()
         if ctx in self._live:
             raise EngineError(f"context {ctx!r} already exists")
@@ -423,7 +428,7 @@ class LLMFront:
         self._check_tokens(tokens)
         reply = Reply()
         self._live.add(ctx)
-        self._commands.put(Prefill(ctx, list(tokens), parent, reply))
+        self._commands.put(Prefill(ctx, list(tokens), parent, reply, priority))
         try:
             await self._wait(reply)
         except BaseException:
@@ -432,8 +437,8 @@ class LLMFront:
             self._live.discard(ctx)
             raise
 
-    async def decode(self, ctx: ContextId, params: SamplingParams) -> AsyncIterator[TokenDelta]:
-        async for delta in self._decode(ctx, params, free_after=False):
+    async def decode(self, ctx: ContextId, params: SamplingParams, *, priority: int = 0) -> AsyncIterator[TokenDelta]:
+        async for delta in self._decode(ctx, params, free_after=False, priority=priority):
             yield delta
 
     async def free(self, ctx: ContextId) -> None:
@@ -441,16 +446,18 @@ class LLMFront:
             self._live.discard(ctx)
             self._commands.put(Stop(ctx, free=True))
 
-    async def generate(self, tokens: Sequence[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
+    async def generate(self, tokens: Sequence[int], params: SamplingParams, *,
+                       priority: int = 0) -> AsyncIterator[TokenDelta]:
         ctx = self.new_context_id()
-        await self.prefill(ctx, tokens)
+        await self.prefill(ctx, tokens, priority=priority)
         try:
-            async for delta in self._decode(ctx, params, free_after=True):
+            async for delta in self._decode(ctx, params, free_after=True, priority=priority):
                 yield delta
         finally:
             self._live.discard(ctx)
 
-    async def next_token_logits(self, prompts: Sequence[Sequence[int]], token_ids: Sequence[int]) -> torch.Tensor:
+    async def next_token_logits(self, prompts: Sequence[Sequence[int]], token_ids: Sequence[int], *,
+                                priority: int = 0) -> torch.Tensor:
         self._require_running()
         prompts = [list(p) for p in prompts]
         self._check_tokens(token_ids)
@@ -464,7 +471,7 @@ class LLMFront:
         if not prompts:
             return torch.empty(0, len(token_ids), dtype=torch.float32)
         reply = Reply()
-        self._commands.put(Logits(prompts, list(token_ids), reply))
+        self._commands.put(Logits(prompts, list(token_ids), reply, priority=priority))
         try:
             return await self._wait(reply)
         except BaseException:
@@ -488,14 +495,15 @@ class LLMFront:
     def _check_tokens(self, tokens: Sequence[int]) -> None:
         check_token_ids(tokens, self.vocab_size, self.name)
 
-    async def _decode(self, ctx: ContextId, params: SamplingParams, free_after: bool) -> AsyncIterator[TokenDelta]:
+    async def _decode(self, ctx: ContextId, params: SamplingParams, free_after: bool,
+                      priority: int) -> AsyncIterator[TokenDelta]:
         self._require_running()
         if ctx not in self._live:
             raise EngineError(f"context {ctx!r} does not exist")
         # One item per token at most, so the buffer bounds memory and the worker never blocks.
         send, receive = anyio.create_memory_object_stream[TokenDelta | BaseException](params.max_tokens + 1)
         self._streams.add(send)
-        self._commands.put(Decode(ctx, params, send, free_after))
+        self._commands.put(Decode(ctx, params, send, free_after, priority))
         finished = False
         try:
             async with receive:

@@ -74,7 +74,7 @@ class CrossEncoderReranker:
     async def score(self, query: str, docs: Sequence[str]) -> torch.Tensor:
         return await self.score_pairs([(query, doc) for doc in docs])
 
-    async def score_pairs(self, pairs: Sequence[tuple[str, str]]) -> torch.Tensor:
+    async def score_pairs(self, pairs: Sequence[tuple[str, str]], metas: Sequence[Any] = ()) -> torch.Tensor:
         """One score per (query, doc) pair: the scheduler's batch mixes queries."""
         model = self._model
         if model is None:
@@ -126,12 +126,14 @@ class LLMReranker:
         if self._max_query_tokens < 1:
             raise ValueError(f"engines.{spec.name}.options.max_query_tokens must be >= 1")
         self._llm: Any = None
+        self._scorer: Any = None  # the LLM's scheduler in a daemon; the LLM itself on its own
         self._yes_ids: list[int] = []
         self._no_ids: list[int] = []
 
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         try:
             self._llm = self._find_llm()
+            self._scorer = self._env.lookup_scheduled(self._llm_name) if self._env.lookup_scheduled else None
             self._yes_ids = single_token_ids(self._llm, YES_VARIANTS)
             self._no_ids = single_token_ids(self._llm, NO_VARIANTS)
             if not self._yes_ids or not self._no_ids or set(self._yes_ids) & set(self._no_ids):
@@ -142,7 +144,7 @@ class LLMReranker:
             task_status.started()
             await anyio.sleep_forever()
         finally:
-            self._llm = None
+            self._llm = self._scorer = None
 
     def _find_llm(self) -> Any:
         # The daemon's lookup raises LookupError for an unknown or not-yet-loaded
@@ -166,8 +168,8 @@ class LLMReranker:
     async def score(self, query: str, docs: Sequence[str]) -> torch.Tensor:
         return await self.score_pairs([(query, doc) for doc in docs])
 
-    async def score_pairs(self, pairs: Sequence[tuple[str, str]]) -> torch.Tensor:
-        """One score per (query, doc) pair, all in one prefill-only LLM call."""
+    async def score_pairs(self, pairs: Sequence[tuple[str, str]], metas: Sequence[Any] = ()) -> torch.Tensor:
+        """One score per (query, doc) pair, all in one prefill-only LLM call, through the LLM's scheduler."""
         llm = self._llm
         if llm is None:
             raise RuntimeError(f"rerank engine {self.name!r} is not running")
@@ -177,7 +179,11 @@ class LLMReranker:
         start = time.monotonic()
         # Tokenizing thousands of documents takes a while: off the event loop.
         prompts = await anyio.to_thread.run_sync(self._prompts, llm, list(pairs))
-        logits = await llm.next_token_logits(prompts, self._yes_ids + self._no_ids)
+        token_ids = self._yes_ids + self._no_ids
+        if self._scorer is not None:
+            logits = await self._scorer.next_token_logits(prompts, token_ids, metas)
+        else:
+            logits = await llm.next_token_logits(prompts, token_ids)
         self._env.observe_batch("rerank", len(pairs), start, time.monotonic())
         logits = logits.to(device="cpu", dtype=torch.float32)
         n_yes = len(self._yes_ids)

@@ -1,12 +1,14 @@
 """The built-in CPU LLM engine: a transformers model as a core on the shared LLM front.
 
 The front (``llm_front``) serves the ``LLMEngine`` protocol on the event loop;
-this module is the torch core on the worker thread. Each iteration runs the
-queued prefills (batched, children of one parent together), one chunk of at
-most ``SCORE_CHUNK`` prompts of a prefill-only scoring job, and then one decode
-step for every decoding context: contexts join and leave the batch between
-steps, and a huge scoring job (an LLM rerank of thousands of documents) never
-stalls running decodes.
+this module is the torch core on the worker thread. Each iteration spends a
+token budget (``max_iteration_tokens``) on queued prefills (batched, children
+of one parent together) and chunks of at most ``SCORE_CHUNK`` prompts of
+prefill-only scoring jobs, most urgent first (lowest ``priority``, then
+arrival), and then runs one decode step for every decoding context: contexts
+join the batch between steps, most urgent first, so the LLM policy decides
+whose work runs when the engine is busy, and a huge scoring job (an LLM rerank
+of thousands of documents) never stalls running decodes.
 
 Faults stay with their request: the front refuses token ids outside the
 vocabulary before they are queued; a command that fails, a prefill that fails (a
@@ -16,9 +18,9 @@ request only. Only a decode forward pass that raises fails the rows it batched.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ContextManager, Iterator
@@ -38,6 +40,7 @@ from headrace.plugins.engines.llm_front import (
     sample_rows,
 )
 from headrace.plugins.engines.model_paths import resolve_model
+from headrace.plugins.engines.prefix_cache import CachedPrefix, PrefixCache
 from headrace.plugins.engines.sampling import sample
 from headrace.plugins.engines.torch_loading import load_causal_lm, parse_dtype
 from headrace.plugins.hookspecs import hookimpl
@@ -57,6 +60,7 @@ class _Context:
     kv: kv.LayerKV | None  # None once its KV moved into the decode batch
     length: int
     next_logits: torch.Tensor | None
+    tokens: TokenIds  # what its KV holds (a fork: the parent's tokens, then its own), for the prefix cache
 
 
 class TorchLLM(LLMFront):
@@ -75,6 +79,8 @@ class TorchLLM(LLMFront):
             max_batch_size=int(opts.pop("max_batch_size", 32)),
             max_context_tokens=int(opts.pop("max_context_tokens", 2048)),
             max_prefill_tokens=int(opts.pop("max_prefill_tokens", 8192)),
+            max_iteration_tokens=int(opts.pop("max_iteration_tokens", 2048)),
+            prefix_cache_tokens=int(opts.pop("prefix_cache_tokens", 16384)),
         )
         if opts:
             raise ValueError(f"{key}.options: unknown option(s) {sorted(opts)}")
@@ -85,17 +91,29 @@ class TorchCore(LLMCore):
     """Contexts as per-layer KV tensors; decoding rows as one left-padded ``DynamicCache`` batch."""
 
     def __init__(self, name: str, *, path: Path, cache_dir: Path, observe_batch: BatchObserver, dtype: torch.dtype,
-                 threads: int, max_batch_size: int, max_context_tokens: int, max_prefill_tokens: int) -> None:
+                 threads: int, max_batch_size: int, max_context_tokens: int, max_prefill_tokens: int,
+                 max_iteration_tokens: int = 2048, prefix_cache_tokens: int = 0) -> None:
         super().__init__(name, max_context_tokens)
         self._path, self._cache_dir, self._dtype, self._threads = path, cache_dir, dtype, threads
         self._observe_batch = observe_batch
         self.max_batch_size = max_batch_size
-        self.max_prefill_tokens = max_prefill_tokens
+        self.max_prefill_tokens = max_prefill_tokens  # one batched prefill forward, padded
+        # Prefill and scoring tokens per iteration: past it, less urgent work waits for the next one
+        # (a decode step runs in between), so the policy's order holds while the engine is busy.
+        self.max_iteration_tokens = max_iteration_tokens
+        # KV of prompt prefixes kept after their contexts go (0 tokens: off); per-layer views of a context's KV.
+        self.prefix_cache: PrefixCache[kv.LayerKV] | None = (
+            PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None)
+        # Tokens put through the model since load, by kind: what the prefix cache saved shows here.
+        self.token_counts = {"prefill": 0, "score": 0, "decode": 0}
         self.model: Any = None
         self.contexts: dict[ContextId, _Context] = {}
         self._rows: list[Row] = []  # in the decode batch, in its row order
         self._waiting: list[Row] = []  # prefilled, joining the batch when there is room
-        self._scoring: deque[Logits] = deque()
+        # Queued work with its (priority, arrival) key: the iteration takes the lowest keys first.
+        self._prefills: list[tuple[tuple[int, int], Prefill]] = []
+        self._scoring: list[tuple[tuple[int, int], Logits]] = []
+        self._arrivals = itertools.count()
         self._batch = kv.DecodeBatch()
 
     # ----- lifetime -----------------------------------------------------------------------
@@ -114,13 +132,19 @@ class TorchCore(LLMCore):
         return torch.inference_mode()
 
     def has_work(self) -> bool:
-        return bool(self._rows or self._waiting or self._scoring)
+        return bool(self._rows or self._waiting or self._scoring or self._prefills)
 
     def stats(self) -> dict[str, int]:
-        return {"contexts": len(self.contexts), "decoding": len(self._rows), "waiting": len(self._waiting)}
+        stats = {"contexts": len(self.contexts), "decoding": len(self._rows),
+                 "waiting": len(self._waiting) + len(self._prefills)}
+        if self.prefix_cache is not None:
+            c = self.prefix_cache
+            stats.update(prefix_cache_queries=c.stats.queries, prefix_cache_hits=c.stats.hits,
+                         prefix_cache_tokens=c.used_tokens, prefix_cache_capacity=c.capacity_tokens)
+        return stats
 
     def step(self, out: Outbox) -> None:
-        self._score_next(out)
+        self._fill(out)
         self._admit(out)
         if self._rows:
             self._decode_step(out)
@@ -128,12 +152,15 @@ class TorchCore(LLMCore):
     def recover(self, exc: BaseException, out: Outbox) -> None:
         for r in self._rows + self._waiting:
             self.fail_row(r, exc, out)
-        self._rows, self._waiting = [], []
+        for _, job in self._prefills:
+            out.reply(job.reply, error=self.error(exc))
+        self._rows, self._waiting, self._prefills = [], [], []
         self._batch = kv.DecodeBatch()
 
     def abandon(self, error: BaseException, out: Outbox) -> None:
         # Nothing to answer here: the front answers every request still waiting.
         self._scoring.clear()
+        self._prefills.clear()
         self._rows, self._waiting, self._batch = [], [], kv.DecodeBatch()
         self.contexts.clear()
 
@@ -141,6 +168,7 @@ class TorchCore(LLMCore):
         self.contexts.pop(ctx, None)
 
     def stop(self, ctx: ContextId, free: bool) -> None:
+        self._prefills = [(key, job) for key, job in self._prefills if job.ctx != ctx]  # never runs now
         for rows in (self._rows, self._waiting):
             for i, r in enumerate(rows):
                 if r.ctx == ctx:
@@ -154,56 +182,108 @@ class TorchCore(LLMCore):
     # prefill -----------------------------------------------------------------
 
     def add_prefills(self, jobs: list[Prefill], out: Outbox) -> None:
-        by_parent: dict[ContextId | None, list[Prefill]] = {}
-        for job in jobs:
-            by_parent.setdefault(job.parent, []).append(job)
-        for parent, group in by_parent.items():
-            base = self.contexts.get(parent) if parent is not None else None
-            if parent is not None and (base is None or base.kv is None):
-                error = EngineError(f"parent context {parent!r} has no KV to fork from (freed, or already decoding)")
-                out.replies.extend((job.reply, None, error) for job in group)
-                continue
-            base_len = base.length if base else 0
-            for chunk in self._chunks(group, base_len, out):
-                try:
-                    self._prefill_chunk(chunk, base, base_len, out)
-                except Exception as exc:
-                    if len(chunk) == 1:
-                        log.exception("engine %s: prefill failed", self.name)
-                        out.replies.append((chunk[0].reply, None, EngineError(f"prefill failed: {exc}")))
-                        continue
-                    # Retry job by job: only a job that fails alone gets an error.
-                    log.warning("engine %s: batched prefill of %d failed (%s); retrying one by one",
-                                self.name, len(chunk), exc)
-                    for job in chunk:
-                        try:
-                            self._prefill_chunk([job], base, base_len, out)
-                        except Exception as job_exc:
-                            log.exception("engine %s: prefill failed", self.name)
-                            out.replies.append((job.reply, None, EngineError(f"prefill failed: {job_exc}")))
+        self._prefills.extend(((job.priority, next(self._arrivals)), job) for job in jobs)
 
-    def _chunks(self, group: list[Prefill], base_len: int, out: Outbox) -> Iterator[list[Prefill]]:
-        """Split a group so each batched forward stays under max_prefill_tokens (padded)."""
+    def _fill(self, out: Outbox) -> None:
+        """Spend this iteration's token budget on prefills and scoring chunks, lowest key first."""
+        budget = self.max_iteration_tokens
+        while budget > 0:
+            self._scoring = [(key, job) for key, job in self._scoring if not job.reply.abandoned]
+            prefill = self._next_prefill()
+            score = min(self._scoring, key=lambda e: e[0], default=None)
+            if prefill is None and score is None:
+                return
+            if score is not None and (prefill is None or score[0] < prefill[0]):
+                budget -= self._score_next(score[1], out)
+            else:
+                budget -= self._prefill_group(prefill[1], budget, out)
+
+    def _next_prefill(self) -> tuple[tuple[int, int], Prefill] | None:
+        # A child waits until its parent, queued too, has been filled.
+        queued = {job.ctx for _, job in self._prefills}
+        ready = [(key, job) for key, job in self._prefills if job.parent is None or job.parent not in queued]
+        return min(ready, key=lambda e: e[0], default=None)
+
+    def _prefill_group(self, first: Prefill, budget: int, out: Outbox) -> int:
+        """Prefill ``first`` with the most urgent queued jobs on the same base that fit; the tokens spent.
+
+        A base is the parent context of a fork, or for a fresh prompt the longest cached prefix it
+        starts with (the prefix cache): the jobs of a chunk fill only what follows their base.
+        """
+        parent = first.parent
+        group = sorted((e for e in self._prefills if e[1].parent == parent), key=lambda e: e[0])
+        hit: tuple[CachedPrefix[kv.LayerKV], int] | None = None
+        if parent is not None:
+            base = self.contexts.get(parent)
+            if base is None or base.kv is None:
+                error = EngineError(f"parent context {parent!r} has no KV to fork from (freed, or already decoding)")
+                out.replies.extend((job.reply, None, error) for _, job in group)
+                self._take([job for _, job in group])
+                return 1
+        else:
+            base = None
+            if self.prefix_cache is not None:
+                cache = self.prefix_cache
+                hits = {id(job): cache.match(job.tokens, len(job.tokens) - 1) for _, job in group}
+                hit = hits[id(first)]
+                same = None if hit is None else (id(hit[0]), hit[1])
+                group = [e for e in group if (None if (h := hits[id(e[1])]) is None else (id(h[0]), h[1])) == same]
+                if hit is not None:
+                    entry, n = hit
+                    base = _Context(kv=[(k[:, :, :n], v[:, :, :n]) for k, v in entry.kv], length=n,
+                                    next_logits=None, tokens=entry.tokens[:n])
+        base_len = base.length if base else 0
+        skip = base_len if hit is not None else 0  # a cached prefix is part of the job's own tokens
+        limit = min(budget, self.max_prefill_tokens)
         chunk: list[Prefill] = []
-        for job in group:
-            too_long = self.context_too_long(base_len + len(job.tokens))
+        refused: list[Prefill] = []
+        for _, job in group:
+            too_long = self.context_too_long(base_len - skip + len(job.tokens))
             if too_long is not None:
                 out.reply(job.reply, error=too_long)
+                refused.append(job)
                 continue
-            width = max([len(j.tokens) for j in chunk] + [len(job.tokens)])
-            if chunk and width * (len(chunk) + 1) > self.max_prefill_tokens:
-                yield chunk
-                chunk = []
+            width = max([len(j.tokens) - skip for j in chunk] + [len(job.tokens) - skip])
+            if chunk and width * (len(chunk) + 1) > limit:
+                break  # the first job runs alone even past the budget, never starves
             chunk.append(job)
-        if chunk:
-            yield chunk
+        self._take(chunk + refused)
+        if not chunk:
+            return 1
+        if parent is None and self.prefix_cache is not None:
+            for job in chunk:
+                self.prefix_cache.use(hit[0] if hit else None, len(job.tokens), skip)
+        suffixes = [job.tokens[skip:] for job in chunk]
+        try:
+            self._prefill_chunk(chunk, suffixes, base, base_len, out)
+        except Exception as exc:
+            if len(chunk) == 1:
+                log.exception("engine %s: prefill failed", self.name)
+                out.reply(chunk[0].reply, error=EngineError(f"prefill failed: {exc}"))
+            else:
+                # Retry job by job: only a job that fails alone gets an error.
+                log.warning("engine %s: batched prefill of %d failed (%s); retrying one by one",
+                            self.name, len(chunk), exc)
+                for job, suffix in zip(chunk, suffixes):
+                    try:
+                        self._prefill_chunk([job], [suffix], base, base_len, out)
+                    except Exception as job_exc:
+                        log.exception("engine %s: prefill failed", self.name)
+                        out.reply(job.reply, error=EngineError(f"prefill failed: {job_exc}"))
+        return max(len(t) for t in suffixes) * len(chunk)
 
-    def _prefill_chunk(self, chunk: list[Prefill], base: _Context | None, base_len: int, out: Outbox) -> None:
-        lengths = [len(j.tokens) for j in chunk]
+    def _take(self, jobs: list[Prefill]) -> None:
+        taken = {id(job) for job in jobs}
+        self._prefills = [(key, job) for key, job in self._prefills if id(job) not in taken]
+
+    def _prefill_chunk(self, chunk: list[Prefill], suffixes: list[TokenIds], base: _Context | None, base_len: int,
+                       out: Outbox) -> None:
+        """Fill ``suffixes`` (one per job) on top of ``base`` (or from nothing) in one forward pass."""
+        lengths = [len(t) for t in suffixes]
         width = max(lengths)
         pad = self.tokenizer.pad_token_id or 0
         # Right padding: causal attention keeps real tokens from seeing it.
-        ids = torch.tensor([j.tokens + [pad] * (width - len(j.tokens)) for j in chunk])
+        ids = torch.tensor([t + [pad] * (width - len(t)) for t in suffixes])
         positions = torch.arange(base_len, base_len + width).expand(len(chunk), -1)
         cache = kv.expand(base.kv, len(chunk)) if base else kv.DynamicCache()
         last = torch.tensor(lengths) - 1
@@ -212,33 +292,35 @@ class TorchCore(LLMCore):
             input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=last
         )
         self._observe_batch("prefill", len(chunk), start, time.monotonic())
+        self.token_counts["prefill"] += sum(lengths)
         for i, job in enumerate(chunk):
-            self.contexts[job.ctx] = _Context(
+            ctx = _Context(
                 kv=kv.row(result.past_key_values, i, 0, base_len + lengths[i]),
                 length=base_len + lengths[i],
                 next_logits=result.logits[i, i].float(),
+                tokens=(base.tokens if base else []) + suffixes[i],
             )
+            self.contexts[job.ctx] = ctx
+            if self.prefix_cache is not None:
+                layers = ctx.kv
+                self.prefix_cache.insert(ctx.tokens, lambda n: [(k[:, :, :n], v[:, :, :n]) for k, v in layers])
             out.replies.append((job.reply, None, None))
 
-    def _score_next(self, out: Outbox) -> None:
-        """Score one chunk of the next scoring job; jobs take turns, a chunk each."""
-        while self._scoring and self._scoring[0].reply.abandoned:
-            self._scoring.popleft()
-        if not self._scoring:
-            return
-        job = self._scoring.popleft()
+    def _score_next(self, job: Logits, out: Outbox) -> int:
+        """Score the next chunk of ``job``; the tokens spent."""
         part = job.prompts[job.next : job.next + SCORE_CHUNK]
         try:
             job.scored.append(self._score_chunk(part, job.token_ids))
         except Exception as exc:
             log.exception("engine %s: scoring failed", self.name)
             out.replies.append((job.reply, None, EngineError(f"scoring failed: {type(exc).__name__}: {exc}")))
-            return
+            self._scoring = [e for e in self._scoring if e[1] is not job]
+            return 1
         job.next += len(part)
         if job.next >= len(job.prompts):
             out.replies.append((job.reply, torch.cat(job.scored), None))
-        else:
-            self._scoring.append(job)
+            self._scoring = [e for e in self._scoring if e[1] is not job]
+        return max(len(p) for p in part) * len(part)
 
     def _score_chunk(self, part: list[TokenIds], token_ids: list[int]) -> torch.Tensor:
         lengths = [len(p) for p in part]
@@ -247,6 +329,7 @@ class TorchCore(LLMCore):
         start = time.monotonic()
         logits = self.model(input_ids=ids, use_cache=False, logits_to_keep=torch.tensor(lengths) - 1).logits
         self._observe_batch("score", len(part), start, time.monotonic())
+        self.token_counts["score"] += sum(lengths)
         picked = logits[torch.arange(len(part)), torch.arange(len(part))]
         return picked[:, token_ids].float()
 
@@ -266,12 +349,13 @@ class TorchCore(LLMCore):
         super().row_finished(r)
 
     def add_scoring(self, job: Logits) -> None:
-        self._scoring.append(job)
+        self._scoring.append(((job.priority, next(self._arrivals)), job))
 
     def _admit(self, out: Outbox) -> None:
         room = self.max_batch_size - len(self._rows)
         if room <= 0 or not self._waiting:
             return
+        self._waiting.sort(key=lambda r: r.priority)  # stable: arrival order among equals
         joining, self._waiting = self._waiting[:room], self._waiting[room:]
         kept: list[Row] = []
         for r in joining:
@@ -318,6 +402,7 @@ class TorchCore(LLMCore):
             return
         logits = result.logits[:, -1]
         self._observe_batch("decode", len(self._rows), start, time.monotonic())
+        self.token_counts["decode"] += len(self._rows)
         tokens = sample_rows(self._rows, logits)
         keep = []
         for i, (r, token) in enumerate(zip(self._rows, tokens)):

@@ -1,0 +1,102 @@
+"""Built-in LLM scheduling policies (a plugin: registered through ``register_llm_policies``).
+
+An LLM engine batches continuously, so a policy does not form batches: it ranks
+requests. The LLM scheduler turns each request's rank into the engine's integer
+``priority`` (lower runs first, ties in arrival order, as vLLM's priority
+scheduling), and admits waiting requests in the same order when ``max_running``
+is reached. Each engine iteration then takes the most urgent prefills, scoring
+prompts and joining decodes its token budget holds.
+
+A rank has two parts. ``run_rank`` orders runs against each other (and plain
+requests, which belong to no run); ``node_rank`` orders one run's own requests
+among themselves. A run that names its own policy (``PrimitiveMeta.policy``)
+gets its ``node_rank`` from that policy and its ``run_rank`` from the engine's,
+so an override reorders that run's requests and no one else's.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from headrace.batching.meta import PrimitiveMeta
+from headrace.plugins.hookspecs import hookimpl
+
+# node_rank is in [0, NODE_RANKS): the run_rank is scaled past it.
+NODE_RANKS = 1024
+# Objective classes are this far apart: past any run arrival in milliseconds (about 285 years).
+CLASS_SPAN = 1 << 43
+
+
+class LLMPolicy(Protocol):
+    name: str
+
+    def run_rank(self, meta: PrimitiveMeta | None, arrival_ms: int) -> int:
+        """Where the request's run stands against other runs (lower first). ``arrival_ms``: the request's own
+        arrival, in milliseconds on the scheduler's clock; ``meta.arrival`` is the run's, in seconds."""
+        ...
+
+    def node_rank(self, meta: PrimitiveMeta | None) -> int:
+        """Where the request stands within its run, in [0, NODE_RANKS) (lower first)."""
+        ...
+
+
+class FifoLLMPolicy:
+    """Request-level, what a plain server does: every request ranks the same, so the engine serves them
+    in arrival order and every run's requests interleave with everyone else's. The baseline."""
+
+    name = "fifo"
+
+    def run_rank(self, meta: PrimitiveMeta | None, arrival_ms: int) -> int:
+        return 0
+
+    def node_rank(self, meta: PrimitiveMeta | None) -> int:
+        return 0
+
+
+class TopologyLLMPolicy:
+    """Ayo (ASPLOS '25) §5.2 applied to the LLM: the earliest-arrived run first, and within a run the
+    deepest node first (``meta.depth``: the most downstream work waits on it). Runs finish one after the
+    other instead of all advancing slowly together, which is what keeps the oldest within their SLO.
+    A request from no run ranks by its own arrival, as a run of one."""
+
+    name = "topology"
+
+    def run_rank(self, meta: PrimitiveMeta | None, arrival_ms: int) -> int:
+        return arrival_ms if meta is None else meta_arrival_ms(meta)
+
+    def node_rank(self, meta: PrimitiveMeta | None) -> int:
+        depth = 0 if meta is None else meta.depth
+        return NODE_RANKS - 1 - min(max(depth, 0), NODE_RANKS - 1)
+
+
+class ObjectiveLLMPolicy(TopologyLLMPolicy):
+    """Parrot (OSDI '24) §5.2: the latency-critical requests the graph deduced (those producing a run's
+    output, and the calls right before them) ahead of every throughput request; then by run arrival,
+    so a task group (parallel requests of one stage, which share the run and the depth) ranks as one
+    and is served together, filling the engine's batch. Plain requests are latency-critical."""
+
+    name = "objective"
+
+    def run_rank(self, meta: PrimitiveMeta | None, arrival_ms: int) -> int:
+        throughput = meta is not None and meta.objective == "throughput"
+        return int(throughput) * CLASS_SPAN + super().run_rank(meta, arrival_ms)
+
+
+# The scheduler's clock starts at the monotonic clock's zero: ranks of different schedulers agree.
+def meta_arrival_ms(meta: PrimitiveMeta) -> int:
+    return int(meta.arrival * 1000)
+
+
+def priority(engine_policy: LLMPolicy, run_policy: LLMPolicy | None, meta: PrimitiveMeta | None,
+             arrival_ms: int) -> int:
+    """The engine priority of one request: the engine's policy ranks its run, the run's own policy (if it
+    names one) its place within the run."""
+    within = (run_policy or engine_policy).node_rank(meta)
+    return engine_policy.run_rank(meta, arrival_ms) * NODE_RANKS + within
+
+
+@hookimpl
+def register_llm_policies(register):
+    register("fifo", FifoLLMPolicy)
+    register("topology", TopologyLLMPolicy)
+    register("objective", ObjectiveLLMPolicy)

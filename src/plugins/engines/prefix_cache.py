@@ -1,0 +1,112 @@
+"""Automatic prefix caching: the KV of token-block prefixes, found by hash.
+
+As vLLM's automatic prefix caching and Parrot's prefix matcher: a prompt is cut
+into blocks of ``block`` tokens, each block's hash chains the hashes before it,
+so one hash names a whole prefix. After a prefill the engine offers the
+context's block-aligned prefix; a later prefill of any request (a plain chat
+included) whose prompt starts with a cached prefix forks that KV and fills only
+the rest. Entries hold at most ``capacity_tokens`` tokens together; the least
+recently used go first.
+
+Engine-neutral: an entry's ``kv`` is whatever the engine stores (the torch core
+keeps per-layer tensor views), made on demand by the factory given to ``insert``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Generic, Sequence, TypeVar
+
+KV = TypeVar("KV")
+
+
+def block_hashes(tokens: Sequence[int], block: int) -> list[int]:
+    """The chained hash of every whole block of ``tokens``: entry ``i`` names ``tokens[: (i + 1) * block]``."""
+    out, h = [], 0
+    for end in range(block, len(tokens) + 1, block):
+        h = hash((h, tuple(tokens[end - block : end])))
+        out.append(h)
+    return out
+
+
+@dataclass(eq=False)
+class CachedPrefix(Generic[KV]):
+    tokens: list[int]  # block-aligned
+    kv: KV
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up (vLLM's prefix_cache_queries)
+    hits: int = 0  # of those, tokens found cached (vLLM's prefix_cache_hits)
+    evictions: int = 0
+
+
+@dataclass
+class PrefixCache(Generic[KV]):
+    capacity_tokens: int
+    block: int = 16
+    stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    _entries: OrderedDict[int, CachedPrefix[KV]] = field(default_factory=OrderedDict)  # LRU order, by id
+    _index: dict[int, CachedPrefix[KV]] = field(default_factory=dict)  # block hash -> an entry holding it
+    used_tokens: int = 0
+
+    def match(self, tokens: Sequence[int], max_tokens: int) -> tuple[CachedPrefix[KV], int] | None:
+        """The longest cached block-aligned prefix of ``tokens`` of at most ``max_tokens`` tokens.
+
+        Pure: counts nothing, so a scheduler may ask before it decides (``use`` counts a use).
+        """
+        hashes = block_hashes(tokens[: max(0, max_tokens)], self.block)
+        for i in range(len(hashes) - 1, -1, -1):
+            entry = self._index.get(hashes[i])
+            n = (i + 1) * self.block
+            if entry is not None and entry.tokens[:n] == list(tokens[:n]):  # a hash collision is no hit
+                return entry, n
+        return None
+
+    def use(self, entry: CachedPrefix[KV] | None, looked_up: int, found: int) -> None:
+        """Count one lookup of ``looked_up`` prompt tokens that reused ``found``; refresh the entry."""
+        self.stats.queries += looked_up
+        self.stats.hits += found
+        if entry is not None and id(entry) in self._entries:
+            self._refresh(entry)
+
+    def insert(self, tokens: Sequence[int], make_kv: Callable[[int], KV]) -> None:
+        """Offer a filled context's ``tokens``; its block-aligned prefix is kept (``make_kv(n)``: its first n tokens)."""
+        n = len(tokens) // self.block * self.block
+        if n == 0 or n > self.capacity_tokens:
+            return
+        found = self.match(tokens, n)
+        if found is not None and found[1] == n:
+            self._refresh(found[0])  # already cached whole
+            return
+        entry = CachedPrefix(list(tokens[:n]), make_kv(n))
+        self._entries[id(entry)] = entry
+        self._refresh(entry)
+        self.used_tokens += n
+        while self.used_tokens > self.capacity_tokens:
+            self._evict(next(iter(self._entries.values())))
+
+    def _refresh(self, entry: CachedPrefix[KV]) -> None:
+        # The most recently used holder of a shared prefix answers for it, so evicting the least
+        # recently used entry never unindexes a prefix that a fresher entry still holds.
+        self._entries.move_to_end(id(entry))
+        for h in block_hashes(entry.tokens, self.block):
+            self._index[h] = entry
+
+    def _evict(self, entry: CachedPrefix[KV]) -> None:
+        del self._entries[id(entry)]
+        self.used_tokens -= len(entry.tokens)
+        self.stats.evictions += 1
+        for h in block_hashes(entry.tokens, self.block):
+            if self._index.get(h) is entry:
+                del self._index[h]
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._index.clear()
+        self.used_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)

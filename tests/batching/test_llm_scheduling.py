@@ -1,0 +1,239 @@
+"""LLM scheduling policies on the real torch engine: whose prefill the engine runs first when it is busy.
+
+Ayo's Figure 7 case for the LLM: two runs' requests queue together on a busy
+engine whose iteration holds one prompt; ``fifo`` serves them in arrival order,
+interleaving the runs, while ``topology`` finishes the older run's requests first,
+deepest node first. Also: a run's own policy reorders that run only, ``objective``
+puts latency-critical requests first, and the admission queue follows the same
+order when ``max_running`` is reached.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+from anyio.from_thread import start_blocking_portal
+
+from headrace.batching.llm import LLMScheduler, PriorityGate
+from headrace.batching.llm_policies import (
+    FifoLLMPolicy,
+    ObjectiveLLMPolicy,
+    TopologyLLMPolicy,
+    priority,
+    register_llm_policies,
+)
+from headrace.batching.meta import PrimitiveMeta
+from headrace.plugins.engines.torch_llm import TorchLLM
+from headrace.plugins.protocols import EngineEnv, EngineSpec, SamplingParams, TokenDelta
+
+PROMPT_TOKENS = 96  # each queued prompt; one fits an iteration, two do not
+POLICIES = {"fifo": FifoLLMPolicy(), "topology": TopologyLLMPolicy(), "objective": ObjectiveLLMPolicy()}
+
+
+def test_the_builtin_llm_policies_register():
+    registered = {}
+    register_llm_policies(register=lambda name, factory: registered.setdefault(name, factory))
+    assert {name: factory().name for name, factory in registered.items()} == {
+        "fifo": "fifo", "topology": "topology", "objective": "objective"}
+
+
+def test_policy_ranks():
+    """Lower runs first: topology by run arrival then depth; objective puts latency-critical requests first."""
+    old_deep = PrimitiveMeta(run="a", node="x", depth=3, arrival=10.0)
+    old_shallow = PrimitiveMeta(run="a", node="y", depth=0, arrival=10.0)
+    new_deep = PrimitiveMeta(run="b", node="x", depth=3, arrival=11.0)
+    topology, objective, fifo = POLICIES["topology"], POLICIES["objective"], POLICIES["fifo"]
+    ranks = [priority(topology, None, m, 99_000) for m in (old_deep, old_shallow, new_deep)]
+    assert ranks == sorted(ranks) and len(set(ranks)) == 3
+    assert {priority(fifo, None, m, 99_000) for m in (old_deep, old_shallow, new_deep, None)} == {0}
+    # A plain request ranks by its own arrival, as a run of one.
+    assert priority(topology, None, old_deep, 0) < priority(topology, None, None, 10_500) < priority(
+        topology, None, new_deep, 0)
+    critical = PrimitiveMeta(run="b", node="z", depth=0, arrival=11.0, objective="latency")
+    bulk = PrimitiveMeta(run="a", node="w", depth=5, arrival=10.0, objective="throughput")
+    assert priority(objective, None, critical, 0) < priority(objective, None, bulk, 0)
+    assert priority(topology, None, critical, 0) > priority(topology, None, bulk, 0)
+
+
+@pytest.mark.anyio
+async def test_admission_follows_the_rank_when_every_slot_is_taken():
+    gate = PriorityGate(1)
+    await gate.acquire(0)  # held
+    order: list[int] = []
+
+    async def one(rank: int) -> None:
+        await gate.acquire(rank)
+        order.append(rank)
+        gate.release()
+
+    async with anyio.create_task_group() as tg:
+        for rank in (5, 1, 3, 1):
+            tg.start_soon(one, rank)
+            await anyio.wait_all_tasks_blocked()
+        assert gate.waiting == 4
+        gate.release()
+    assert order == [1, 1, 3, 5] and gate.borrowed == 0
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_waiter_leaves_the_queue():
+    gate = PriorityGate(1)
+    await gate.acquire(0)
+    with anyio.move_on_after(0.05):
+        await gate.acquire(1)
+    assert gate.waiting == 0 and gate.borrowed == 1
+    gate.release()
+    assert gate.borrowed == 0
+
+
+@pytest.fixture(scope="module")
+def busy_llm(tmp_path_factory):
+    """The real torch engine with an iteration budget of one queued prompt."""
+    batches: list[tuple[str, int, float]] = []
+    env = EngineEnv(
+        data_dir=tmp_path_factory.mktemp("data"),
+        cache_dir=Path.home() / ".cache" / "headrace",
+        lookup=lambda name: None,
+        observe_batch=lambda op, n, start, end: batches.append((op, n, end)),
+    )
+    engine = TorchLLM(EngineSpec(name="smollm2", plugin="torch",
+                                 options={"threads": 2, "max_iteration_tokens": PROMPT_TOKENS}), env)
+    engine.batches = batches
+    with start_blocking_portal() as portal:
+        future, _ = portal.start_task(engine.run)
+        yield portal, engine
+        future.cancel()
+
+
+def prompt(engine, seed: int, n: int = PROMPT_TOKENS) -> list[int]:
+    """``n`` real tokens of text (distinct per seed)."""
+    words = engine.encode(" ".join(f"river{seed} mill{i} wheel" for i in range(n)))
+    return words[:n]
+
+
+async def prefill_order(engine, policy: str, requests: list[tuple[str, PrimitiveMeta]]) -> list[str]:
+    """Queue ``requests`` (in this order) behind a long prefill; the order in which the engine filled them."""
+    sched = LLMScheduler(engine, max_running=64, policy=POLICIES[policy], policies=POLICIES)
+    done: list[str] = []
+    contexts: list[str] = []
+
+    async def one(name: str, meta: PrimitiveMeta | None, tokens: list[int]) -> None:
+        ctx = engine.new_context_id()
+        contexts.append(ctx)
+        await sched.prefill(ctx, tokens, meta=meta)
+        done.append(name)
+
+    async with anyio.create_task_group() as tg:
+        # The blocker keeps the engine busy while the others queue together behind it.
+        tg.start_soon(one, "blocker", None, prompt(engine, 0, 1500))
+        for i, (name, meta) in enumerate(requests):
+            tg.start_soon(one, name, meta, prompt(engine, i + 1))
+    for ctx in contexts:
+        await sched.free(ctx)
+    return [name for name in done if name != "blocker"]
+
+
+def two_runs(override_b: str | None = None) -> list[tuple[str, PrimitiveMeta]]:
+    """Runs a (older) and b, each with a shallow request (depth 0) and a deep one (depth 2), queued interleaved."""
+    start = time.monotonic()
+
+    def meta(run: str, depth: int) -> PrimitiveMeta:
+        return PrimitiveMeta(run=run, node=f"{run}{depth}", depth=depth, arrival=start + (run == "b"),
+                             policy=override_b if run == "b" else None)
+
+    return [("a0", meta("a", 0)), ("b0", meta("b", 0)), ("a2", meta("a", 2)), ("b2", meta("b", 2))]
+
+
+@pytest.mark.slow
+def test_topology_finishes_the_older_run_first_where_fifo_interleaves(busy_llm):
+    portal, engine = busy_llm
+    engine.batches.clear()
+    fifo = portal.call(prefill_order, engine, "fifo", two_runs())
+    topology = portal.call(prefill_order, engine, "topology", two_runs())
+    assert fifo == ["a0", "b0", "a2", "b2"]  # request by request: the runs interleave
+    assert topology == ["a2", "a0", "b2", "b0"]  # run a first, its deepest node first
+    # The engine's batch log: one queued prompt per prefill batch (the budget held), never two.
+    prefill_sizes = [n for op, n, _ in engine.batches if op == "prefill"]
+    assert len(prefill_sizes) == 10 and set(prefill_sizes) == {1}
+
+
+@pytest.mark.slow
+def test_a_runs_own_policy_reorders_that_run_only(busy_llm):
+    portal, engine = busy_llm
+    # Run b asks for fifo: its shallow request (queued first) goes first; run a keeps topology's order,
+    # and run a still goes before run b.
+    assert portal.call(prefill_order, engine, "topology", two_runs(override_b="fifo")) == ["a2", "a0", "b0", "b2"]
+
+
+@pytest.mark.slow
+def test_objective_serves_latency_critical_requests_before_older_throughput_work(busy_llm):
+    portal, engine = busy_llm
+    start = time.monotonic()
+    maps = [(f"map{i}", PrimitiveMeta(run="a", node=f"map{i}", depth=1, arrival=start, objective="throughput",
+                                      task_group="map.decode@1")) for i in range(2)]
+    answer = ("answer", PrimitiveMeta(run="b", node="answer", depth=0, arrival=start + 1, objective="latency"))
+    requests = [*maps, answer]
+    assert portal.call(prefill_order, engine, "topology", requests) == ["map0", "map1", "answer"]
+    assert portal.call(prefill_order, engine, "objective", requests) == ["answer", "map0", "map1"]
+
+
+@pytest.mark.slow
+def test_the_decode_batch_admits_the_most_urgent_rows_first(busy_llm):
+    """With more decodes waiting than the batch holds, the engine lets the lower priority in first."""
+    portal, engine = busy_llm
+
+    async def go() -> list[int]:
+        core = engine.core
+        saved, core.max_batch_size = core.max_batch_size, 1
+        first: list[int] = []
+        try:
+            contexts = [engine.new_context_id() for _ in range(3)]
+            for i, ctx in enumerate(contexts):
+                await engine.prefill(ctx, prompt(engine, 10 + i, 16))
+
+            async def decode(ctx: str, rank: int) -> None:
+                async for delta in engine.decode(ctx, SamplingParams(max_tokens=4, temperature=0), priority=rank):
+                    if delta.finish_reason is not None:
+                        first.append(rank)
+
+            async with anyio.create_task_group() as tg:
+                for ctx, rank in zip(contexts, (7, 3, 5)):
+                    tg.start_soon(decode, ctx, rank)
+        finally:
+            core.max_batch_size = saved
+        return first
+
+    order = portal.call(go)
+    # The first command batch may start any one row before the rest arrive; after that, by rank.
+    assert order[1:] == sorted(order[1:]) and sorted(order) == [3, 5, 7]
+
+
+class _Scores:
+    """A real (tiny) LLM-shaped engine that records the priority each scoring call came with."""
+
+    name, kind = "scores", "llm"
+
+    def __init__(self) -> None:
+        self.priorities: list[int] = []
+
+    async def next_token_logits(self, prompts, token_ids, *, priority=0):
+        import torch
+        self.priorities.append(priority)
+        return torch.zeros(len(prompts), len(token_ids))
+
+    async def generate(self, tokens, params, *, priority=0):
+        yield TokenDelta(text="", token_ids=[0], finish_reason="stop")
+
+
+@pytest.mark.anyio
+async def test_a_scoring_call_for_several_runs_ranks_as_the_most_urgent():
+    engine = _Scores()
+    sched = LLMScheduler(engine, max_running=4, policy=TopologyLLMPolicy())
+    old = PrimitiveMeta(run="a", node="rerank", arrival=100.0)
+    new = PrimitiveMeta(run="b", node="rerank", arrival=200.0)
+    await sched.next_token_logits([[1, 2]], [3], [new, old])
+    await sched.next_token_logits([[1, 2]], [3], [new])
+    assert engine.priorities[0] == sched.priority(old, 0) < engine.priorities[1] == sched.priority(new, 0)
