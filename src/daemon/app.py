@@ -24,6 +24,7 @@ from headrace.daemon.pool import EnginePool
 from headrace.daemon.routes_openai import chat_completions, completions, list_models
 from headrace.daemon.routes_collections import (add_documents, create_collection, delete_collection,
                                                  delete_document, get_collection, list_collections)
+from headrace.daemon.routes_engines import update_engine
 from headrace.daemon.routes_retrieval import embeddings, rerank
 from headrace.daemon.routes_workflows import (cancel_run, create_run, get_run, get_timeline, get_timeline_png,
                                                list_workflows, run_graph)
@@ -155,6 +156,7 @@ def create_app(config: Config, registry: Registry | None = None) -> Starlette:
             Route("/v1/collections/{collection}/documents", add_documents, methods=["POST"]),
             # :path, because an id may hold '/' (headrace ingest names documents by relative path)
             Route("/v1/collections/{collection}/documents/{document_id:path}", delete_document, methods=["DELETE"]),
+            Route("/v1/engines/{engine}", update_engine, methods=["PATCH"]),
             Route("/v1/workflows", list_workflows),
             Route("/v1/workflows/{name}/runs", create_run, methods=["POST"]),
             Route("/v1/runs/{run_id}", get_run),

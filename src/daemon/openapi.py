@@ -42,6 +42,7 @@ ERRORS = {
 RUN_ID = {"name": "run_id", "in": "path", "required": True, "schema": {"type": "string"}}
 COLLECTION = {"name": "collection", "in": "path", "required": True,
               "schema": {"type": "string", "pattern": s.COLLECTION_NAME}}
+ENGINE_NAME = {"name": "engine", "in": "path", "required": True, "schema": {"type": "string"}}
 DOCUMENT_ID = {"name": "document_id", "in": "path", "required": True, "schema": {"type": "string"},
                "description": "may hold '/' (an ingested file's relative path)"}
 
@@ -60,10 +61,10 @@ def _op(summary: str, ok: dict[str, dict[str, Any]], body: dict[str, Any] | None
 
 def document(workflows: Mapping[str, Workflow]) -> dict[str, Any]:
     requests = [s.ChatCompletionRequest, s.CompletionRequest, s.EmbeddingRequest, s.RerankRequest, s.RunRequest,
-                s.CreateCollectionRequest, s.AddDocumentsRequest]
+                s.CreateCollectionRequest, s.AddDocumentsRequest, s.EngineSettingsRequest]
     responses = [s.ErrorResponse, s.Health, s.Readiness, s.ModelList, s.ChatCompletion, s.Completion,
                  s.EmbeddingList, s.RerankResponse, s.WorkflowList, s.RunRecord, s.RunGraph, s.RunTimeline,
-                 s.CollectionCard, s.CollectionList, s.DocumentsAdded, s.Deleted]
+                 s.CollectionCard, s.CollectionList, s.DocumentsAdded, s.Deleted, s.EngineSettings]
     _, defs = models_json_schema([(m, "validation") for m in requests + responses], ref_template=REF)
     components = dict(defs.get("$defs", {}))
     text = {"description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}}
@@ -99,6 +100,9 @@ def document(workflows: Mapping[str, Workflow]) -> dict[str, Any]:
             {"200": _json(_ref(s.DocumentsAdded))}, _ref(s.AddDocumentsRequest), params=[COLLECTION])},
         "/v1/collections/{collection}/documents/{document_id}": {"delete": _op(
             "delete a document's chunks", {"200": _json(_ref(s.Deleted))}, params=[COLLECTION, DOCUMENT_ID])},
+        "/v1/engines/{engine}": {"patch": _op(
+            "change a live engine's settings: an LLM's scheduling policy, its prefix caching",
+            {"200": _json(_ref(s.EngineSettings))}, _ref(s.EngineSettingsRequest), params=[ENGINE_NAME])},
         "/v1/workflows": {"get": _op("the workflows and their schemas", {"200": _json(_ref(s.WorkflowList))})},
         "/v1/runs/{run_id}": {
             "get": _op("a run's record", {"200": _json(_ref(s.RunRecord))}, params=[RUN_ID]),

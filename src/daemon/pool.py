@@ -129,6 +129,13 @@ class EnginePool:
                 out.setdefault(slot.engine.kind, slot.name)
         return out
 
+    def set_llm_policy(self, name: str, policy: str) -> None:
+        """Rank the LLM engine ``name``'s requests by ``policy`` from now on (KeyError: no such policy)."""
+        slot = self.slots[name]
+        if not isinstance(slot.scheduler, LLMScheduler):
+            raise TypeError(f"engine {name!r} is not a ready LLM engine")
+        slot.scheduler.policy = self.registry.llm_policies[policy]()
+
     def max_efficient_batch(self, name: str) -> int | None:
         return self.config.batching_for(name).max_efficient_batch_size or None
 

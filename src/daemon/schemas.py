@@ -292,6 +292,21 @@ class DocumentsAdded(BaseModel):
     chunks: int = Field(description="chunks the documents made")
 
 
+class EngineSettingsRequest(Body):
+    llm_policy: NonEmptyStr | None = Field(None, description="an LLM engine's scheduling policy from now on "
+                                                              "(fifo, topology, objective, or a plugin's)")
+    prefix_caching: bool | None = Field(None, description="an LLM engine's automatic prefix caching; false drops "
+                                                           "what it holds")
+
+
+class EngineSettings(BaseModel):
+    id: str
+    object: Literal["engine.settings"]
+    kind: str
+    llm_policy: str | None = Field(description="LLM engines: the scheduling policy in force")
+    prefix_caching: bool | None = Field(description="LLM engines with a prefix cache: whether it is on")
+
+
 class Deleted(BaseModel):
     id: str
     object: str

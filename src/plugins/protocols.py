@@ -158,6 +158,19 @@ class ScheduledScoring(Protocol):
         ...
 
 
+@runtime_checkable
+class PrefixCaching(Protocol):
+    """An LLM engine whose automatic prefix caching can be switched at run time (benchmarks compare both)."""
+
+    async def set_prefix_caching(self, enabled: bool) -> None:
+        """On: reuse cached prefixes. Off: drop everything cached and cache nothing until switched on."""
+        ...
+
+    def prefix_caching_enabled(self) -> bool:
+        """Whether prefixes are cached now."""
+        ...
+
+
 # ----- embed / rerank ----------------------------------------------------------
 
 

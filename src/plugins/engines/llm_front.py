@@ -129,7 +129,15 @@ class Logits:
     priority: int = 0
 
 
-Command = Prefill | Decode | Stop | Logits
+@dataclass
+class CacheControl:
+    """Switch the core's prefix cache on or off (off drops what it holds)."""
+
+    enabled: bool
+    reply: Reply
+
+
+Command = Prefill | Decode | Stop | Logits | CacheControl
 
 
 @dataclass
@@ -246,6 +254,13 @@ class LLMCore(ABC):
         """Seconds until the core wants an iteration though no command comes (a wait to time out); None: never."""
         return None
 
+    def set_prefix_caching(self, enabled: bool) -> None:
+        """Switch the prefix cache on or off (off: drop what it holds). A core without one refuses."""
+        raise EngineError(f"engine {self.name!r} has no prefix cache")
+
+    def prefix_caching_enabled(self) -> bool:
+        return False
+
     # ----- given to every core -------------------------------------------------------------
 
     def iterate(self, commands: list[Command], out: Outbox) -> None:
@@ -266,12 +281,15 @@ class LLMCore(ABC):
                     # A prefill cancelled before it ran never runs.
                     prefills = [p for p in prefills if p.ctx != cmd.ctx]
                     self.stop(cmd.ctx, cmd.free)
+                elif isinstance(cmd, CacheControl):
+                    self.set_prefix_caching(cmd.enabled)
+                    out.reply(cmd.reply)
             except Exception as exc:  # this command's request fails, no other
                 log.exception("engine %s: %s failed", self.name, type(cmd).__name__)
                 if isinstance(cmd, Decode):
                     out.fail_stream(cmd.send, self.error(exc))
                     self.release(cmd.ctx)
-                elif isinstance(cmd, Logits):
+                elif isinstance(cmd, (Logits, CacheControl)):
                     out.reply(cmd.reply, error=self.error(exc))
         if prefills:
             self.add_prefills(prefills, out)
@@ -480,6 +498,15 @@ class LLMFront:
 
     def stats(self) -> dict[str, int]:
         return self.core.stats()
+
+    def prefix_caching_enabled(self) -> bool:
+        return self.core.prefix_caching_enabled()
+
+    async def set_prefix_caching(self, enabled: bool) -> None:
+        self._require_running()
+        reply = Reply()
+        self._commands.put(CacheControl(enabled, reply))
+        await self._wait(reply)
 
     async def _wait(self, reply: Reply) -> Any:
         self._awaiting.add(reply)

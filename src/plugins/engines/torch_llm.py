@@ -40,7 +40,7 @@ from headrace.plugins.engines.llm_front import (
     sample_rows,
 )
 from headrace.plugins.engines.model_paths import resolve_model
-from headrace.plugins.engines.prefix_cache import CachedPrefix, PrefixCache
+from headrace.plugins.engines.prefix_cache import CachedPrefix, PrefixCache, PrefixCacheStats
 from headrace.plugins.engines.sampling import sample
 from headrace.plugins.engines.torch_loading import load_causal_lm, parse_dtype
 from headrace.plugins.hookspecs import hookimpl
@@ -102,8 +102,10 @@ class TorchCore(LLMCore):
         # (a decode step runs in between), so the policy's order holds while the engine is busy.
         self.max_iteration_tokens = max_iteration_tokens
         # KV of prompt prefixes kept after their contexts go (0 tokens: off); per-layer views of a context's KV.
+        self.prefix_cache_tokens = prefix_cache_tokens
+        self._cache_stats = PrefixCacheStats()  # counted across switching the cache off and on
         self.prefix_cache: PrefixCache[kv.LayerKV] | None = (
-            PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None)
+            PrefixCache(prefix_cache_tokens, stats=self._cache_stats) if prefix_cache_tokens > 0 else None)
         # Tokens put through the model since load, by kind: what the prefix cache saved shows here.
         self.token_counts = {"prefill": 0, "score": 0, "decode": 0}
         self.model: Any = None
@@ -131,16 +133,28 @@ class TorchCore(LLMCore):
     def serving(self) -> ContextManager[Any]:
         return torch.inference_mode()
 
+    def prefix_caching_enabled(self) -> bool:
+        return self.prefix_cache is not None
+
+    def set_prefix_caching(self, enabled: bool) -> None:
+        if self.prefix_cache_tokens <= 0:
+            super().set_prefix_caching(enabled)  # configured without one: refuse
+        if not enabled:
+            self.prefix_cache = None  # the cached KV goes with it
+        elif self.prefix_cache is None:
+            self.prefix_cache = PrefixCache(self.prefix_cache_tokens, stats=self._cache_stats)
+
     def has_work(self) -> bool:
         return bool(self._rows or self._waiting or self._scoring or self._prefills)
 
     def stats(self) -> dict[str, int]:
         stats = {"contexts": len(self.contexts), "decoding": len(self._rows),
                  "waiting": len(self._waiting) + len(self._prefills)}
-        if self.prefix_cache is not None:
-            c = self.prefix_cache
-            stats.update(prefix_cache_queries=c.stats.queries, prefix_cache_hits=c.stats.hits,
-                         prefix_cache_tokens=c.used_tokens, prefix_cache_capacity=c.capacity_tokens)
+        if self.prefix_cache_tokens > 0:
+            c = self._cache_stats
+            stats.update(prefix_cache_queries=c.queries, prefix_cache_hits=c.hits,
+                         prefix_cache_tokens=self.prefix_cache.used_tokens if self.prefix_cache else 0,
+                         prefix_cache_capacity=self.prefix_cache_tokens)
         return stats
 
     def step(self, out: Outbox) -> None:

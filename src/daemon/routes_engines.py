@@ -1,0 +1,60 @@
+"""PATCH /v1/engines/{engine}: engine settings an operator (or a benchmark) changes on a live daemon.
+
+What vLLM offers as ``/reset_prefix_cache`` and a restart with another
+``--scheduling-policy``, without a restart: the LLM scheduling policy, and
+automatic prefix caching on or off. Both apply to requests from then on; the
+benchmark uses them to compare modes on the same daemon and engines.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from headrace.batching.llm import LLMScheduler
+from headrace.daemon import requests as rq
+from headrace.daemon.errors import APIError, bad_request
+from headrace.daemon.schemas import EngineSettingsRequest
+from headrace.plugins.engines.llm_front import EngineError
+from headrace.plugins.protocols import PrefixCaching
+
+
+async def update_engine(request: Request) -> Response:
+    raw = await rq.read_json(request, request.app.state.config.server.max_body_bytes)
+    body = rq.validate(EngineSettingsRequest, raw)
+    pool = request.app.state.pool
+    name = request.path_params["engine"]
+    slot = pool.slots.get(name)
+    if slot is None:
+        raise APIError(404, f"the engine '{name}' does not exist", param="engine", code="model_not_found")
+    if slot.state != "ready":
+        raise APIError(503, f"the engine '{name}' is {slot.state}, not ready", code="model_not_ready")
+    is_llm = isinstance(slot.scheduler, LLMScheduler)
+    if body.llm_policy is not None:
+        if not is_llm:
+            raise bad_request(f"'{name}' is an engine of kind '{slot.engine.kind}'; only LLM engines have an LLM "
+                              "policy", param="llm_policy", code="model_not_supported")
+        known = sorted(request.app.state.registry.llm_policies)
+        if body.llm_policy not in known:
+            raise bad_request(f"unknown LLM policy '{body.llm_policy}'; known: {known}", param="llm_policy")
+    if body.prefix_caching is not None and not isinstance(slot.engine, PrefixCaching):
+        raise bad_request(f"the engine '{name}' has no prefix cache to switch", param="prefix_caching",
+                          code="model_not_supported")
+    # Checked first, then applied: a refused body changes nothing.
+    if body.llm_policy is not None:
+        pool.set_llm_policy(name, body.llm_policy)
+    if body.prefix_caching is not None:
+        try:
+            await slot.engine.set_prefix_caching(body.prefix_caching)
+        except EngineError as exc:
+            raise bad_request(str(exc), param="prefix_caching", code="model_not_supported") from None
+    return JSONResponse(settings_of(slot, is_llm))
+
+
+def settings_of(slot: Any, is_llm: bool) -> dict[str, Any]:
+    engine = slot.engine
+    return {"id": slot.name, "object": "engine.settings", "kind": engine.kind,
+            "llm_policy": slot.scheduler.policy.name if is_llm else None,
+            "prefix_caching": engine.prefix_caching_enabled() if isinstance(engine, PrefixCaching) else None}

@@ -1,0 +1,68 @@
+"""PATCH /v1/engines/{name} on the real server, and a plain chat reusing the prefix cache."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from conftest import API_KEY, metric_value
+
+pytestmark = pytest.mark.slow
+
+SYSTEM = " ".join(f"Rule {i}: answer about mills, wheels and the water that turns them." for i in range(40))
+
+
+def client(server) -> httpx.Client:
+    return httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=300)
+
+
+def chat(c: httpx.Client, question: str) -> str:
+    r = c.post("/v1/chat/completions", json={
+        "model": "smollm2", "max_tokens": 4, "temperature": 0,
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def test_the_llm_policy_changes_on_a_live_engine(server):
+    with client(server) as c:
+        try:
+            r = c.patch("/v1/engines/smollm2", json={"llm_policy": "topology"})
+            assert r.status_code == 200, r.text
+            assert r.json() == {"id": "smollm2", "object": "engine.settings", "kind": "llm",
+                                "llm_policy": "topology", "prefix_caching": True}
+            chat(c, "Does the wheel turn?")  # still serves
+        finally:
+            assert c.patch("/v1/engines/smollm2", json={"llm_policy": "fifo"}).json()["llm_policy"] == "fifo"
+
+
+@pytest.mark.parametrize(("name", "body", "status", "param"), [
+    ("smollm2", {"llm_policy": "shortest-first"}, 400, "llm_policy"),
+    ("all-minilm-l6-v2", {"llm_policy": "topology"}, 400, "llm_policy"),
+    ("all-minilm-l6-v2", {"prefix_caching": False}, 400, "prefix_caching"),
+    ("smollm2", {"prefix_caching": "no"}, 400, "prefix_caching"),
+    ("smollm2", {"llm_policy": "fifo", "speed": 2}, 400, "speed"),
+    ("nope", {"llm_policy": "fifo"}, 404, "engine"),
+])
+def test_bad_settings_are_refused_and_change_nothing(server, name, body, status, param):
+    with client(server) as c:
+        r = c.patch(f"/v1/engines/{name}", json=body)
+        assert r.status_code == status, r.text
+        assert r.json()["error"]["param"] == param
+        assert c.patch("/v1/engines/smollm2", json={}).json()["llm_policy"] == "fifo"
+
+
+def test_a_plain_chat_reuses_a_cached_system_prompt_and_caching_switches_off(server):
+    with client(server) as c:
+        chat(c, "Which way does the wheel turn?")
+        hits = metric_value(server.metrics(), "headrace_prefix_cache_hits_total", model="smollm2")
+        chat(c, "What carries the water?")
+        after = metric_value(server.metrics(), "headrace_prefix_cache_hits_total", model="smollm2")
+        assert after - hits >= 400  # the system prompt, to its last whole block
+        try:
+            assert c.patch("/v1/engines/smollm2", json={"prefix_caching": False}).json()["prefix_caching"] is False
+            chat(c, "What carries the water?")
+            assert metric_value(server.metrics(), "headrace_prefix_cache_hits_total", model="smollm2") == after
+        finally:
+            assert c.patch("/v1/engines/smollm2", json={"prefix_caching": True}).json()["prefix_caching"] is True
+        assert metric_value(server.metrics(), "headrace_prefix_cache_queries_total", model="smollm2") > after
