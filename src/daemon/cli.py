@@ -51,6 +51,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, Any]:
                         help="the daemon (default: $HEADRACE_URL or http://127.0.0.1:8000)")
     ingest.add_argument("--api-key", default=os.environ.get("HEADRACE_API_KEY"),
                         help="its API key (default: $HEADRACE_API_KEY)")
+    ingest.add_argument("--chunk-size", type=int, help="words per chunk, if the collection is created (default 256)")
+    ingest.add_argument("--chunk-overlap", type=int, help="words shared by neighbouring chunks, if it is created")
+    ingest.add_argument("--embedding-model", help="the embed engine, if it is created (default: the first)")
     ingest.add_argument("--no-progress", action="store_true", help="no progress bar")
     sub.add_parser("plugins", help="list the loaded plugins and what each registers")
     sub.add_parser("version", help="print the version")
@@ -111,7 +114,9 @@ def _ingest(args: argparse.Namespace) -> int:
     from headrace.daemon.ingest import IngestError, ingest
 
     try:
-        return ingest(args.collection, args.paths, args.url, args.api_key, progress=not args.no_progress)
+        return ingest(args.collection, args.paths, args.url, args.api_key, progress=not args.no_progress,
+                      settings={"chunk_size": args.chunk_size, "chunk_overlap": args.chunk_overlap,
+                                "embedding_model": args.embedding_model})
     except IngestError as exc:
         print(f"headrace ingest: {exc}", file=sys.stderr)
         return exc.status

@@ -11,9 +11,10 @@ already installed with transformers, and shows rate and time left without code o
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 from urllib.parse import quote
 
 import httpx
@@ -55,8 +56,7 @@ def find_files(paths: Iterable[str]) -> list[Source]:
                     out.append(Source(rel.as_posix(), path))
         else:
             raise IngestError(f"no such file or directory: {arg}")
-    ids = [s.id for s in out]
-    dupes = sorted({i for i in ids if ids.count(i) > 1})
+    dupes = sorted(i for i, n in Counter(s.id for s in out).items() if n > 1)
     if dupes:
         raise IngestError(f"two files would get the same document id {dupes[0]!r}; ingest them separately")
     return out
@@ -69,21 +69,63 @@ def _error(r: httpx.Response) -> str:
         return f"HTTP {r.status_code}: {r.text[:200]}"
 
 
-def _batches(docs: list[tuple[Source, str]]) -> Iterable[list[tuple[Source, str]]]:
+def _read(source: Source, warn) -> str | None:
+    try:
+        text = source.path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        warn(f"headrace ingest: skipped {source.path}: {exc}")
+        return None
+    if not text.split():
+        warn(f"headrace ingest: skipped {source.path}: no text")
+        return None
+    return text
+
+
+def _batches(sources: list[Source], warn) -> Iterator[tuple[list[tuple[Source, str]], int]]:
+    """(documents, files read) per request; files are read as their batch fills, not all up front."""
     batch: list[tuple[Source, str]] = []
-    size = 0
-    for source, text in docs:
-        n = len(text.encode())
+    size = files = 0
+    for source in sources:
+        text = _read(source, warn)
+        n = len(text.encode()) if text is not None else 0
         if batch and (len(batch) >= BATCH_DOCUMENTS or size + n > BATCH_BYTES):
-            yield batch
-            batch, size = [], 0
-        batch.append((source, text))
-        size += n
-    if batch:
-        yield batch
+            yield batch, files
+            batch, size, files = [], 0, 0
+        files += 1
+        if text is not None:
+            batch.append((source, text))
+            size += n
+    if files:
+        yield batch, files
 
 
-def ingest(collection: str, paths: list[str], url: str, api_key: str | None, progress: bool = True) -> int:
+def _ensure_collection(client: httpx.Client, base: str, collection: str, settings: dict[str, Any]) -> None:
+    name = quote(collection, safe="")
+    try:
+        r = client.get(f"/v1/collections/{name}")
+    except httpx.HTTPError as exc:
+        raise IngestError(f"cannot reach the daemon at {base}: {exc} (is `headrace serve` running? --url)") from None
+    if r.status_code == 404 and _code(r) == "collection_not_found":
+        r = client.post("/v1/collections", json={"name": collection, **settings})
+        if r.status_code == 409:  # another client created it meanwhile
+            r = client.get(f"/v1/collections/{name}")
+    if r.status_code != 200:
+        raise IngestError(f"collection {collection!r}: {_error(r)}")
+
+
+def _code(r: httpx.Response) -> str | None:
+    try:
+        return r.json()["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def ingest(collection: str, paths: list[str], url: str, api_key: str | None, progress: bool = True,
+           settings: dict[str, Any] | None = None) -> int:
+    """Post every file under ``paths``; ``settings`` (chunk_size...) apply only if the collection is created.
+
+    Returns the exit status: 0, or 1 when a file was skipped or refused.
+    """
     from tqdm import tqdm
 
     sources = find_files(paths)
@@ -91,49 +133,33 @@ def ingest(collection: str, paths: list[str], url: str, api_key: str | None, pro
         raise IngestError(f"no text or markdown files in {' '.join(paths)}")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     base = url.rstrip("/")
-    name = quote(collection, safe="")
-    skipped = 0
+    failed = chunks = ingested = 0
     with httpx.Client(base_url=base, headers=headers, timeout=TIMEOUT) as client:
-        try:
-            r = client.get(f"/v1/collections/{name}")
-        except httpx.HTTPError as exc:
-            raise IngestError(f"cannot reach the daemon at {base}: {exc} (is `headrace serve` running? --url)") from None
-        if r.status_code == 404 and r.json().get("error", {}).get("code") == "collection_not_found":
-            r = client.post("/v1/collections", json={"name": collection})
-            if r.status_code == 409:  # another client created it meanwhile
-                r = client.get(f"/v1/collections/{name}")
-        if r.status_code != 200:
-            raise IngestError(f"collection {collection!r}: {_error(r)}")
-        docs: list[tuple[Source, str]] = []
-        for source in sources:
-            try:
-                text = source.path.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as exc:
-                print(f"headrace ingest: skipped {source.path}: {exc}", file=sys.stderr)
-                skipped += 1
-                continue
-            if not text.split():
-                print(f"headrace ingest: skipped {source.path}: no text", file=sys.stderr)
-                skipped += 1
-                continue
-            docs.append((source, text))
-        chunks = ingested = 0
-        with tqdm(total=len(docs), unit="file", desc=f"ingest {collection}", disable=not progress,
+        _ensure_collection(client, base, collection, {k: v for k, v in (settings or {}).items() if v is not None})
+        with tqdm(total=len(sources), unit="file", desc=f"ingest {collection}", disable=not progress,
                   file=sys.stderr) as bar:
-            for batch in _batches(docs):
-                body: dict[str, Any] = {"documents": [{"id": s.id, "text": text} for s, text in batch]}
-                try:
-                    r = client.post(f"/v1/collections/{name}/documents", json=body)
-                except httpx.HTTPError as exc:
-                    raise IngestError(f"the daemon at {base} stopped answering: {exc}", status=1) from None
-                if r.status_code != 200:
-                    bar.write(f"headrace ingest: {', '.join(str(s.path) for s, _ in batch)}: {_error(r)}",
-                              file=sys.stderr)
-                    skipped += len(batch)
-                else:
-                    chunks += r.json()["chunks"]
-                    ingested += len(batch)
-                bar.update(len(batch))
+
+            def warn(message: str, files: int = 1) -> None:
+                nonlocal failed
+                failed += files
+                bar.write(message, file=sys.stderr)  # above the bar, which stays whole
+
+            for batch, files in _batches(sources, warn):
+                if batch:
+                    body = {"documents": [{"id": s.id, "text": text} for s, text in batch]}
+                    try:
+                        r = client.post(f"/v1/collections/{quote(collection, safe='')}/documents", json=body)
+                    except httpx.HTTPError as exc:
+                        raise IngestError(f"the daemon at {base} stopped answering: {exc}", status=1) from None
+                    if r.status_code == 200:
+                        chunks += r.json()["chunks"]
+                        ingested += len(batch)
+                    elif r.status_code == 503:  # draining or an engine down: every later batch would fail too
+                        raise IngestError(f"the daemon at {base} cannot take documents now: {_error(r)}; "
+                                          f"{ingested} document(s) were ingested before", status=1)
+                    else:
+                        warn(f"headrace ingest: {', '.join(str(s.path) for s, _ in batch)}: {_error(r)}", len(batch))
+                bar.update(files)
     print(f"ingested {ingested} document(s), {chunks} chunk(s), into collection {collection!r}"
-          + (f"; {skipped} file(s) skipped" if skipped else ""))
-    return 1 if skipped else 0
+          + (f"; {failed} file(s) skipped or refused" if failed else ""))
+    return 1 if failed else 0

@@ -128,12 +128,14 @@ async def add_documents(request: Request) -> Response:
     raw = await rq.read_json(request, request.app.state.config.server.max_body_bytes)
     body = rq.validate(AddDocumentsRequest, raw)
     ids: list[str] = []
+    seen: set[str] = set()
     for i, document in enumerate(body.documents):
         doc_id = document.id if document.id is not None else uuid.uuid4().hex
-        if doc_id in ids:
+        if doc_id in seen:
             raise bad_request(f"document id {doc_id!r} appears twice in this request", param=f"documents[{i}].id",
                               code="duplicate_document")
         ids.append(doc_id)
+        seen.add(doc_id)
     size = sum(len(d.text) for d in body.documents)
     chunks = await rq.off_loop_if_large(size, _chunk, [d.text for d in body.documents], collection)
     for i, pieces in enumerate(chunks):
@@ -157,7 +159,8 @@ async def add_documents(request: Request) -> Response:
                            param="collection", code="collection_not_found")
         with anyio.CancelScope(shield=True):
             await _replace(registry, collection, store, dict(zip(ids, map(len, chunks))), vectors, payloads)
-            await _maybe_index(request, registry, collection, store)
+        # Not shielded: an index is an optimisation, and one cut short is simply tried again next time.
+        await _maybe_index(request, registry, collection, store)
     return JSONResponse({"object": "collection.documents", "collection": collection.name, "ids": ids,
                          "chunks": len(texts)})
 

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import httpx
 import lancedb
@@ -26,7 +27,8 @@ from starlette.testclient import TestClient
 
 from conftest import ROOT, free_port
 from headrace.daemon.app import create_app
-from headrace.daemon.config import load_config
+from headrace.daemon.collections import CollectionRegistry
+from headrace.daemon.config import ConfigError, load_config
 
 pytestmark = pytest.mark.slow
 
@@ -187,6 +189,15 @@ def test_create_list_get_add_replace_delete(daemon):
                 if row["id"].startswith("a/long.md:")]
     assert error(daemon.delete("/v1/collections/crud/documents/a/long.md"), 404)["code"] == "document_not_found"
 
+    # Ids are data, never SQL: quotes and backslashes in one are replaced and deleted like any other.
+    odd = "o'brien \\ \"notes\" 100%"
+    for text in (BASALT, TAILRACE):
+        assert daemon.post("/v1/collections/crud/documents", {"documents": [{"id": odd, "text": text}]}).status_code == 200
+    texts = {row["id"]: row["text"] for row in daemon.table("collection_crud").to_arrow().to_pylist()}
+    assert texts[f"{odd}:0"] == TAILRACE and daemon.get("/v1/collections/crud").json()["documents"] == 3
+    assert daemon.delete("/v1/collections/crud/documents/" + quote(odd)).status_code == 200
+    assert daemon.get("/v1/collections/crud").json()["documents"] == 2
+
     r = daemon.delete("/v1/collections/crud")
     assert r.status_code == 200 and r.json()["deleted"] is True, r.text
     assert error(daemon.get("/v1/collections/crud"), 404)["code"] == "collection_not_found"
@@ -330,6 +341,19 @@ def test_ann_index_once_the_collection_is_large_enough(daemon):
                              {"top_k": 1, "max_tokens": 4}, keep=("contexts",))
     assert run.status == "succeeded", run.error
     assert run.result["contexts"] == [HEADRACE]
+    # Chunks added after the index are searched too (exactly, until LanceDB's optimize folds them in).
+    assert daemon.post("/v1/collections/big/documents", {"documents": [{"id": "tail", "text": TAILRACE}]}
+                       ).status_code == 200
+    run = daemon.run_keeping("naive_rag", {"question": "Where does spent water go downstream of the wheel?",
+                                           "collection": "big"}, {"top_k": 1, "max_tokens": 4}, keep=("contexts",))
+    assert run.status == "succeeded" and run.result["contexts"] == [TAILRACE], run.error
+
+
+def test_an_unreadable_registry_stops_the_daemon_with_a_config_error(tmp_path):
+    (tmp_path / "collections.json").write_text('{"collections": {"x": {"name": ')
+    with pytest.raises(ConfigError) as err:
+        CollectionRegistry(tmp_path)
+    assert err.value.key == "data.dir" and "collections.json" in str(err.value)
 
 
 # ----- headrace ingest ----------------------------------------------------------------------
@@ -351,12 +375,12 @@ def test_headrace_ingest_loads_a_tree_of_files(daemon, tmp_path):
     single = tmp_path / "single.txt"
     single.write_text(TAILRACE)
 
-    out = ingest("notes", str(tree), str(single), "--url", daemon.base_url, "--api-key", KEY)
+    out = ingest("notes", str(tree), str(single), "--url", daemon.base_url, "--api-key", KEY, "--chunk-size", "64")
     assert out.returncode == 0, out.stderr
     assert "ingested 3 document(s)" in out.stdout
     assert "ingest notes" in out.stderr and "3/3" in out.stderr  # the progress bar
     card = daemon.get("/v1/collections/notes").json()
-    assert card["documents"] == 3, card
+    assert (card["documents"], card["chunk_size"]) == (3, 64), card
     ids = {row["id"] for row in daemon.table("collection_notes").to_arrow().to_pylist()}
     assert ids == {"mill.md:0", "sub/rocks.txt:0", "single.txt:0"}
 
@@ -379,3 +403,9 @@ def test_headrace_ingest_errors(daemon, tmp_path):
     assert out.returncode == 2 and "API key" in out.stderr, out.stderr
     out = ingest("bad name", str(tmp_path), "--url", daemon.base_url, "--api-key", KEY)
     assert out.returncode == 2 and "'name'" in out.stderr, out.stderr
+    # A file that is not UTF-8 is skipped with a message; the others still go in, and the status says so.
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
+    out = ingest("notes2", str(tmp_path), "--url", daemon.base_url, "--api-key", KEY, "--no-progress")
+    assert out.returncode == 1 and "skipped" in out.stderr and "latin1.txt" in out.stderr, out.stderr
+    assert "ingested 1 document(s)" in out.stdout and "1 file(s) skipped" in out.stdout, out.stdout
+    assert daemon.get("/v1/collections/notes2").json()["documents"] == 1
