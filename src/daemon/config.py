@@ -146,15 +146,15 @@ class BatchingConfig:
     """``[batching]``: how each engine's scheduler forms batches (global defaults)."""
 
     policy: str = "fifo"  # a batch policy registered by a plugin (embed, rerank, vector store)
-    # The LLM engines' scheduling policy (fifo, topology, objective; plugins add more). An LLM engine's
-    # own [engines.batching] policy overrides it.
-    llm_policy: str = "fifo"
     max_batch_size: int = 32
     max_wait_ms: float = 5.0  # how long a partial batch may wait for more requests; 0: never
     max_running: int = 64  # LLM admission: concurrent decoding requests; the rest queue
     # Batch size past which throughput stops rising (from `headrace profile`); 0: unknown.
     # Stage decomposition splits a larger batchable primitive into stages of this size.
     max_efficient_batch_size: int = 0
+    # The LLM engines' scheduling policy (fifo, topology, objective; plugins add more). An LLM engine's
+    # own [engines.batching] policy overrides it.
+    llm_policy: str = "fifo"
 
     def __post_init__(self) -> None:
         _check_batching(self)

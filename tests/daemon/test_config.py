@@ -172,6 +172,15 @@ plugin = "torch"
         config.batching_for("nope")
 
 
+def test_the_llm_policy_comes_from_the_file_or_the_environment(tmp_path) -> None:
+    assert load_config(None, env={}).batching.llm_policy == "fifo"
+    config = load_config(write(tmp_path, '[batching]\nllm_policy = "objective"\n'),
+                         env={"HEADRACE_BATCHING_LLM_POLICY": "topology"})
+    assert config.batching.llm_policy == "topology"
+    with pytest.raises(ConfigError, match="llm_policy"):
+        load_config(write(tmp_path, '[batching]\nllm_policy = ""\n'), env={})
+
+
 def test_bad_env_value_names_var() -> None:
     with pytest.raises(ConfigError, match=r"^HEADRACE_SERVER_PORT: expected an integer, got 'abc'$"):
         load_config(None, env={"HEADRACE_SERVER_PORT": "abc"})
