@@ -21,18 +21,30 @@ def add_parser(sub: Any) -> None:
                                    "PNG plots to --out.")
     p.add_argument("workloads", nargs="+", metavar="WORKLOAD", help=f"one or more of {', '.join(WORKLOADS)}")
     p.add_argument("--modes", nargs="+", help="modes for the single-query phase (default: the workload's baseline, "
-                   "sequential, headrace); server modes: sequential, +<pass>..., headrace; baselines: llamaindex "
+                   "sequential, headrace); server modes: sequential, +<pass>..., headrace, headrace-fifo, "
+                   "headrace-topology, headrace-objective (headrace under that LLM policy); baselines: llamaindex "
                    "(RAG), chaining (summaries)")
     p.add_argument("--ladder", nargs="*", metavar="WORKLOAD",
                    help="single query: also switch each pass on in turn (for the named workloads; none named: all)")
     p.add_argument("--reps", type=int, default=3, help="measured repetitions per mode (default 3; 0 skips the phase)")
     p.add_argument("--rates", type=float, nargs="*", default=[], help="Poisson load rates in req/s (default: none)")
+    p.add_argument("--load-fractions", type=float, nargs="*", default=[],
+                   help="load rates as fractions of the measured capacity (one over the baseline's single-query "
+                        "latency), e.g. 0.5 0.8 1 1.2")
+    p.add_argument("--arrivals", type=int, help="Poisson arrivals per load point (the window ends at the last; "
+                                                "default: as many as --duration draws)")
     p.add_argument("--load-modes", nargs="+", help="modes for the load phase (default: the baseline and headrace)")
     p.add_argument("--load-workloads", nargs="+", metavar="WORKLOAD",
                    help="the workloads that get the load phase (default: all of them, when --rates is given)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per load point (default 60)")
     p.add_argument("--drain", type=float, help="seconds to wait for stragglers after arrivals (default 2 x SLO)")
     p.add_argument("--mixed-rate", type=float, help="req/s of the mixed load (advanced_rag + map_reduce_summary)")
+    p.add_argument("--mixed-chat", action="store_true",
+                   help="the mixed load carries plain chats on a shared system prompt too (a third of the arrivals)")
+    p.add_argument("--chat", type=int, default=0, metavar="N",
+                   help="chat phase: N chats on a shared system prompt, time to first token with prefix caching "
+                        "off, then on (default 0: none)")
+    p.add_argument("--system-tokens", type=int, default=1000, help="the chats' shared system prompt (default 1000)")
     p.add_argument("--max-tokens", type=int, help="override every workload's output length")
     p.add_argument("--documents", type=int, default=4, help="corpus documents (default 4)")
     p.add_argument("--doc-tokens", type=int, default=2000, help="minimum tokens per document (default 2000)")
@@ -73,7 +85,9 @@ def run(args: argparse.Namespace) -> int:
             base_url, api_key = process.base_url, process.api_key
         ladder = set() if args.ladder is None else set(args.ladder or args.workloads)
         opts = Options(workloads=args.workloads, modes=args.modes, ladder=ladder, reps=args.reps,
-                       rates=args.rates, load_modes=args.load_modes,
+                       rates=args.rates, load_fractions=args.load_fractions, arrivals=args.arrivals,
+                       load_modes=args.load_modes, chat=args.chat, mixed_chat=args.mixed_chat,
+                       system_tokens=args.system_tokens,
                        load_workloads=set(args.load_workloads or args.workloads), duration=args.duration, drain=args.drain,
                        mixed_rate=args.mixed_rate, seed=args.seed, max_tokens=args.max_tokens,
                        log=lambda line: print(line, flush=True))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -104,6 +105,30 @@ class Daemon:
 
     async def graph(self, run_id: str) -> dict[str, Any]:
         return (await self._json("GET", f"/v1/runs/{run_id}/graph"))["graph"]
+
+    async def engine_settings(self, engine: str, **changes: Any) -> dict[str, Any]:
+        """PATCH /v1/engines/{engine}: apply ``changes`` (none: just read), return the settings in force."""
+        return await self._json("PATCH", f"/v1/engines/{engine}", json=changes)
+
+    async def chat_stream(self, model: str, messages: list[dict[str, str]], max_tokens: int) -> tuple[float, float]:
+        """A streamed greedy chat completion: (time to first token, end-to-end latency) in seconds."""
+        t0 = time.perf_counter()
+        ttft = None
+        body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+        async with self.http.stream("POST", "/v1/chat/completions", json=body) as response:
+            if response.status_code >= 400:
+                raise BenchError(f"chat: HTTP {response.status_code}: {(await response.aread())[:500]!r}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: "):])
+                if "error" in event:
+                    raise BenchError(f"chat stream failed: {event['error']}")
+                choices = event.get("choices") or [{}]
+                if ttft is None and choices[0].get("delta", {}).get("content"):
+                    ttft = time.perf_counter() - t0
+        latency = time.perf_counter() - t0
+        return (latency if ttft is None else ttft), latency
 
     async def metrics(self) -> str:
         response = await self.http.get("/metrics")

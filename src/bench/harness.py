@@ -8,9 +8,17 @@ Phases per workload, each on the same engines:
    primitive at a time) to get that input's critical-path bound, and each
    headrace run's timeline gives its overhead;
 2. load: Poisson arrivals per rate and mode, the SLO set from the baseline's
-   single-query latency.
+   single-query latency. Rates are given, or fractions of the measured capacity
+   (one over the baseline's single-query latency); a load point is a fixed
+   number of arrivals (``arrivals``) or a fixed window.
 
-Then the mixed load: two workflows co-located, sharing the LLM.
+Then the mixed load: two workflows co-located, sharing the LLM (with plain chat
+traffic on a shared system prompt if asked); and the chat phase: time to first
+token with a shared 1,000-token system prompt, prefix caching off and on.
+
+Each mode runs under its LLM policy (``llm_policy_of``), set on the daemon's LLM
+engine through ``PATCH /v1/engines/{engine}`` before the mode's requests go out;
+the daemon's own policy is restored at the end.
 """
 
 from __future__ import annotations
@@ -26,9 +34,19 @@ from headrace.bench.baselines import MissingPeer
 from headrace.bench.client import BenchError, Daemon
 from headrace.bench.corpus import Corpus
 from headrace.bench.critical_path import critical_path, engine_bound
-from headrace.bench.load import poisson
+from headrace.bench.load import percentile, poisson
 from headrace.bench.measure import batch_sizes_between, overhead
-from headrace.bench.workloads import HEADRACE, MIXED, SEQUENTIAL, WORKLOADS, Workload, default_modes, server_modes
+from headrace.bench.workloads import (
+    HEADRACE,
+    MIXED,
+    SEQUENTIAL,
+    WORKLOADS,
+    Workload,
+    default_modes,
+    is_headrace,
+    llm_policy_of,
+    server_modes,
+)
 
 ISOLATED = {**server_modes()[HEADRACE], "isolate": True}
 RUN_TIMEOUT_S = 900  # a run that never ends is a bug to report, not a reason to wait forever
@@ -41,12 +59,17 @@ class Options:
     modes: list[str] | None = None  # None: each workload's defaults
     ladder: set[str] = field(default_factory=set)  # workloads whose passes are switched on in turn (single query)
     reps: int = 3
-    rates: list[float] = field(default_factory=list)  # req/s; empty: no load phase
+    rates: list[float] = field(default_factory=list)  # req/s
+    load_fractions: list[float] = field(default_factory=list)  # x the measured capacity; with rates: both
+    arrivals: int | None = None  # arrivals per load point; None: as many as ``duration`` draws
     load_modes: list[str] | None = None  # None: the baseline and headrace
     load_workloads: set[str] | None = None  # None: every workload (when there are rates)
     duration: float = 60.0
     drain: float | None = None  # None: 2 x the SLO
     mixed_rate: float | None = None  # req/s over both workflows; None: no mixed load
+    mixed_chat: bool = False  # the mixed load carries plain chat traffic too (a third of the arrivals)
+    chat: int = 0  # chat requests per caching mode in the chat phase; 0: no chat phase
+    system_tokens: int = 1000  # the chat traffic's shared system prompt
     seed: int = 0
     max_tokens: int | None = None  # override every workload's output length
     log: Callable[[str], None] = print
@@ -67,6 +90,8 @@ class Systems:
         self.tokenizer = tokenizer
         self.models: dict[str, str] = {}
         self._baselines: dict[str, Any] = {}
+        self.configured_policy: str | None = None  # the daemon's own LLM policy, restored by ``finish``
+        self._policy: str | None = None  # the LLM policy in force now
 
     async def start(self) -> None:
         kinds = await self.daemon.models()
@@ -74,6 +99,20 @@ class Systems:
             names = [m for m, k in kinds.items() if k == kind]
             if names:
                 self.models[kind] = names[0]
+        if "llm" in self.models:
+            settings = await self.daemon.engine_settings(self.models["llm"])
+            self.configured_policy = self._policy = settings["llm_policy"]
+
+    async def finish(self) -> None:
+        if self.configured_policy is not None:
+            await self.use_policy(self.configured_policy)
+
+    async def use_policy(self, policy: str | None) -> None:
+        """Put the LLM under ``policy`` (None: the daemon's own) unless it is already."""
+        policy = policy or self.configured_policy
+        if policy is not None and policy != self._policy and "llm" in self.models:
+            await self.daemon.engine_settings(self.models["llm"], llm_policy=policy)
+            self._policy = policy
 
     def baseline(self, mode: str) -> Any:
         """The client-side system for ``mode``; MissingPeer if its library is not installed."""
@@ -93,6 +132,7 @@ class Systems:
         return self._baselines[mode]
 
     async def call(self, mode: str, workload: Workload, inputs: dict[str, Any], config: dict[str, Any]) -> Call:
+        await self.use_policy(llm_policy_of(mode))
         try:
             with anyio.fail_after(RUN_TIMEOUT_S):
                 return await self._call(mode, workload, inputs, config)
@@ -160,7 +200,7 @@ async def single_query(systems: Systems, workload: Workload, modes: list[str], c
             if call.run_id is not None:
                 tl = await daemon.timeline(call.run_id)
                 record["overhead"] = overhead(call.latency_s, tl)
-                if mode == HEADRACE and rep == 0:
+                if is_headrace(mode) and timeline is None:
                     timeline = tl
             runs.append(record)
         opts.log(f"    rep {rep}: " + ", ".join(f"{r['mode']} {r['latency_s']:.2f}s" for r in runs if r["rep"] == rep))
@@ -206,19 +246,40 @@ def slo_for(workload: Workload, single: dict[str, Any] | None) -> float | None:
     return None
 
 
+def capacity_for(workload: Workload, single: dict[str, Any] | None) -> float | None:
+    """Single-run throughput (req/s): one over the baseline's single-query latency, as ``slo_for`` picks it."""
+    if not single:
+        return None
+    for mode in (workload.baseline, SEQUENTIAL, HEADRACE):
+        if mode in single["modes"]:
+            return 1.0 / single["modes"][mode]["mean_s"]
+    return None
+
+
+def load_rates(opts: Options, capacity: float | None) -> list[float]:
+    rates = list(opts.rates)
+    if opts.load_fractions:
+        if capacity is None:
+            raise BenchError("--load-fractions need the single-query phase (reps > 0) to measure the capacity")
+        rates += [round(f * capacity, 4) for f in opts.load_fractions]
+    return rates
+
+
 async def load_phase(systems: Systems, workload: Workload, modes: list[str], corpus: Corpus, opts: Options,
-                     slo_s: float) -> dict[str, Any]:
+                     slo_s: float, rates: list[float], capacity: float | None = None) -> dict[str, Any]:
     config = workload_config(workload, opts)
-    out: dict[str, Any] = {"slo_s": slo_s, "series": {m: [] for m in modes}, "batch_sizes": {m: [] for m in modes}}
-    for rate in opts.rates:
+    out: dict[str, Any] = {"slo_s": slo_s, "capacity": capacity, "series": {m: [] for m in modes},
+                           "batch_sizes": {m: [] for m in modes}}
+    for rate in rates:
         for mode in modes:
+            await systems.use_policy(llm_policy_of(mode))
             before = await systems.daemon.metrics()
 
             async def request(i: int, mode: str = mode) -> None:
                 await systems.call(mode, workload, workload.inputs(corpus, i), config)
 
             res = await poisson({workload.name: request}, rate, opts.duration, slo_s, opts.seed,
-                                opts.drain if opts.drain is not None else 2 * slo_s)
+                                opts.drain if opts.drain is not None else 2 * slo_s, count=opts.arrivals)
             out["batch_sizes"][mode] += batch_sizes_between(before, await systems.daemon.metrics())
             summary = res.summary()
             out["series"][mode].append(summary)
@@ -227,13 +288,72 @@ async def load_phase(systems: Systems, workload: Workload, modes: list[str], cor
     return out
 
 
+CHAT = "chat"
+CHAT_TOKENS = 16  # a chat answer's length in the chat traffic
+
+
+def system_prompt(corpus: Corpus, tokenizer: Callable[[str], list] | None, tokens: int) -> str:
+    """A shared system prompt of about ``tokens`` tokens: corpus prose (a product manual, say)."""
+    text = "Answer questions about this Python library reference.\n\n" + "\n".join(d.text for d in corpus.documents)
+    if tokenizer is None:
+        return text[: tokens * 4]
+    cut = min(len(text), tokens * 6)
+    while cut > 0 and len(tokenizer(text[:cut])) > tokens:
+        cut = int(cut * 0.95)
+    return text[:cut]
+
+
+def chat_messages(system: str, corpus: Corpus, i: int) -> list[dict[str, str]]:
+    q = corpus.questions[i % len(corpus.questions)]
+    return [{"role": "system", "content": system}, {"role": "user", "content": f"({i}) {q.text}"}]
+
+
+async def chat_phase(systems: Systems, corpus: Corpus, opts: Options) -> dict[str, Any]:
+    """Time to first token of chats sharing a long system prompt, the LLM's prefix caching off, then on.
+
+    Requests go one at a time (no queueing in the figure); each asks a distinct question. The
+    cache is emptied by switching it off, so the "on" mode starts cold and its first request fills it.
+    """
+    llm = systems.models["llm"]
+    system = system_prompt(corpus, systems.tokenizer, opts.system_tokens)
+    out: dict[str, Any] = {"requests": opts.chat, "system_tokens": len(systems.tokenizer(system))
+                           if systems.tokenizer else None, "modes": {}}
+    for mode, caching in (("no prefix caching", False), ("prefix caching", True)):
+        await systems.daemon.engine_settings(llm, prefix_caching=False)  # empties it
+        if caching:
+            await systems.daemon.engine_settings(llm, prefix_caching=True)
+        ttfts = []
+        for i in range(opts.chat):
+            ttft, _ = await systems.daemon.chat_stream(llm, chat_messages(system, corpus, i), CHAT_TOKENS)
+            ttfts.append(ttft)
+        warm = ttfts[1:] if caching else ttfts  # with caching, the first request fills the cache
+        out["modes"][mode] = {"ttft_s": ttfts, "mean_s": statistics.fmean(warm),
+                              "p50_s": percentile(sorted(warm), 50), "p95_s": percentile(sorted(warm), 95)}
+        opts.log(f"    chat, {mode}: mean TTFT {out['modes'][mode]['mean_s'] * 1000:.0f} ms over {len(warm)}")
+    await systems.daemon.engine_settings(llm, prefix_caching=True)
+    off, on = out["modes"]["no prefix caching"]["mean_s"], out["modes"]["prefix caching"]["mean_s"]
+    out["ttft_speedup"] = off / on if on else None
+    return out
+
+
 async def mixed_phase(systems: Systems, corpus: Corpus, opts: Options, slos: dict[str, float]) -> dict[str, Any]:
-    """Ayo §7.2: two workflows at once on the shared LLM; each mode runs both its own way."""
+    """Ayo §7.2: two workflows at once on the shared LLM (and chat traffic, if asked); each mode its own way."""
     workloads = [WORKLOADS[w] for w in MIXED]
+    headrace_mode = f"{HEADRACE}-topology"
     modes = {"baselines": {w.name: w.baseline or SEQUENTIAL for w in workloads},
-             HEADRACE: {w.name: HEADRACE for w in workloads}}
-    out: dict[str, Any] = {"workloads": list(MIXED), "rate": opts.mixed_rate, "modes": {}, "slo_s": slos}
+             headrace_mode: {w.name: headrace_mode for w in workloads}}
+    tags = list(MIXED) + ([CHAT] if opts.mixed_chat else [])
+    slos = dict(slos)
+    system = system_prompt(corpus, systems.tokenizer, opts.system_tokens) if opts.mixed_chat else ""
+    if opts.mixed_chat:
+        # A chat's SLO: 3x its latency alone (measured once, cache warm, as a served chatbot's is).
+        await systems.use_policy("fifo")
+        await systems.daemon.chat_stream(systems.models["llm"], chat_messages(system, corpus, 0), CHAT_TOKENS)
+        _, alone = await systems.daemon.chat_stream(systems.models["llm"], chat_messages(system, corpus, 1), CHAT_TOKENS)
+        slos[CHAT] = 3 * alone
+    out: dict[str, Any] = {"workloads": tags, "rate": opts.mixed_rate, "modes": {}, "slo_s": slos}
     for name, per_workload in modes.items():
+        await systems.use_policy(llm_policy_of(per_workload[MIXED[0]]))
         requests = {}
         for w in workloads:
             config = workload_config(w, opts)
@@ -242,12 +362,18 @@ async def mixed_phase(systems: Systems, corpus: Corpus, opts: Options, slos: dic
                 await systems.call(per_workload[w.name], w, w.inputs(corpus, i), config)
 
             requests[w.name] = request
+        if opts.mixed_chat:
+
+            async def chat(i: int) -> None:
+                await systems.daemon.chat_stream(systems.models["llm"], chat_messages(system, corpus, i), CHAT_TOKENS)
+
+            requests[CHAT] = chat
         res = await poisson(requests, opts.mixed_rate, opts.duration, max(slos.values()), opts.seed,
-                            opts.drain if opts.drain is not None else 2 * max(slos.values()))
-        out["modes"][name] = {w: res.summary(tag=w, slo_s=slos[w]) for w in MIXED}
-        out["modes"][name]["all"] = {"goodput": sum(out["modes"][name][w]["goodput"] for w in MIXED)}
+                            opts.drain if opts.drain is not None else 2 * max(slos.values()), count=opts.arrivals)
+        out["modes"][name] = {w: res.summary(tag=w, slo_s=slos[w]) for w in tags}
+        out["modes"][name]["all"] = {"goodput": sum(out["modes"][name][w]["goodput"] for w in tags)}
         opts.log(f"    mixed {opts.mixed_rate:g} req/s, {name}: " + ", ".join(
-            f"{w} p50 {_fmt(out['modes'][name][w]['p50_s'])} goodput {out['modes'][name][w]['goodput']:.3f}/s" for w in MIXED))
+            f"{w} p50 {_fmt(out['modes'][name][w]['p50_s'])} goodput {out['modes'][name][w]['goodput']:.3f}/s" for w in tags))
     return out
 
 
@@ -273,18 +399,26 @@ async def run_all(systems: Systems, corpus: Corpus, opts: Options) -> dict[str, 
         slo = slo_for(workload, section.get("single"))
         if slo is not None:
             slos[name] = slo
-        if opts.rates and (opts.load_workloads is None or name in opts.load_workloads):
+        wants_load = opts.rates or opts.load_fractions
+        if wants_load and (opts.load_workloads is None or name in opts.load_workloads):
             if slo is None:
                 raise BenchError(f"{name}: a load run needs the single-query phase (reps > 0) to set its SLO")
-            load_modes = opts.load_modes or [m for m in (workload.baseline, HEADRACE) if m]
+            # A baseline named for the load is run by the workloads it belongs to (llamaindex: RAG).
+            load_modes = [m for m in opts.load_modes or [workload.baseline, HEADRACE]
+                          if m and (m not in BASELINE_MODES or m == workload.baseline)]
             check_modes(workload, load_modes)
-            section["load"] = await load_phase(systems, workload, load_modes, corpus, opts, slo)
+            capacity = capacity_for(workload, section.get("single"))
+            section["load"] = await load_phase(systems, workload, load_modes, corpus, opts, slo,
+                                               load_rates(opts, capacity), capacity)
         results["workloads"][name] = section
+    if opts.chat:
+        results["chat"] = await chat_phase(systems, corpus, opts)
     if opts.mixed_rate:
         missing = [w for w in MIXED if w not in slos]
         if missing:
             raise BenchError(f"the mixed load needs the single-query phase of {missing} for their SLOs")
         results["mixed"] = await mixed_phase(systems, corpus, opts, slos)
+    await systems.finish()
     return results
 
 

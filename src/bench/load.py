@@ -19,14 +19,14 @@ from typing import Any, Awaitable, Callable
 import anyio
 
 
-def arrivals(rate: float, duration: float, seed: int) -> list[float]:
-    """Poisson arrival times in [0, duration): exponential gaps of mean 1/rate."""
-    if rate <= 0 or duration <= 0:
-        raise ValueError("rate and duration must be > 0")
+def arrivals(rate: float, duration: float, seed: int, count: int | None = None) -> list[float]:
+    """Poisson arrival times: exponential gaps of mean 1/rate, in [0, duration), or the first ``count``."""
+    if rate <= 0 or (count is None and duration <= 0) or (count is not None and count < 1):
+        raise ValueError("rate, and duration or count, must be > 0")
     rng, t, out = random.Random(seed), 0.0, []
     while True:
         t += rng.expovariate(rate)
-        if t >= duration:
+        if (count is None and t >= duration) or (count is not None and len(out) == count):
             return out
         out.append(t)
 
@@ -77,9 +77,12 @@ Request = Callable[[int], Awaitable[Any]]  # request index -> awaitable of its c
 
 
 async def poisson(requests: dict[str, Request], rate: float, duration: float, slo_s: float, seed: int,
-                  drain_s: float) -> LoadResult:
-    """Offer ``rate`` req/s for ``duration`` s, spread evenly over the ``requests`` kinds (tags)."""
-    times = arrivals(rate, duration, seed)
+                  drain_s: float, count: int | None = None) -> LoadResult:
+    """Offer ``rate`` req/s for ``duration`` s (or for ``count`` arrivals), spread evenly over the ``requests``
+    kinds (tags)."""
+    times = arrivals(rate, duration, seed, count)
+    if count is not None:
+        duration = times[-1]  # the arrival window
     tags = list(requests)
     result = LoadResult(rate, duration, slo_s)
     t0 = time.perf_counter()

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from headrace.bench.workloads import HEADRACE, SEQUENTIAL
+from headrace.bench.workloads import HEADRACE, SEQUENTIAL, is_headrace
 
 
 def _f(x: Any, spec: str = ".2f", none: str = "-") -> str:
@@ -47,30 +47,35 @@ def single_table(name: str, section: dict[str, Any]) -> list[str]:
 
 
 def load_table(name: str, load: dict[str, Any]) -> list[str]:
-    lines = [f"== {name}: Poisson load, SLO {load['slo_s']:.1f}s ==",
-             f"{'mode':<14} {'rate':>6} {'offered':>7} {'done':>5} {'mean s':>7} {'p50 s':>7} {'p95 s':>7} "
+    capacity = f", capacity {load['capacity']:.3f} req/s" if load.get("capacity") else ""
+    lines = [f"== {name}: Poisson load, SLO {load['slo_s']:.1f}s{capacity} ==",
+             f"{'mode':<20} {'rate':>6} {'offered':>7} {'done':>5} {'mean s':>7} {'p50 s':>7} {'p95 s':>7} "
              f"{'p99 s':>7} {'thruput':>8} {'goodput':>8}"]
     for mode, points in load["series"].items():
         for p in points:
-            lines.append(f"{mode:<14} {p['rate']:6.3f} {p['offered']:7d} {p['completed']:5d} {_f(p['mean_s']):>7} "
+            lines.append(f"{mode:<20} {p['rate']:6.3f} {p['offered']:7d} {p['completed']:5d} {_f(p['mean_s']):>7} "
                          f"{_f(p['p50_s']):>7} {_f(p['p95_s']):>7} {_f(p['p99_s']):>7} {p['throughput']:8.3f} "
                          f"{p['goodput']:8.3f}")
-    ratios = goodput_ratios(load)
-    for base, per_rate in ratios.items():
-        lines.append(f"headrace / {base} goodput: " + ", ".join(f"{r:g} req/s {_f(v, '.2f')}x" for r, v in per_rate.items()))
+    for (mode, base), per_rate in goodput_ratios(load).items():
+        lines.append(f"{mode} / {base}: " + ", ".join(
+            f"{r:g} req/s goodput {_f(v['goodput'], '.2f')}x, p95 {_f(v['p95'], '.2f')}x" for r, v in per_rate.items()))
     return lines
 
 
-def goodput_ratios(load: dict[str, Any]) -> dict[str, dict[float, float | None]]:
+def goodput_ratios(load: dict[str, Any]) -> dict[tuple[str, str], dict[float, dict[str, float | None]]]:
+    """Each headrace mode against each other mode, per rate: goodput ratio and p95 ratio (headrace's / the other's)."""
     series = load["series"]
-    if HEADRACE not in series:
-        return {}
     out = {}
-    for base, points in series.items():
-        if base == HEADRACE:
+    for mode, points in series.items():
+        if not is_headrace(mode):
             continue
-        out[base] = {h["rate"]: (h["goodput"] / b["goodput"] if b["goodput"] else None)
-                     for h, b in zip(series[HEADRACE], points)}
+        for base, base_points in series.items():
+            if base == mode or (is_headrace(base) and list(series).index(base) > list(series).index(mode)):
+                continue
+            out[(mode, base)] = {
+                h["rate"]: {"goodput": h["goodput"] / b["goodput"] if b["goodput"] else None,
+                            "p95": h["p95_s"] / b["p95_s"] if h["p95_s"] and b["p95_s"] else None}
+                for h, b in zip(points, base_points)}
     return out
 
 
@@ -81,9 +86,20 @@ def mixed_table(mixed: dict[str, Any]) -> list[str]:
                  f"({per[w]['completed']}/{per[w]['offered']})" for w in mixed["workloads"]]
         lines.append(f"{mode:<12} " + "; ".join(parts))
     modes = mixed["modes"]
-    if HEADRACE in modes and "baselines" in modes and modes["baselines"]["all"]["goodput"]:
-        lines.append(f"headrace / baselines total goodput: "
-                     f"{modes[HEADRACE]['all']['goodput'] / modes['baselines']['all']['goodput']:.2f}x")
+    for mode in (m for m in modes if is_headrace(m)):
+        if "baselines" in modes and modes["baselines"]["all"]["goodput"]:
+            lines.append(f"{mode} / baselines total goodput: "
+                         f"{modes[mode]['all']['goodput'] / modes['baselines']['all']['goodput']:.2f}x")
+    return lines
+
+
+def chat_table(chat: dict[str, Any]) -> list[str]:
+    lines = [f"== chat: {chat['requests']} chats one at a time on a shared {chat['system_tokens']}-token system "
+             f"prompt, time to first token =="]
+    for mode, row in chat["modes"].items():
+        lines.append(f"{mode:<20} mean {row['mean_s'] * 1000:7.0f} ms  p50 {_f(row['p50_s'] * 1000, '.0f')} ms  "
+                     f"p95 {_f(row['p95_s'] * 1000, '.0f')} ms")
+    lines.append(f"prefix caching speeds time to first token up {_f(chat.get('ttft_speedup'), '.2f')}x")
     return lines
 
 
@@ -94,6 +110,8 @@ def text_report(results: dict[str, Any]) -> str:
             lines += single_table(name, section) + [""]
         if "load" in section:
             lines += load_table(name, section["load"]) + [""]
+    if "chat" in results:
+        lines += chat_table(results["chat"]) + [""]
     if "mixed" in results:
         lines += mixed_table(results["mixed"]) + [""]
     meta = results.get("meta", {})

@@ -3,12 +3,18 @@
 A workload is one built-in workflow with its inputs drawn from the corpus. A
 mode is a way to run it against the daemon under test:
 
-- ``headrace``: the workflow server-side, every pass on, topology-aware batching;
+- ``headrace``: the workflow server-side, every pass on, topology-aware batching,
+  under the LLM policy the daemon is configured with;
+- ``headrace-<policy>``: the same under one LLM policy (``fifo``, ``topology``,
+  ``objective``), set on the daemon's LLM before the mode runs;
 - ``sequential``: server-side, no pass, FIFO batching: the module chain inside
   the daemon (the internal baseline);
 - ``+<pass>``: the ablation ladder from ``sequential``, switching each pass on in
   turn (``+topology`` last would equal ``headrace``);
 - ``llamaindex`` (RAG) / ``chaining`` (summaries): the peer baselines as clients.
+
+The baselines, ``sequential`` and the ladder run under the ``fifo`` LLM policy,
+as a plain server serves requests.
 
 Every workflow setting stays at the graph issue's defaults (chunk size, top-k,
 expanded queries, synthesis mode) except the output length, which is shortened
@@ -25,6 +31,7 @@ from headrace.bench.corpus import Corpus
 PASSES = ("prune_dependencies", "stage_decomposition", "prefill_split", "decode_pipelining")
 HEADRACE = "headrace"
 SEQUENTIAL = "sequential"
+LLM_POLICIES = ("fifo", "topology", "objective")
 
 
 @dataclass(frozen=True)
@@ -64,10 +71,24 @@ def server_modes() -> dict[str, dict[str, Any]]:
         on.append(p)
         modes[f"+{p}"] = {"optimize": {"passes": list(on)}, "batch_policy": "fifo"}
     modes[HEADRACE] = {"optimize": {"passes": list(PASSES)}, "batch_policy": "topology"}
+    for policy in LLM_POLICIES:
+        modes[f"{HEADRACE}-{policy}"] = dict(modes[HEADRACE])
     return modes
+
+
+def llm_policy_of(mode: str) -> str | None:
+    """The LLM policy a mode runs under; None: whatever the daemon is configured with."""
+    if mode.startswith(f"{HEADRACE}-"):
+        return mode.removeprefix(f"{HEADRACE}-")
+    return None if mode == HEADRACE else "fifo"
+
+
+def is_headrace(mode: str) -> bool:
+    return mode == HEADRACE or mode.startswith(f"{HEADRACE}-")
 
 
 def default_modes(workload: Workload, ladder: bool) -> list[str]:
     """The baseline, sequential and headrace; with ``ladder``, every pass switched on in turn too."""
     modes = [workload.baseline] if workload.baseline else []
-    return modes + (list(server_modes()) if ladder else [SEQUENTIAL, HEADRACE])
+    ladder_modes = [m for m in server_modes() if m == SEQUENTIAL or m.startswith("+") or m == HEADRACE]
+    return modes + (ladder_modes if ladder else [SEQUENTIAL, HEADRACE])

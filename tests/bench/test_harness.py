@@ -89,3 +89,34 @@ def test_bad_workload_and_mode_are_named(server, capsys, tmp_path):
                  "--api-key", API_KEY, "--out", str(tmp_path)])
     assert code == 2
     assert "map_reduce_summary has no mode(s) ['llamaindex']" in capsys.readouterr().err
+
+
+def test_llm_policy_modes_load_from_capacity_and_the_chat_phase(server, tmp_path):
+    """Load points as fractions of the measured capacity, a fixed arrival count, each mode under its LLM
+    policy (set on the daemon, then restored), and chat TTFT with prefix caching off and on."""
+    import httpx
+
+    code = main(["bench", "naive_rag", *TINY, "--modes", "sequential", "headrace-topology",
+                 "--load-fractions", "2", "--arrivals", "3", "--drain", "120",
+                 "--load-modes", "headrace-fifo", "headrace-topology", "--chat", "3", "--system-tokens", "300",
+                 "--url", server.base_url, "--api-key", API_KEY, "--out", str(tmp_path)])
+    assert code == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    load = results["workloads"]["naive_rag"]["load"]
+    capacity = 1 / results["workloads"]["naive_rag"]["single"]["modes"]["sequential"]["mean_s"]
+    assert load["capacity"] == pytest.approx(capacity)
+    assert set(load["series"]) == {"headrace-fifo", "headrace-topology"}
+    for points in load["series"].values():
+        (point,) = points
+        assert point["offered"] == 3 and point["rate"] == pytest.approx(2 * capacity, rel=1e-3)
+        assert point["completed"] == 3 and point["p99_s"] >= point["p50_s"] > 0
+    chat = results["chat"]
+    assert chat["requests"] == 3 and 250 <= chat["system_tokens"] <= 300
+    for row in chat["modes"].values():
+        assert len(row["ttft_s"]) == 3 and row["mean_s"] > 0
+    assert chat["ttft_speedup"] > 0
+    text = (tmp_path / "results.txt").read_text()
+    assert "headrace-topology / headrace-fifo" in text and "prefix caching speeds" in text
+    settings = httpx.patch(f"{server.base_url}/v1/engines/smollm2", json={},
+                           headers={"Authorization": f"Bearer {API_KEY}"}).json()
+    assert settings["llm_policy"] == "fifo" and settings["prefix_caching"] is True  # the daemon's own, restored
