@@ -206,10 +206,11 @@ def test_priority_is_accepted(vllm_engine):
         urgent = await collect(engine.decode("urgent", GREEDY, priority=-5))
         await engine.free("urgent")
         late = await collect(engine.generate(tokens, GREEDY, priority=10))
-        return urgent, late
+        scored = await engine.next_token_logits([tokens], [tokens[0]], priority=3)  # the LLM reranker's call
+        return urgent, late, scored
 
-    urgent, late = portal.call(with_priorities)
-    assert urgent[1] and late[1]
+    urgent, late, scored = portal.call(with_priorities)
+    assert urgent[1] and late[1] and scored.shape == (1, 1)
 
     async def bad_priority():
         await collect(engine.generate(tokens, GREEDY, priority="high"))

@@ -378,7 +378,8 @@ class SGLangEngine:
             async for delta in deltas:
                 yield delta
 
-    async def next_token_logits(self, prompts: Sequence[Sequence[int]], token_ids: Sequence[int]) -> torch.Tensor:
+    async def next_token_logits(self, prompts: Sequence[Sequence[int]], token_ids: Sequence[int], *,
+                                priority: int = 0) -> torch.Tensor:
         """Log-probabilities of ``token_ids`` after each prompt: the logits less one constant per prompt.
 
         SGLang returns log-probabilities, not logits. Every comparison within a prompt (its
@@ -404,7 +405,7 @@ class SGLangEngine:
 
         async def score(row: int, prompt: TokenIds, scope: anyio.CancelScope) -> None:
             try:
-                outputs = self._submit(prompt, {"max_new_tokens": 0, "temperature": 0.0}, 0, "score",
+                outputs = self._submit(prompt, {"max_new_tokens": 0, "temperature": 0.0}, priority, "score",
                                        return_logprob=True, token_ids_logprob=wanted)
                 async with aclosing(outputs):
                     async for item in outputs:

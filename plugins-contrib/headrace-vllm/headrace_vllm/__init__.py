@@ -304,7 +304,8 @@ class VLLMEngine:
             async for delta in deltas:
                 yield delta
 
-    async def next_token_logits(self, prompts: Sequence[Sequence[int]], token_ids: Sequence[int]) -> torch.Tensor:
+    async def next_token_logits(self, prompts: Sequence[Sequence[int]], token_ids: Sequence[int], *,
+                                priority: int = 0) -> torch.Tensor:
         self._require_running()
         prompts = [list(p) for p in prompts]
         token_ids = list(token_ids)
@@ -325,7 +326,7 @@ class VLLMEngine:
         )
 
         async def score(row: int, prompt: TokenIds) -> None:
-            async with aclosing(self._submit(prompt, params, 0, "score")) as outputs:
+            async with aclosing(self._submit(prompt, params, priority, "score")) as outputs:
                 async for item in outputs:
                     if item.finish_reason is not None:
                         missing = [t for t in token_ids if t not in item.scores]
