@@ -41,13 +41,15 @@ class LLMPolicy(Protocol):
 
 
 class FifoLLMPolicy:
-    """Request-level, what a plain server does: every request ranks the same, so the engine serves them
-    in arrival order and every run's requests interleave with everyone else's. The baseline."""
+    """Request-level, what a plain server does: every request is a run of its own, ranked by its own
+    arrival, so the engine serves them first come first served and every run's requests interleave
+    with everyone else's. The baseline. (A run's own policy can then only order its requests that
+    arrive in the same millisecond: under FIFO there is no run to reorder within.)"""
 
     name = "fifo"
 
     def run_rank(self, meta: PrimitiveMeta | None, arrival_ms: int) -> int:
-        return 0
+        return arrival_ms
 
     def node_rank(self, meta: PrimitiveMeta | None) -> int:
         return 0

@@ -48,7 +48,11 @@ def test_policy_ranks():
     topology, objective, fifo = POLICIES["topology"], POLICIES["objective"], POLICIES["fifo"]
     ranks = [priority(topology, None, m, 99_000) for m in (old_deep, old_shallow, new_deep)]
     assert ranks == sorted(ranks) and len(set(ranks)) == 3
-    assert {priority(fifo, None, m, 99_000) for m in (old_deep, old_shallow, new_deep, None)} == {0}
+    # fifo: the request's own arrival, whatever its run or depth.
+    assert {priority(fifo, None, m, 99_000) for m in (old_deep, old_shallow, new_deep, None)} == {99_000 * 1024}
+    assert priority(fifo, None, new_deep, 5) < priority(fifo, None, old_deep, 6)
+    # Under fifo a run's own topology cannot jump its deep request ahead of older requests of other runs.
+    assert priority(fifo, topology, old_deep, 7) > priority(fifo, None, new_deep, 6)
     # A plain request ranks by its own arrival, as a run of one.
     assert priority(topology, None, old_deep, 0) < priority(topology, None, None, 10_500) < priority(
         topology, None, new_deep, 0)

@@ -48,3 +48,15 @@ def test_a_prompt_already_cached_whole_is_not_stored_twice():
     cache.insert(list(range(8)), lambda n: "x")
     cache.insert(list(range(8)) + [1], lambda n: "y")
     assert len(cache) == 1 and cache.used_tokens == 8
+
+
+def test_evicted_entries_are_handed_back():
+    freed: list[str] = []
+    cache: PrefixCache[str] = PrefixCache(capacity_tokens=8, block=4, on_evict=freed.append)
+    cache.insert([1] * 4, lambda n: "one")
+    cache.insert([2] * 4, lambda n: "two")
+    cache.insert([3] * 4, lambda n: "three")
+    assert freed == ["one"]
+    assert cache.evict_lru() and freed == ["one", "two"]
+    cache.clear()
+    assert freed == ["one", "two", "three"] and not cache.evict_lru()

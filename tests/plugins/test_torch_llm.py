@@ -407,3 +407,24 @@ def test_the_prefix_cache_stays_within_its_budget(llm):
     finally:
         cache.capacity_tokens = saved
         cache.clear()
+
+
+def test_prompts_queued_together_on_a_shared_prefix_compute_it_once(llm):
+    """Four chats on one 300-token system prompt, queued at once: the prefix is filled once, then forked."""
+    portal, engine = llm
+    core = engine.core
+    system = " ".join(f"Note {i}: the headrace feeds the wheel." for i in range(40))
+    prompts = [engine.chat_tokens([{"role": "system", "content": system}, {"role": "user", "content": q}])
+               for q in ("Why?", "How fast?", "Where from?", "Since when?")]
+    assert min(len(p) for p in prompts) > 300
+
+    async def all_at_once():
+        async with anyio.create_task_group() as tg:
+            for p in prompts:
+                tg.start_soon(text_of, engine.generate(p, SamplingParams(max_tokens=1, temperature=0)))
+
+    core.prefix_cache.clear()
+    before = core.token_counts["prefill"]
+    portal.call(all_at_once)
+    filled = core.token_counts["prefill"] - before
+    assert filled < len(prompts[0]) + 3 * (len(prompts[0]) - 280)

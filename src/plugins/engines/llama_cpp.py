@@ -47,6 +47,7 @@ from headrace.plugins.engines.llm_front import (
 )
 from headrace.plugins.engines.llama_cpp_files import QUANT_TYPES, llama, load_tokenizer, quantized_model
 from headrace.plugins.engines.model_paths import resolve_model
+from headrace.plugins.engines.prefix_cache import PrefixCache, PrefixCacheStats
 from headrace.plugins.engines.sampling import sample
 from headrace.plugins.hookspecs import hookimpl
 from headrace.plugins.protocols import EngineEnv, EngineSpec
@@ -75,6 +76,7 @@ class _Sequence:
     next_logits: torch.Tensor | None = None  # after its prefill, until a decode samples from them
     filling: bool = True  # its prefill has not finished
     decoding: bool = False
+    tokens: TokenIds = field(default_factory=list)  # its prompt (a fork: the parent's, then its own)
 
 
 @dataclass
@@ -178,6 +180,13 @@ class LlamaCppCore(LLMCore):
         self._n_ctx = _positive(opts.pop("n_ctx", 16384), f"{key}.n_ctx")
         self.max_contexts = _positive(opts.pop("n_seq_max", 64), f"{key}.n_seq_max")
         self.max_batch_tokens = _positive(opts.pop("max_batch_tokens", 512), f"{key}.max_batch_tokens")
+        # Automatic prefix caching: a cached prefix is a sequence of its own sharing the cells of the
+        # context it came from (seq_cp in a unified KV copies nothing), so it costs cells only once
+        # that context is gone; 0 tokens: off.
+        self.prefix_cache_tokens = int(opts.pop("prefix_cache_tokens", 4096))
+        self._cache_sequences = int(opts.pop("prefix_cache_sequences", 16))
+        if self.prefix_cache_tokens < 0 or self._cache_sequences < (1 if self.prefix_cache_tokens else 0):
+            raise ValueError(f"{key}.prefix_cache_tokens must be >= 0, and prefix_cache_sequences >= 1 with it")
         wait = opts.pop("context_wait_seconds", 120)
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait < 0:
             raise ValueError(f"{key}.context_wait_seconds: must be a number >= 0, not {wait!r}")
@@ -208,14 +217,18 @@ class LlamaCppCore(LLMCore):
         self._scoring: deque[_ScoreJob] = deque()
         # Tokens put through llama_decode since load, by part kind: what a cache or a shared prefix saved.
         self.token_counts = {"decode": 0, "prefill": 0, "score": 0}
+        self._cache_stats = PrefixCacheStats()  # counted across switching the cache off and on
+        self.prefix_cache: PrefixCache[int] | None = None  # made by load(): entries hold sequence ids
+        self._free_cache_seqs: list[int] = []
 
     # ----- lifetime ----------------------------------------------------------------------
 
     def load(self) -> None:
         lc = llama()
         limit = lc.llama_max_parallel_sequences()
-        if self.max_contexts + SCORE_SEQUENCES > limit:
-            raise ValueError(f"engines.{self.name}.options.n_seq_max: at most {limit - SCORE_SEQUENCES} "
+        if self.max_contexts + SCORE_SEQUENCES + self._cache_sequences > limit:
+            raise ValueError(f"engines.{self.name}.options.n_seq_max: at most "
+                             f"{limit - SCORE_SEQUENCES - self._cache_sequences} "
                              f"(llama.cpp runs {limit} sequences, {SCORE_SEQUENCES} of them for scoring)")
         self.tokenizer = load_tokenizer(self._path, self._env.cache_dir)
         self.model_file = quantized_model(self._path, self._env.cache_dir, self._quant, self._threads)
@@ -249,7 +262,7 @@ class LlamaCppCore(LLMCore):
         params = lc.llama_context_default_params()
         params.n_ctx = self._n_ctx
         params.n_batch = params.n_ubatch = self.max_batch_tokens  # one ubatch: a failed decode leaves no trace
-        params.n_seq_max = self.max_contexts + SCORE_SEQUENCES
+        params.n_seq_max = self.max_contexts + SCORE_SEQUENCES + self._cache_sequences
         params.kv_unified = True  # otherwise each sequence gets only n_ctx / n_seq_max cells
         params.n_threads = params.n_threads_batch = self._threads
         params.no_perf = True
@@ -261,6 +274,10 @@ class LlamaCppCore(LLMCore):
         self._batch = lc.llama_batch_init(self.max_batch_tokens, 0, 1)
         self._free_seqs = list(range(self.max_contexts - 1, -1, -1))  # a stack: low ids first
         self._free_scratch = list(range(self.max_contexts + SCORE_SEQUENCES - 1, self.max_contexts - 1, -1))
+        first_cache = self.max_contexts + SCORE_SEQUENCES
+        self._free_cache_seqs = list(range(first_cache + self._cache_sequences - 1, first_cache - 1, -1))
+        if self.prefix_cache_tokens > 0:
+            self.set_prefix_caching(True)
 
     def _close(self) -> None:
         """Free every llama.cpp object, on the worker thread, once nothing runs any more."""
@@ -295,10 +312,20 @@ class LlamaCppCore(LLMCore):
         now = time.monotonic()
         # The most urgent first (lowest priority; stable, so oldest first among equals).
         self._blocked = deque(sorted(self._blocked, key=lambda e: e[1].priority))
+        deferred: list[tuple[float, Prefill]] = []
+        try:
+            self._admit_in_order(now, deferred, out)
+        finally:
+            self._blocked.extendleft(reversed(deferred))
+
+    def _admit_in_order(self, now: float, deferred: list[tuple[float, Prefill]], out: Outbox) -> None:
         while self._blocked:
             since, job = self._blocked[0]
             if job.reply.abandoned:
                 self._blocked.popleft()
+                continue
+            if self._waits_for_shared_prefix(job):
+                deferred.append(self._blocked.popleft())  # next step it finds the prefix cached
                 continue
             if not self._free_seqs and job.ctx not in self._contexts:
                 if now - since < self._context_wait:
@@ -314,6 +341,20 @@ class LlamaCppCore(LLMCore):
                 self._add_prefill(job)
             except Exception as exc:
                 out.reply(job.reply, error=self.error(exc))
+
+    def _waits_for_shared_prefix(self, job: Prefill) -> bool:
+        """A fresh prompt sharing a longer prefix with a prompt being filled than the cache holds for it:
+        it waits for that fill to end, so the shared prefix is computed once."""
+        cache = self.prefix_cache
+        if cache is None or job.parent is not None:
+            return False
+        filling = [self._contexts[f.prefill.ctx].tokens for f in self._prefills
+                   if f.prefill is not None and f.prefill.ctx in self._contexts]
+        if not filling:
+            return False
+        shared = max(_common_length(tokens, job.tokens, len(job.tokens) - 1) for tokens in filling)
+        hit = cache.match(job.tokens, len(job.tokens) - 1)
+        return shared // cache.block * cache.block >= (hit[1] if hit else 0) + 2 * cache.block
 
     def wake_after(self) -> float | None:
         if not self._blocked:
@@ -342,11 +383,21 @@ class LlamaCppCore(LLMCore):
         if not self._free_seqs:
             raise EngineError(f"engine {self.name!r} holds at most {self.max_contexts} contexts at once "
                               f"(engines.{self.name}.options.n_seq_max); free some first")
+        # A fresh prompt starting with a cached prefix forks it and fills only the rest.
+        hit = None
+        if parent is None and self.prefix_cache is not None:
+            hit = self.prefix_cache.match(job.tokens, len(job.tokens) - 1)
+            self.prefix_cache.use(hit[0] if hit else None, len(job.tokens), hit[1] if hit else 0)
         seq = self._free_seqs.pop()
+        skip = 0
         if parent is not None:
             llama().llama_memory_seq_cp(self._mem, parent.seq, seq, -1, -1)
-        self._contexts[job.ctx] = _Sequence(seq=seq, length=base)
-        self._prefills.append(_Fill(seq=seq, tokens=list(job.tokens), start=base, prefill=job))
+        elif hit is not None:
+            entry, skip = hit
+            llama().llama_memory_seq_cp(self._mem, entry.kv, seq, 0, skip)  # positions [0, skip)
+        prompt = (parent.tokens if parent is not None else []) + list(job.tokens)
+        self._contexts[job.ctx] = _Sequence(seq=seq, length=base + skip, tokens=prompt)
+        self._prefills.append(_Fill(seq=seq, tokens=list(job.tokens[skip:]), start=base + skip, prefill=job))
 
     def add_scoring(self, job: Logits) -> None:
         result = torch.empty(len(job.prompts), len(job.token_ids), dtype=torch.float32)
@@ -394,8 +445,14 @@ class LlamaCppCore(LLMCore):
 
     def stats(self) -> dict[str, int]:
         # Waiting: decodes not yet in the batch, and prefills waiting for a free sequence.
-        return {"contexts": len(self._contexts), "decoding": len(self._rows),
-                "waiting": len(self._waiting) + len(self._blocked)}
+        stats = {"contexts": len(self._contexts), "decoding": len(self._rows),
+                 "waiting": len(self._waiting) + len(self._blocked)}
+        if self.prefix_cache_tokens > 0:
+            c = self._cache_stats
+            stats.update(prefix_cache_queries=c.queries, prefix_cache_hits=c.hits,
+                         prefix_cache_tokens=self.prefix_cache.used_tokens if self.prefix_cache else 0,
+                         prefix_cache_capacity=self.prefix_cache_tokens)
+        return stats
 
     # ----- one iteration -------------------------------------------------------------------
 
@@ -521,6 +578,13 @@ class LlamaCppCore(LLMCore):
         try:
             logits = self._decode(parts)
         except _DecodeFailed as exc:
+            if exc.rc == 1 and self.prefix_cache is not None and len(self.prefix_cache):
+                # No room in the KV: cached prefixes give their cells back before anything fails.
+                log.info("engine %s: the KV cache is full; dropping %d cached prefixes", self.name,
+                         len(self.prefix_cache))
+                self.prefix_cache.clear()
+                self._run(parts, out)
+                return
             if len(parts) == 1:
                 self._fail_part(parts[0], exc, out)
                 return
@@ -583,6 +647,8 @@ class LlamaCppCore(LLMCore):
             if fill.remaining == 0:
                 self._prefills.remove(fill)
                 seq.filling, seq.next_logits = False, logits[0]
+                if self.prefix_cache is not None:
+                    self.prefix_cache.insert(seq.tokens, lambda n, src=seq.seq: self._cache_copy(src, n))
                 out.reply(fill.prefill.reply)
         elif fill.remaining == 0 and fill.group is not None:
             fill.group.ready = True
@@ -596,6 +662,28 @@ class LlamaCppCore(LLMCore):
             if job.finished == len(job.cmd.prompts):
                 self._scoring.remove(job)
                 out.reply(job.cmd.reply, job.result)
+
+    def _cache_copy(self, src: int, n: int) -> int:
+        """A cache sequence holding positions [0, n) of ``src`` (the least recently used entry gives its up)."""
+        assert self.prefix_cache is not None
+        if not self._free_cache_seqs:
+            self.prefix_cache.evict_lru()
+        dst = self._free_cache_seqs.pop()
+        llama().llama_memory_seq_cp(self._mem, src, dst, 0, n)
+        return dst
+
+    def prefix_caching_enabled(self) -> bool:
+        return self.prefix_cache is not None
+
+    def set_prefix_caching(self, enabled: bool) -> None:
+        if self.prefix_cache_tokens <= 0:
+            super().set_prefix_caching(enabled)  # configured without one: refuse
+        if not enabled and self.prefix_cache is not None:
+            self.prefix_cache.clear()  # gives every cache sequence back
+            self.prefix_cache = None
+        elif enabled and self.prefix_cache is None:
+            self.prefix_cache = PrefixCache(self.prefix_cache_tokens, stats=self._cache_stats,
+                                            on_evict=lambda seq: self._drop_sequence(seq, self._free_cache_seqs))
 
     def _finish_decode(self, rows: list[Row], logits: torch.Tensor, out: Outbox) -> None:
         tokens = sample_rows(rows, logits)
@@ -663,6 +751,7 @@ class LlamaCppCore(LLMCore):
         self._prefills.clear()
         self._scoring.clear()
         self._contexts.clear()
+        self.prefix_cache = None  # its sequences went with llama.cpp's state
 
 
 class _DecodeFailed(RuntimeError):

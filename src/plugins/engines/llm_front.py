@@ -39,6 +39,13 @@ How a core plugs in (the torch engine in ``torch_llm.py`` is the reference):
 The front checks token ids against ``core.vocab_size`` and scoring prompts
 against ``core.max_context_tokens`` before queueing; a prefill over the context
 is for the core to refuse (it knows the parent's length).
+
+Every request carries the LLM scheduler's ``priority`` (lower first; the
+``Prefill``, ``Decode`` and ``Logits`` commands and each ``Row`` have it): when a
+core cannot run all its work in one iteration, it takes the most urgent first,
+in arrival order among equals. A core with a prefix cache implements
+``set_prefix_caching`` and ``prefix_caching_enabled`` (the front carries the
+switch to the worker as a command).
 """
 
 from __future__ import annotations

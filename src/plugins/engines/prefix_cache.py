@@ -48,6 +48,8 @@ class PrefixCache(Generic[KV]):
     capacity_tokens: int
     block: int = 16
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    # Called with an entry's kv as it leaves the cache (llama.cpp gives its sequence back); None: nothing to do.
+    on_evict: Callable[[KV], None] | None = None
     _entries: OrderedDict[int, CachedPrefix[KV]] = field(default_factory=OrderedDict)  # LRU order, by id
     _index: dict[int, CachedPrefix[KV]] = field(default_factory=dict)  # block hash -> an entry holding it
     used_tokens: int = 0
@@ -95,6 +97,13 @@ class PrefixCache(Generic[KV]):
         for h in block_hashes(entry.tokens, self.block):
             self._index[h] = entry
 
+    def evict_lru(self) -> bool:
+        """Drop the least recently used entry; False when there is none."""
+        if not self._entries:
+            return False
+        self._evict(next(iter(self._entries.values())))
+        return True
+
     def _evict(self, entry: CachedPrefix[KV]) -> None:
         del self._entries[id(entry)]
         self.used_tokens -= len(entry.tokens)
@@ -102,8 +111,13 @@ class PrefixCache(Generic[KV]):
         for h in block_hashes(entry.tokens, self.block):
             if self._index.get(h) is entry:
                 del self._index[h]
+        if self.on_evict is not None:
+            self.on_evict(entry.kv)
 
     def clear(self) -> None:
+        for entry in list(self._entries.values()):
+            if self.on_evict is not None:
+                self.on_evict(entry.kv)
         self._entries.clear()
         self._index.clear()
         self.used_tokens = 0

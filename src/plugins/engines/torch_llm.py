@@ -242,6 +242,11 @@ class TorchCore(LLMCore):
                 hit = hits[id(first)]
                 same = None if hit is None else (id(hit[0]), hit[1])
                 group = [e for e in group if (None if (h := hits[id(e[1])]) is None else (id(h[0]), h[1])) == same]
+                if hit is None:
+                    # Prompts that share a prefix with this one wait for it: once it is filled they find
+                    # that prefix cached (later this iteration, budget allowing), so it is computed once.
+                    least = 2 * cache.block
+                    group = [e for e in group if e[1] is first or _common_prefix(first.tokens, e[1].tokens) < least]
                 if hit is not None:
                     entry, n = hit
                     base = _Context(kv=[(k[:, :, :n], v[:, :, :n]) for k, v in entry.kv], length=n,
@@ -434,6 +439,15 @@ class TorchCore(LLMCore):
         if len(keep) < len(self._rows):
             self._batch.keep(keep)
             self._rows = [self._rows[i] for i in keep]
+
+
+def _common_prefix(a: TokenIds, b: TokenIds) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 @hookimpl
