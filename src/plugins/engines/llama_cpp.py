@@ -47,7 +47,7 @@ from headrace.plugins.engines.llm_front import (
 )
 from headrace.plugins.engines.llama_cpp_files import QUANT_TYPES, llama, load_tokenizer, quantized_model
 from headrace.plugins.engines.model_paths import resolve_model
-from headrace.plugins.engines.prefix_cache import PrefixCache, PrefixCacheStats
+from headrace.plugins.engines.prefix_cache import PrefixCache, PrefixCacheStats, cache_stats, common_prefix
 from headrace.plugins.engines.sampling import sample
 from headrace.plugins.hookspecs import hookimpl
 from headrace.plugins.protocols import EngineEnv, EngineSpec
@@ -162,12 +162,7 @@ def shared_prefix_groups(prompts: list[TokenIds], minimum: int) -> list[_SharedP
 
 
 def _common_length(a: TokenIds, b: TokenIds, limit: int) -> int:
-    n = 0
-    for x, y in zip(a[:limit], b[:limit]):
-        if x != y:
-            break
-        n += 1
-    return n
+    return common_prefix(a[:limit], b[:limit])
 
 
 class LlamaCppCore(LLMCore):
@@ -448,10 +443,7 @@ class LlamaCppCore(LLMCore):
         stats = {"contexts": len(self._contexts), "decoding": len(self._rows),
                  "waiting": len(self._waiting) + len(self._blocked)}
         if self.prefix_cache_tokens > 0:
-            c = self._cache_stats
-            stats.update(prefix_cache_queries=c.queries, prefix_cache_hits=c.hits,
-                         prefix_cache_tokens=self.prefix_cache.used_tokens if self.prefix_cache else 0,
-                         prefix_cache_capacity=self.prefix_cache_tokens)
+            stats.update(cache_stats(self._cache_stats, self.prefix_cache, self.prefix_cache_tokens))
         return stats
 
     # ----- one iteration -------------------------------------------------------------------

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Generic, Sequence, TypeVar
+from typing import Any, Callable, Generic, Sequence, TypeVar
 
 KV = TypeVar("KV")
 
@@ -28,6 +28,16 @@ def block_hashes(tokens: Sequence[int], block: int) -> list[int]:
         h = hash((h, tuple(tokens[end - block : end])))
         out.append(h)
     return out
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many tokens ``a`` and ``b`` share from the start."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 @dataclass(eq=False)
@@ -124,3 +134,10 @@ class PrefixCache(Generic[KV]):
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def cache_stats(stats: PrefixCacheStats, cache: PrefixCache[Any] | None, capacity: int) -> dict[str, int]:
+    """An engine's ``prefix_cache_*`` stats keys (what /metrics reads), its cache on or off."""
+    return {"prefix_cache_queries": stats.queries, "prefix_cache_hits": stats.hits,
+            "prefix_cache_tokens": cache.used_tokens if cache is not None else 0,
+            "prefix_cache_capacity": capacity}

@@ -40,7 +40,13 @@ from headrace.plugins.engines.llm_front import (
     sample_rows,
 )
 from headrace.plugins.engines.model_paths import resolve_model
-from headrace.plugins.engines.prefix_cache import CachedPrefix, PrefixCache, PrefixCacheStats
+from headrace.plugins.engines.prefix_cache import (
+    CachedPrefix,
+    PrefixCache,
+    PrefixCacheStats,
+    cache_stats,
+    common_prefix,
+)
 from headrace.plugins.engines.sampling import sample
 from headrace.plugins.engines.torch_loading import load_causal_lm, parse_dtype
 from headrace.plugins.hookspecs import hookimpl
@@ -151,10 +157,7 @@ class TorchCore(LLMCore):
         stats = {"contexts": len(self.contexts), "decoding": len(self._rows),
                  "waiting": len(self._waiting) + len(self._prefills)}
         if self.prefix_cache_tokens > 0:
-            c = self._cache_stats
-            stats.update(prefix_cache_queries=c.queries, prefix_cache_hits=c.hits,
-                         prefix_cache_tokens=self.prefix_cache.used_tokens if self.prefix_cache else 0,
-                         prefix_cache_capacity=self.prefix_cache_tokens)
+            stats.update(cache_stats(self._cache_stats, self.prefix_cache, self.prefix_cache_tokens))
         return stats
 
     def step(self, out: Outbox) -> None:
@@ -246,7 +249,7 @@ class TorchCore(LLMCore):
                     # Prompts that share a prefix with this one wait for it: once it is filled they find
                     # that prefix cached (later this iteration, budget allowing), so it is computed once.
                     least = 2 * cache.block
-                    group = [e for e in group if e[1] is first or _common_prefix(first.tokens, e[1].tokens) < least]
+                    group = [e for e in group if e[1] is first or common_prefix(first.tokens, e[1].tokens) < least]
                 if hit is not None:
                     entry, n = hit
                     base = _Context(kv=[(k[:, :, :n], v[:, :, :n]) for k, v in entry.kv], length=n,
@@ -439,15 +442,6 @@ class TorchCore(LLMCore):
         if len(keep) < len(self._rows):
             self._batch.keep(keep)
             self._rows = [self._rows[i] for i in keep]
-
-
-def _common_prefix(a: TokenIds, b: TokenIds) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 @hookimpl
