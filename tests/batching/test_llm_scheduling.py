@@ -104,7 +104,10 @@ def busy_llm(tmp_path_factory):
         observe_batch=lambda op, n, start, end: batches.append((op, n, end)),
     )
     engine = TorchLLM(EngineSpec(name="smollm2", plugin="torch",
-                                 options={"threads": 2, "max_iteration_tokens": PROMPT_TOKENS}), env)
+                                 # No prefix cache: each call's prompts repeat the last call's, and
+                                 # must cost a full iteration each again.
+                                 options={"threads": 2, "max_iteration_tokens": PROMPT_TOKENS,
+                                          "prefix_cache_tokens": 0}), env)
     engine.batches = batches
     with start_blocking_portal() as portal:
         future, _ = portal.start_task(engine.run)
