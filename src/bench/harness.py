@@ -237,10 +237,11 @@ def summarize_single(workload: Workload, modes: list[str], runs: list[dict], bou
 
 
 def slo_for(workload: Workload, single: dict[str, Any] | None) -> float | None:
-    """factor x the baseline's single-query latency (the in-daemon module chain's if there is no peer)."""
+    """factor x the baseline's single-query latency (the in-daemon module chain's if there is no peer, else
+    the first mode's)."""
     if not single:
         return None
-    for mode in (workload.baseline, SEQUENTIAL, HEADRACE):
+    for mode in (workload.baseline, SEQUENTIAL, HEADRACE, *single["modes"]):
         if mode in single["modes"]:
             return workload.slo_factor * single["modes"][mode]["mean_s"]
     return None
@@ -250,7 +251,7 @@ def capacity_for(workload: Workload, single: dict[str, Any] | None) -> float | N
     """Single-run throughput (req/s): one over the baseline's single-query latency, as ``slo_for`` picks it."""
     if not single:
         return None
-    for mode in (workload.baseline, SEQUENTIAL, HEADRACE):
+    for mode in (workload.baseline, SEQUENTIAL, HEADRACE, *single["modes"]):
         if mode in single["modes"]:
             return 1.0 / single["modes"][mode]["mean_s"]
     return None
