@@ -3,7 +3,7 @@
 The front (``llm_front``) serves the ``LLMEngine`` protocol on the event loop;
 this module is the torch core on the worker thread. Each iteration spends a
 token budget (``max_iteration_tokens``) on queued prefills (batched, children
-of one parent together) and chunks of at most ``SCORE_CHUNK`` prompts (and the budget) of
+of one parent together) and chunks of at most ``SCORE_CHUNK`` prompts of
 prefill-only scoring jobs, most urgent first (lowest ``priority``, then
 arrival), and then runs one decode step for every decoding context: contexts
 join the batch between steps, most urgent first, so the LLM policy decides
@@ -211,7 +211,7 @@ class TorchCore(LLMCore):
             if prefill is None and score is None:
                 return
             if score is not None and (prefill is None or score[0] < prefill[0]):
-                budget -= self._score_next(score[1], budget, out)
+                budget -= self._score_next(score[1], out)
             else:
                 budget -= self._prefill_group(prefill[1], budget, out)
 
@@ -328,18 +328,9 @@ class TorchCore(LLMCore):
                 self.prefix_cache.insert(ctx.tokens, lambda n: [(k[:, :, :n], v[:, :, :n]) for k, v in layers])
             out.replies.append((job.reply, None, None))
 
-    def _score_next(self, job: Logits, budget: int, out: Outbox) -> int:
-        """Score the next chunk of ``job`` within ``budget`` tokens (one prompt at least); the tokens spent.
-
-        Bounded by the budget, not only by SCORE_CHUNK: sixteen 430-token rerank prompts in one
-        forward pass stall every decoding stream for seconds on a CPU.
-        """
-        part: list[TokenIds] = []
-        for prompt in job.prompts[job.next : job.next + SCORE_CHUNK]:
-            width = max([len(p) for p in part] + [len(prompt)])
-            if part and width * (len(part) + 1) > budget:
-                break
-            part.append(prompt)
+    def _score_next(self, job: Logits, out: Outbox) -> int:
+        """Score the next chunk of ``job``; the tokens spent."""
+        part = job.prompts[job.next : job.next + SCORE_CHUNK]
         try:
             job.scored.append(self._score_chunk(part, job.token_ids))
         except Exception as exc:
