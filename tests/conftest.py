@@ -147,3 +147,10 @@ def live(tmp_path_factory):
 def idle(stats: dict) -> bool:
     """An LLM engine's stats say it holds no context and runs or queues nothing (other keys aside)."""
     return (stats["contexts"], stats["decoding"], stats["waiting"]) == (0, 0, 0)
+
+
+def prompts_on_a_shared_prefix(engine, n: int) -> tuple[list[int], list[int]]:
+    """Two chat prompts that start with the same ``n`` tokens of text: the prefix-cache tests' pair."""
+    prefix = engine.encode(" ".join(f"Rule {i}: the mill wheel turns when water flows." for i in range(60)))[:n]
+    ask = lambda q: engine.chat_tokens([{"role": "user", "content": q}])  # noqa: E731
+    return prefix + ask("Which way does the wheel turn?"), prefix + ask("What carries the water to the wheel?")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from anyio.from_thread import start_blocking_portal
 
-from conftest import idle
+from conftest import idle, prompts_on_a_shared_prefix
 from headrace.plugins.engines.llama_cpp import MIN_SHARED_SCORING_PREFIX, LlamaCppLLM, shared_prefix_groups
 from headrace.plugins.engines.llm_front import EngineError
 from headrace.plugins.protocols import EngineEnv, EngineSpec, SamplingParams
@@ -418,9 +418,7 @@ def test_a_shared_prefix_is_prefilled_once_and_decodes_as_uncached(llm):
     (seq_cp of its first positions) and fills only its own suffix."""
     portal, engine = llm
     core = engine.core
-    prefix = engine.encode(" ".join(f"Rule {i}: the mill wheel turns when water flows." for i in range(60)))[:500]
-    first = prefix + chat(engine, "Which way does the wheel turn?")
-    second = prefix + chat(engine, "What carries the water to the wheel?")
+    first, second = prompts_on_a_shared_prefix(engine, 500)
 
     async def answer(tokens):
         return await text_of(engine.generate(tokens, GREEDY))
