@@ -24,3 +24,136 @@ def test_hook_is_documented_with_its_signature(hook):
 def test_hook_has_a_one_line_docstring(hook):
     doc = getattr(hookspecs, hook).__doc__
     assert doc and "\n" not in doc.strip()
+
+
+# The README and docs name routes, metrics, CLI flags and config keys: each must exist in the code,
+# so the next drift between the two fails here rather than in a user's hands. --------------------
+
+import argparse
+import dataclasses
+import re
+
+from conftest import ROOT
+
+TEXTS = {p.relative_to(ROOT).as_posix(): p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]}
+
+
+def spans() -> list[tuple[str, str]]:
+    """Every inline code span of the docs, with the file it is in."""
+    return [(name, m.group(1)) for name, text in TEXTS.items() for m in re.finditer(r"`([^`\n]+)`", text)]
+
+
+def _route_key(method: str, path: str) -> tuple[str, str]:
+    return method, re.sub(r"\{[^}]*\}", "{}", path)
+
+
+def app_routes() -> set[tuple[str, str]]:
+    from headrace.daemon.app import create_app
+    from headrace.daemon.config import Config
+
+    out = set()
+    for route in create_app(Config()).routes:
+        for method in getattr(route, "methods", None) or ():
+            if method != "HEAD":
+                out.add(_route_key(method, route.path))
+    return out
+
+
+def documented_routes() -> set[tuple[str, str]]:
+    found = set()
+    for _, span in spans():
+        m = re.fullmatch(r"(GET|POST|PUT|PATCH|DELETE) (/[^\s`?]*)", span)
+        if m:
+            found.add(_route_key(m.group(1), m.group(2)))
+    return found
+
+
+def test_every_documented_route_is_served():
+    missing = documented_routes() - app_routes()
+    assert not missing, f"the docs name routes the app does not serve: {sorted(missing)}"
+
+
+def test_every_route_is_documented():
+    undocumented = app_routes() - documented_routes()
+    assert not undocumented, f"routes the README does not name: {sorted(undocumented)}"
+
+
+def _parsers() -> dict[str, argparse.ArgumentParser]:
+    from headrace.bench import cli as bench_cli
+    from headrace.daemon import cli as daemon_cli
+
+    parser, sub = daemon_cli.build_parser()
+    bench_cli.add_parser(sub)
+    return {"": parser, **sub.choices}
+
+
+def _flags(parser: argparse.ArgumentParser) -> set[str]:
+    return {s for action in parser._actions for s in action.option_strings if s.startswith("--")}
+
+
+def test_every_documented_cli_flag_exists():
+    parsers = _parsers()
+    every = set().union(*map(_flags, parsers.values()))
+    scripts = "\n".join(p.read_text() for p in (ROOT / "scripts").rglob("*") if p.is_file())
+    bad = []
+    for name, span in spans():
+        words = span.split()
+        flags = [w.strip("[]") for w in words if re.fullmatch(r"\[?--[a-z][-a-z]*\]?", w)]
+        flags = [f.split("=")[0] for f in flags]
+        if not flags:
+            continue
+        if words[0] == "headrace" and len(words) > 1 and words[1] in parsers:
+            known = _flags(parsers[words[1]])  # `headrace run ... --x`: a flag of that subcommand
+        elif words[0].startswith("--"):
+            known = every | set(re.findall(r"--[a-z][-a-z]*", scripts))  # a bare flag: headrace's or a script's
+        else:
+            continue  # another program's command line (pip, systemctl, a script with its own flags)
+        bad += [f"{name}: {f} in `{span}`" for f in flags if f not in known]
+    assert not bad, "flags the CLI does not have:\n" + "\n".join(bad)
+
+
+def _config_fields() -> dict[str, set[str]]:
+    from headrace.daemon import config
+
+    sections = {f.name: f.type for f in dataclasses.fields(config.Config)}
+    out = {name: {f.name for f in dataclasses.fields(getattr(config, cls))}
+           for name, cls in [("server", "ServerConfig"), ("data", "DataConfig"), ("batching", "BatchingConfig"),
+                             ("collections", "CollectionsConfig")]}
+    assert set(out) | {"engines"} == set(sections)
+    out["engines"] = {f.name for f in dataclasses.fields(config.EngineConfig)}
+    out["engines.batching"] = {f.name for f in dataclasses.fields(config.BatchingOverride)}
+    return out
+
+
+def test_every_documented_config_key_exists():
+    fields = _config_fields()
+    bad = []
+    for name, span in spans():
+        for section, key in [*re.findall(r"^\[([a-z.]+)\](?: ([a-z_]+))?", span),
+                             *re.findall(r"^(server|data|batching|collections)\.([a-z_]+)$", span)]:
+            if section == "engines.options":
+                continue  # an engine plugin's own options
+            if section not in fields or (key and key not in fields[section]):
+                bad.append(f"{name}: `{span}`")
+    assert not bad, "config keys the config does not have:\n" + "\n".join(bad)
+
+
+def _exposed_metrics(text: str) -> set[str]:
+    names = set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            names.add(line.split()[2])
+        elif line and not line.startswith("#"):
+            names.add(re.split(r"[{ ]", line, 1)[0])
+    return names
+
+
+@pytest.mark.slow
+def test_every_documented_metric_is_exposed(server):
+    exposed = _exposed_metrics(server.metrics())
+    named = {m for _, span in spans() for m in re.findall(r"^(headrace_[a-z_]+)(?:\{[^}]*\})?$", span)}
+    assert named, "the README names no metric"
+    assert not named - exposed, f"metrics the daemon does not expose: {sorted(named - exposed)}"
+    families = {re.sub(r"_(bucket|sum|count|created|total)$", "", m) for m in exposed if m.startswith("headrace_")}
+    unnamed = {f for f in families if not any(n == f or n.startswith(f + "_") for n in named)}
+    assert not unnamed, f"metrics the README does not name: {sorted(unnamed)}"

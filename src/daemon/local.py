@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 import anyio
+import torch
 
 from headrace.daemon.collections import CollectionRegistry
 from headrace.daemon.config import Config, ConfigError
@@ -104,15 +105,22 @@ async def profile(config: Config, name: str, max_batch: int = 256) -> int:
         engine = pool.slots[name].engine
         print(f"profiling {name} ({engine.kind}): items/s by batch size")
         best, best_size, stalls, size = 0.0, 1, 0, 1
-        while size <= max_batch and stalls < 2:
-            rate = await _rate(engine, size)
-            gain = rate / best if best else float("inf")
-            print(f"  batch {size:>4}: {rate:10.1f}/s" + ("" if best == 0 else f"   x{gain:.2f}"))
-            if rate > best * 1.05:
-                best, best_size, stalls = rate, size, 0
-            else:
-                stalls += 1
-            size *= 2
+        if engine.kind == "vector_store":  # searches need rows to search
+            await engine.ingest(PROFILE_TABLE, torch.randn(PROFILE_ROWS, PROFILE_DIM),
+                                [{"text": f"row {i}"} for i in range(PROFILE_ROWS)])
+        try:
+            while size <= max_batch and stalls < 2:
+                rate = await _rate(engine, size)
+                gain = rate / best if best else float("inf")
+                print(f"  batch {size:>4}: {rate:10.1f}/s" + ("" if best == 0 else f"   x{gain:.2f}"))
+                if rate > best * 1.05:
+                    best, best_size, stalls = rate, size, 0
+                else:
+                    stalls += 1
+                size *= 2
+        finally:
+            if engine.kind == "vector_store":
+                await engine.drop(PROFILE_TABLE)
     print(f"\nmax efficient batch size for {name}: {best_size}\n"
           f"set it with:\n  [engines.batching]\n  max_efficient_batch_size = {best_size}")
     return 0
@@ -121,6 +129,10 @@ async def profile(config: Config, name: str, max_batch: int = 256) -> int:
 def _dependencies(config: Config, name: str) -> list[str]:
     entry = config.engine(name)
     return [entry.options["llm"]] if "llm" in entry.options else []
+
+
+# The vector store is profiled on a scratch table of random rows at all-MiniLM's width.
+PROFILE_TABLE, PROFILE_ROWS, PROFILE_DIM = "profile_scratch", 4096, 384
 
 
 async def _rate(engine: Any, size: int) -> float:
@@ -132,6 +144,8 @@ async def _rate(engine: Any, size: int) -> float:
             await engine.embed(items)
         elif engine.kind == "rerank":
             await engine.score_pairs([("what is this about?", s) for s in items])
+        elif engine.kind == "vector_store":  # a batch of query vectors, k as the RAG workflows ask
+            await engine.search(PROFILE_TABLE, torch.randn(size, PROFILE_DIM), 16)
         elif engine.kind == "llm":
             async with anyio.create_task_group() as tg:
                 for s in items:

@@ -138,6 +138,10 @@ async def _search(node, scope, ctx, key):
     vectors, collection = scope[node.inputs[0]], scope[node.inputs[1]]
     if vectors.dim() == 1:
         vectors = vectors.unsqueeze(0)
+    if "slice" in node.params:  # a stage of a split search: its rows of the query vectors (a view)
+        vectors = vectors[slice(*node.params["slice"])]
+    if not len(vectors):
+        return {node.outputs[0]: []}
     hits = await sched.submit(VectorSearch(collection, vectors, node.params.get("k", 3)), len(vectors),
                               ctx.meta(node, key))
     return {node.outputs[0]: _dedupe([h.payload["text"] for row in hits for h in row])}
@@ -157,11 +161,15 @@ async def _text_search(node, scope, ctx, key):
 async def _rerank(node, scope, ctx, key):
     sched = _engine(node, ctx).batch()
     query, docs = str(scope[node.inputs[0]]), _texts(scope[node.inputs[1]])
+    if "slice" in node.params:  # a stage of a split rerank: its share of the documents
+        docs = docs[slice(*node.params["slice"])]
     if not docs:
         return {node.outputs[0]: []}
     meta = ctx.meta(node, key)
     scores = await sched.submit(RerankRequest(query, tuple(docs), meta), len(docs), meta)
     order = torch.argsort(scores.float(), descending=True, stable=True)[: node.params.get("top_n", 3)]
+    if "stage" in node.params:  # scored, so that the stages' aggregate can pick the best over all of them
+        return {node.outputs[0]: [(float(scores[i]), docs[i]) for i in order.tolist()]}
     return {node.outputs[0]: [docs[i] for i in order.tolist()]}
 
 
@@ -283,7 +291,9 @@ def aggregate(op: str, parts: list[Any], params: Mapping[str, Any]) -> Any:
         return len(parts)
     if op == "topk":
         items = [x for p in parts for x in (p if isinstance(p, list) else [p])]
-        return sorted(items, key=lambda x: x[0], reverse=True)[: params.get("k", 3)]
+        # sorted is stable, so equal scores keep part order, as one unsplit ranking would.
+        best = sorted(items, key=lambda x: x[0], reverse=True)[: params.get("k", 3)]
+        return [value for _, value in best] if params.get("values") else best
     if op == "filter":
         return [p for p in parts if params["keep"](p)]
     raise NodeError(f"unknown aggregate op {op!r}")

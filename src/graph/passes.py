@@ -16,7 +16,6 @@ from headrace.graph.prompts import PromptTemplate
 from headrace.plugins.hookspecs import hookimpl
 
 STREAMABLE = {Op.EMBED, Op.SEARCH, Op.TEXT_SEARCH}
-STAGEABLE = {Op.EMBED: 0, Op.INGEST: 0}  # op -> index of the input that is split into stages
 
 
 @dataclass
@@ -46,14 +45,22 @@ class PruneDependencies:
 
 
 class StageDecomposition:
-    """Pass 2: split an oversized batchable primitive into stages that pipeline into the next one."""
+    """Pass 2: split an oversized batchable primitive into stages that pipeline into the next one.
+
+    Ayo splits embeds, searches and reranks. An embed's stages feed the matching stages of the ingest
+    or search that reads its vectors, so stage i of those starts as soon as stage i of the embed ends.
+    A search or rerank larger than its own engine's limit splits on its own: every stage reads the
+    whole input and takes its slice (``params["slice"]``) of the query vectors or the documents.
+    """
 
     name = "stage_decomposition"
 
     def apply(self, graph: Graph, env: PassEnv) -> list[str]:
         changes = []
         for node in list(graph.nodes.values()):
-            if node.op != Op.EMBED or node.region or "slice" in node.params or not node.engine:
+            if node.id not in graph.nodes or node.op not in SPLITS or node.op == Op.INGEST:
+                continue
+            if node.region or "slice" in node.params or "stage" in node.params or not node.engine:
                 continue
             limit = env.max_efficient_batch(node.engine)
             if not limit or node.size <= limit:
@@ -61,18 +68,26 @@ class StageDecomposition:
             stages = math.ceil(node.size / limit)
             slices = [(i * limit, min(node.size, (i + 1) * limit)) for i in range(stages)]
             out = node.outputs[0]
-            self._split(graph, node, slices, out)
+            consumers = [graph.nodes[c] for c in graph.consumers(out)]
+            self._split(graph, node, slices, piped=None)
             changes.append(f"{node.id}: {stages} stages of <= {limit}")
-            for consumer in [graph.nodes[c] for c in graph.consumers(out)]:
-                if consumer.op == Op.INGEST and consumer.inputs[0] == out and "slice" not in consumer.params:
-                    self._split(graph, consumer, slices, out)
+            if node.op != Op.EMBED:
+                continue
+            for consumer in consumers:
+                if consumer.op in (Op.INGEST, Op.SEARCH) and consumer.inputs[0] == out and not consumer.region \
+                        and "slice" not in consumer.params and "stage" not in consumer.params:
+                    self._split(graph, consumer, slices, piped=out)
                     changes.append(f"{consumer.id}: {stages} stages pipelined after {node.id}")
         graph.rewire()
         return changes
 
     @staticmethod
-    def _split(graph: Graph, node: Node, slices: list[tuple[int, int]], source_var: str) -> None:
-        """Replace ``node`` by one stage per slice and an aggregate that restores its output."""
+    def _split(graph: Graph, node: Node, slices: list[tuple[int, int]], piped: str | None) -> None:
+        """Replace ``node`` by one stage per slice and an aggregate that restores its output.
+
+        ``piped``: the variable split by an upstream embed; stage i then reads that embed's stage i
+        instead of slicing the whole of it.
+        """
         # Only pruning drops order-only edges: the stages keep the node's predecessors, its successors
         # wait for the aggregate.
         order_in = [e.src for e in graph.in_edges(node.id) if e.var is None]
@@ -80,24 +95,35 @@ class StageDecomposition:
         graph.remove(node.id)
         parts = []
         for i, (start, end) in enumerate(slices):
-            inputs = tuple(f"{v}#{i}" if v == source_var and node.op != Op.EMBED else v for v in node.inputs)
+            inputs = tuple(f"{v}#{i}" if v == piped else v for v in node.inputs)
+            params = {**node.params, "stage": i}
+            # An ingest's vectors arrive sliced, its texts are sliced here; a search fed by an embed
+            # stage searches all the vectors it gets.
+            if not (piped is not None and node.op == Op.SEARCH):
+                params["slice"] = (start, end)
             stage = Node(
                 id=f"{node.id}#{i}", op=node.op, engine=node.engine, inputs=inputs,
-                outputs=tuple(f"{v}#{i}" for v in node.outputs),
-                params={**node.params, "slice": (start, end)}, component=node.component,
+                outputs=tuple(f"{v}#{i}" for v in node.outputs), params=params, component=node.component,
                 batchable=True, size=end - start,
             )
-            if node.op == Op.INGEST:  # vectors arrive already sliced by their embed stage
-                stage.params["slice"] = (start, end)
             graph.add(stage)
             parts.append(stage.outputs[0])
             for src in order_in:
                 graph.connect(src, stage.id)
-        op = "concat" if node.op == Op.EMBED else "last"
         agg = graph.add(Node(id=f"{node.id}.agg", op=Op.AGGREGATE, inputs=tuple(parts), outputs=node.outputs[:1],
-                             params={"op": op}, component=node.component))
+                             params=SPLITS[node.op](node), component=node.component))
         for dst in order_out:
             graph.connect(agg.id, dst)
+
+
+# How each splittable op's stages are put back together (the aggregate's params).
+SPLITS: dict[Op, Callable[[Node], dict]] = {
+    Op.EMBED: lambda node: {"op": "concat"},  # the vectors, rows in order
+    Op.INGEST: lambda node: {"op": "last"},  # the collection's name, once every stage has written
+    Op.SEARCH: lambda node: {"op": "concat", "dedupe": True},  # the hits, in query order
+    # Each rerank stage scores its documents; the best top_n over all stages, scores dropped.
+    Op.RERANK: lambda node: {"op": "topk", "k": node.params.get("top_n", 3), "values": True},
+}
 
 
 class PrefillSplit:

@@ -156,6 +156,60 @@ def test_stage_decomposition_keeps_order_edges_when_pruning_is_off():
     assert "embed_question" in g.descendants("chunk")
 
 
+def retrieval_graph(n_queries: int = 40, pool: int = 40) -> Graph:
+    """Queries embedded, searched, then the candidates reranked: the retrieval half of advanced_rag."""
+    g = Graph("retrieve")
+    g.add(Node("embed_q", Op.EMBED, engine="emb", inputs=("queries",), outputs=("qv",), batchable=True, size=n_queries))
+    g.add(Node("search", Op.SEARCH, engine="vs", inputs=("qv", "collection"), outputs=("pool",), batchable=True,
+               size=n_queries, params={"k": 4}))
+    g.add(Node("rerank", Op.RERANK, engine="rr", inputs=("question", "pool"), outputs=("top",), batchable=True,
+               size=pool, params={"top_n": 3}))
+    g.rewire()
+    return g
+
+
+def test_stage_decomposition_pipelines_a_search_after_its_split_embed():
+    g = retrieval_graph()
+    changes = StageDecomposition().apply(g, PassEnv(max_efficient_batch=lambda e: 16 if e == "emb" else None))
+    assert changes == ["embed_q: 3 stages of <= 16", "search: 3 stages pipelined after embed_q"]
+    for i in range(3):
+        stage = g.nodes[f"search#{i}"]
+        # Stage i searches exactly what embed stage i produced: no slice of its own.
+        assert stage.inputs == (f"qv#{i}", "collection") and "slice" not in stage.params
+        assert g.parents(stage.id) == [f"embed_q#{i}"] and stage.params["k"] == 4
+    agg = g.nodes["search.agg"]
+    assert agg.params == {"op": "concat", "dedupe": True} and agg.outputs == ("pool",)
+    assert g.parents("rerank") == ["search.agg"]
+
+
+def test_stage_decomposition_splits_an_oversized_search_and_rerank_on_their_own_limits():
+    g = retrieval_graph(n_queries=8, pool=40)
+    limits = {"emb": 64, "vs": 4, "rr": 16}
+    changes = StageDecomposition().apply(g, PassEnv(max_efficient_batch=limits.get))
+    assert changes == ["search: 2 stages of <= 4", "rerank: 3 stages of <= 16"]
+    assert [g.nodes[f"search#{i}"].params["slice"] for i in range(2)] == [(0, 4), (4, 8)]
+    assert all(g.nodes[f"search#{i}"].inputs == ("qv", "collection") for i in range(2))
+    assert [g.nodes[f"rerank#{i}"].params["slice"] for i in range(3)] == [(0, 16), (16, 32), (32, 40)]
+    agg = g.nodes["rerank.agg"]
+    assert agg.params == {"op": "topk", "k": 3, "values": True} and agg.outputs == ("top",)
+    g.topo_order()
+    assert StageDecomposition().apply(g, PassEnv(max_efficient_batch=limits.get)) == []
+
+
+def test_split_rerank_keeps_the_unsplit_ranking():
+    """The stages' scored tops, merged by the aggregate, equal one ranking of every document."""
+    from headrace.graph.ops import aggregate
+
+    scores = [0.3, 0.9, 0.1, 0.9, 0.5, 0.7, 0.2, 0.8]
+    docs = [f"d{i}" for i in range(len(scores))]
+    whole = [docs[i] for i in sorted(range(len(docs)), key=lambda i: -scores[i])[:3]]
+    stages = []
+    for start in range(0, len(docs), 3):
+        part = sorted(range(start, min(start + 3, len(docs))), key=lambda i: -scores[i])[:3]
+        stages.append([(scores[i], docs[i]) for i in part])
+    assert aggregate("topk", stages, {"k": 3, "values": True}) == whole == ["d1", "d3", "d7"]
+
+
 # Pass 3 ------------------------------------------------------------------------------
 
 
