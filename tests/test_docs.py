@@ -151,7 +151,7 @@ def _exposed_metrics(text: str) -> set[str]:
 @pytest.mark.slow
 def test_every_documented_metric_is_exposed(server):
     exposed = _exposed_metrics(server.metrics())
-    named = {m for _, span in spans() for m in re.findall(r"^(headrace_[a-z_]+)(?:\{[^}]*\})?$", span)}
+    named = {m for _, span in spans() for m in re.findall(r"^(headrace_[a-z0-9_]+)(?:\{[^}]*\})?$", span)}
     assert named, "the README names no metric"
     assert not named - exposed, f"metrics the daemon does not expose: {sorted(named - exposed)}"
     families = {re.sub(r"_(bucket|sum|count|created|total)$", "", m) for m in exposed if m.startswith("headrace_")}

@@ -166,3 +166,24 @@ def test_run_may_override_the_batch_policy(live):
 
     with pytest.raises(WorkflowInputError, match="unknown batch policy"):
         portal.call(svc.prepare, "naive_rag", {"question": QUESTION, "documents": DOCS}, {"batch_policy": "nope"})
+
+
+def test_advanced_rag_with_a_split_rerank(live, registry):
+    """Stage decomposition on the real engines: a rerank beyond its max efficient batch runs as stages."""
+    from headrace.graph.service import WorkflowService
+
+    portal, _, pool = live
+    limits = {"smollm2-rerank": 4}
+    svc = WorkflowService(registry.workflows, registry.passes, pool.resolve, pool.engines_by_kind, limits.get,
+                          policies=[*registry.batch_policies, *registry.llm_policies])
+    run = portal.call(svc.run, "advanced_rag", {"question": QUESTION, "documents": DOCS},
+                      {"max_tokens": 16, "n_queries": 2, "k_per_query": 4, "top_n": 2})
+    assert run.status == "succeeded", run.error
+    nodes = by_node(run)
+    assert "rerank" not in nodes
+    stages = sorted(n for n in nodes if n.startswith("rerank#"))
+    assert stages == [f"rerank#{i}" for i in range(3)]  # 4 * (2 + 1) candidates at most, 4 per stage
+    # The synthesis reads the aggregate, which waits for every stage.
+    agg = nodes["rerank.agg"][0]
+    assert agg.started >= max(nodes[s][0].finished for s in stages)
+    assert run.result["answer"].strip()
