@@ -24,6 +24,7 @@ from typing import Any, Sequence
 import anyio
 import torch
 
+from headrace.plugins.engines.handoff import HandoffStats, arrow_vectors, float32_rows, numpy_rows
 from headrace.plugins.hookspecs import hookimpl
 from headrace.plugins.protocols import EngineEnv, EngineSpec, SearchHit
 
@@ -52,6 +53,8 @@ class LanceDBStore:
         self._limiter = anyio.CapacityLimiter(1)
         self._db: Any = None
         self._tables: dict[str, Any] = {}
+        # Vectors arrive from the embedder by reference; what had to be copied is counted here.
+        self.handoff = HandoffStats()
 
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -88,14 +91,19 @@ class LanceDBStore:
             raise ValueError(f"ingest: {matrix.shape[0]} vectors but {len(payloads)} payloads")
         if not payloads:
             return []
-        rows = [_row(vec, payload) for vec, payload in zip(matrix.tolist(), payloads)]
-        return await self._call(self._ingest, collection, matrix.shape[1], rows, observe=("ingest", len(rows)))
+        matrix = float32_rows(matrix, self.handoff)
+        rows = _rows(matrix, payloads)
+        return await self._call(self._ingest, collection, matrix.shape[1], rows, observe=("ingest", len(payloads)))
 
     async def search(self, collection: str, vectors: torch.Tensor, k: int) -> list[list[SearchHit]]:
         matrix = _as_matrix(vectors)
         if k < 1:
             raise ValueError("k must be >= 1")
+        matrix = float32_rows(matrix, self.handoff)
         return await self._call(self._search, collection, matrix, k, observe=("search", matrix.shape[0]))
+
+    def stats(self) -> dict[str, int]:
+        return self.handoff.as_dict()
 
     async def drop(self, collection: str) -> None:
         """Delete a collection and its rows; dropping one that does not exist is no error."""
@@ -169,30 +177,21 @@ class LanceDBStore:
                            replace=False)
         return True
 
-    def _ingest(self, collection: str, dim: int, rows: list[dict[str, Any]]) -> list[str]:
+    def _ingest(self, collection: str, dim: int, rows: Any) -> list[str]:
         try:
             table = self._table(collection)
         except CollectionNotFound:
             table = self._create(collection, dim, rows)
-            return [row["id"] for row in rows]
+            return rows.column("id").to_pylist()
         _check_dim(collection, _table_dim(table), dim)
         table.add(rows)
         self._refresh_fts(table)
-        return [row["id"] for row in rows]
+        return rows.column("id").to_pylist()
 
-    def _create(self, collection: str, dim: int, rows: list[dict[str, Any]]) -> Any:
-        import pyarrow as pa
+    def _create(self, collection: str, dim: int, rows: Any) -> Any:
         from lancedb.index import FTS
 
-        schema = pa.schema(
-            [
-                pa.field("id", pa.string(), nullable=False),
-                pa.field("vector", pa.list_(pa.float32(), dim)),
-                pa.field("text", pa.string()),
-                pa.field("payload", pa.string()),
-            ]
-        )
-        table = self._db.create_table(collection, data=rows, schema=schema)
+        table = self._db.create_table(collection, data=rows, schema=_schema(dim))
         # Native (non-Tantivy) inverted index; lancedb 0.40 removed Tantivy FTS.
         table.create_index("text", config=FTS(), replace=True)
         self._tables[collection] = table
@@ -216,7 +215,7 @@ class LanceDBStore:
         table = self._table(collection)
         _check_dim(collection, _table_dim(table), matrix.shape[1])
         results = []
-        for query in matrix.tolist():
+        for query in numpy_rows(matrix):  # each a view of one row: LanceDB reads the embedder's memory
             rows = (
                 table.search(query, vector_column_name="vector")
                 .distance_type("cosine")
@@ -248,7 +247,7 @@ def _check_name(collection: str) -> None:
 
 
 def _as_matrix(vectors: torch.Tensor) -> torch.Tensor:
-    matrix = torch.as_tensor(vectors).detach().to(device="cpu", dtype=torch.float32)
+    matrix = torch.as_tensor(vectors).detach()  # float32 on the host: float32_rows, which counts a copy
     if matrix.ndim == 1:
         matrix = matrix.unsqueeze(0)
     if matrix.ndim != 2 or matrix.shape[1] == 0:
@@ -279,16 +278,28 @@ def _fts_index_name(table: Any) -> str | None:
     return None
 
 
-def _row(vector: list[float], payload: dict[str, Any]) -> dict[str, Any]:
-    row_id = payload.get("id")
-    row_id = str(row_id) if row_id is not None else uuid.uuid4().hex
-    text = payload.get("text")
-    return {
-        "id": row_id,
-        "vector": vector,
-        "text": text if isinstance(text, str) else None,
-        "payload": json.dumps(payload),
-    }
+def _schema(dim: int) -> Any:
+    import pyarrow as pa
+
+    return pa.schema(
+        [
+            pa.field("id", pa.string(), nullable=False),
+            pa.field("vector", pa.list_(pa.float32(), dim)),
+            pa.field("text", pa.string()),
+            pa.field("payload", pa.string()),
+        ]
+    )
+
+
+def _rows(matrix: torch.Tensor, payloads: Sequence[dict[str, Any]]) -> Any:
+    """The rows to write as an Arrow table whose vector column is the matrix's own memory."""
+    import pyarrow as pa
+
+    ids = [str(p["id"]) if p.get("id") is not None else uuid.uuid4().hex for p in payloads]
+    texts = [t if isinstance(t := p.get("text"), str) else None for p in payloads]
+    columns = [pa.array(ids, pa.string()), arrow_vectors(matrix), pa.array(texts, pa.string()),
+               pa.array([json.dumps(p) for p in payloads], pa.string())]
+    return pa.Table.from_arrays(columns, schema=_schema(matrix.shape[1]))
 
 
 def _hit(row: dict[str, Any], score: float) -> SearchHit:

@@ -114,9 +114,11 @@ class SentenceTransformerEmbedder:
             normalize_embeddings=True,
             show_progress_bar=False,
         )
-        # encode runs under inference_mode; clone so callers get an ordinary
-        # tensor they may modify in place.
-        return out.to(device="cpu", dtype=torch.float32).clone()
+        out = out.to(device="cpu", dtype=torch.float32)
+        # encode runs under inference_mode: a tensor made there cannot be modified in place
+        # outside it, so only then is it cloned (a float32 model's output); any other dtype's
+        # conversion above already made an ordinary tensor, the one handed on by reference.
+        return out.clone() if out.is_inference() else out
 
     def _encode_packed(self, model: Any, texts: list[str]) -> torch.Tensor:
         transformer = model[0]
@@ -132,7 +134,8 @@ class SentenceTransformerEmbedder:
                     token_type_ids=torch.zeros_like(batch.input_ids).to(self._device),
                 ).last_hidden_state
                 out.append(mean_pool(hidden.cpu(), batch.spans))
-        return torch.nn.functional.normalize(torch.cat(out), dim=-1).clone()
+        # Outside inference_mode, so an ordinary tensor: handed on as it is (the store reads this memory).
+        return torch.nn.functional.normalize(torch.cat(out), dim=-1)
 
 
 def _packable(model: Any) -> bool:
