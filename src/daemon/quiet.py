@@ -28,11 +28,16 @@ def quiet_libraries() -> None:
 
     import transformers
 
+    # Also switches huggingface_hub's bars off.
     transformers.utils.logging.disable_progress_bar()
-    # transformers logs its deprecations and advice at WARNING through its own handler.
+    # transformers logs its deprecations and advice at WARNING through a stderr handler of its own.
     transformers.utils.logging.set_verbosity_error()
+    # Its GGUF loader draws a bare tqdm bar that ignores the switch above (and tqdm's own
+    # TQDM_DISABLE is read when tqdm is imported, which torch has done by now): hand it
+    # transformers' switchable bar instead.
     try:
-        from huggingface_hub.utils import disable_progress_bars
-    except ImportError:
+        from transformers import modeling_gguf_pytorch_utils as gguf_loader
+    except ImportError:  # no gguf package: no GGUF loads either
         return
-    disable_progress_bars()
+    if hasattr(gguf_loader, "tqdm"):
+        gguf_loader.tqdm = transformers.utils.logging.tqdm
