@@ -92,7 +92,10 @@ def test_naive_rag_streams_the_answer_tokens(server):
         events = list(read_events(r))
     deltas = [d for e, d in events if e == "node.partial" and "delta" in d]
     assert len(deltas) >= 2, "the answer came in one piece, not token by token"
-    assert {d["node"] for d in deltas} == {"one_shot_decode"} and all(d["key"] == [] for d in deltas)
+    graph = get(server, f"/v1/runs/{deltas[0]['run']}/graph").json()["graph"]
+    answer_decodes = {n["id"] for n in graph["nodes"] if n["op"] == "decode" and "answer" in n["outputs"]}
+    assert len(answer_decodes) == 1 and {d["node"] for d in deltas} == answer_decodes  # the answer's tokens only
+    assert all(d["key"] == [] for d in deltas)
     # Every token arrives before the run ends, and together they are the answer.
     assert [e for e, _ in events].index("run.finished") > max(i for i, (e, d) in enumerate(events) if "delta" in d)
     assert "".join(d["delta"] for d in deltas).strip() == events[-1][1]["result"]["answer"]
