@@ -56,6 +56,9 @@ class BatchScheduler:
         self._observer = observer or NullObserver()
         self._queue: list[Pending] = []
         self._arrived = anyio.Event()
+        # When the batch running now started (None: none runs): a batch that never ends is a
+        # wedged engine, which the daemon's watchdog looks for.
+        self.busy_since: float | None = None
 
     @property
     def waiting(self) -> int:
@@ -89,6 +92,7 @@ class BatchScheduler:
             batch = self._select()
             for item in batch:
                 self._queue.remove(item)
+            self.busy_since = time.monotonic()
             try:
                 await self._run_batch(batch, first_try=True)
             except BaseException:
@@ -99,6 +103,8 @@ class BatchScheduler:
                         item.resolve(error=RuntimeError(f"engine {self.name!r}: its scheduler stopped "
                                                         "while running the request"))
                 raise
+            finally:
+                self.busy_since = None
 
     async def _fill(self) -> None:
         """Wait for a request, then up to max_wait past the oldest's arrival for a full batch.

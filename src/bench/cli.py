@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from headrace.bench.workloads import WORKLOADS
+from headrace.daemon.config import default_config_path
 
 DEFAULT_OUT = Path("bench-results")
 
@@ -51,8 +52,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--url", help="a running daemon's base URL (default: start one with --config)")
     p.add_argument("--api-key", default=os.environ.get("HEADRACE_API_KEY", ""), help="its API key")
-    p.add_argument("--config", type=Path, default=Path(os.environ.get("HEADRACE_CONFIG", "configs/default.toml")),
-                   help="daemon config: started with it unless --url; its LLM's tokenizer is the baselines'")
+    p.add_argument("--config", type=Path,
+                   default=default_config_path(),
+                   help="the daemon's TOML config (default: $HEADRACE_CONFIG, else the packaged CPU default): "
+                        "started with it unless --url; its LLM's tokenizer is the baselines'")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results directory (default bench-results/)")
 
 

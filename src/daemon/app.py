@@ -27,7 +27,7 @@ from headrace.daemon.routes_collections import (add_documents, create_collection
 from headrace.daemon.routes_engines import update_engine
 from headrace.daemon.routes_retrieval import embeddings, rerank
 from headrace.daemon.routes_workflows import (cancel_run, create_run, get_run, get_timeline, get_timeline_png,
-                                               list_workflows, run_graph)
+                                               list_runs, list_workflows, run_graph)
 from headrace.graph.service import WorkflowService
 from headrace.plugins.manager import Registry, collect
 
@@ -159,6 +159,7 @@ def create_app(config: Config, registry: Registry | None = None) -> Starlette:
             Route("/v1/engines/{engine}", update_engine, methods=["PATCH"]),
             Route("/v1/workflows", list_workflows),
             Route("/v1/workflows/{name}/runs", create_run, methods=["POST"]),
+            Route("/v1/runs", list_runs),
             Route("/v1/runs/{run_id}", get_run),
             Route("/v1/runs/{run_id}", cancel_run, methods=["DELETE"]),
             Route("/v1/runs/{run_id}/graph", run_graph),

@@ -1,4 +1,4 @@
-"""The ``headrace`` command: serve, plugins, version."""
+"""The ``headrace`` command: serve, run, profile, ingest, plugins, version."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from headrace import __version__
-from headrace.daemon.config import ConfigError, load_config
+from headrace.daemon.config import ConfigError, default_config_path, load_config
+from headrace.daemon.quiet import quiet_libraries
 from headrace.graph.collections import UnknownCollection
 from headrace.graph.executor import first_error
 from headrace.graph.service import UnknownWorkflow
@@ -19,13 +20,20 @@ from headrace.graph.workflow import WorkflowInputError
 from headrace.plugins.manager import PluginError, collect
 
 
+def _add_config(parser: argparse.ArgumentParser) -> None:
+    """``--config``: the daemon's TOML, with the same meaning and default in every subcommand."""
+    parser.add_argument("--config", type=Path, default=default_config_path(),
+                        help="the daemon's TOML config: engines, server, batching "
+                             "(default: $HEADRACE_CONFIG, else the packaged CPU default, configs/default.toml)")
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, Any]:
     """The parser and its subcommands (``headrace.cli`` adds ``bench`` to them)."""
     parser = argparse.ArgumentParser(prog="headrace", description="Serve compound-AI workflows.")
+    parser.add_argument("--version", action="version", version=f"headrace {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the daemon")
-    serve.add_argument("--config", type=Path, default=os.environ.get("HEADRACE_CONFIG"),
-                       help="TOML config file (default: $HEADRACE_CONFIG)")
+    _add_config(serve)
     serve.add_argument("--host", help="server.host")
     serve.add_argument("--port", type=int, help="server.port")
     serve.add_argument("--api-key", help="server.api_key (or HEADRACE_API_KEY)")
@@ -35,13 +43,15 @@ def build_parser() -> tuple[argparse.ArgumentParser, Any]:
     run.add_argument("workflow")
     run.add_argument("--input", action="append", default=[], metavar="KEY=VALUE",
                      help="a workflow input (JSON, or @file for a file's text); repeat a key for a list")
-    run.add_argument("--config", type=Path, help="the run's config as a JSON file")
-    run.add_argument("--daemon-config", type=Path, default=os.environ.get("HEADRACE_CONFIG", "configs/default.toml"),
-                     help="the engines to load (default: $HEADRACE_CONFIG or configs/default.toml)")
+    _add_config(run)
+    run.add_argument("--run-config", type=Path, metavar="FILE", help="the run's config (its JSON object) from a file")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
+                     help="one run config setting (JSON, else a string), over --run-config; "
+                          "a dotted key sets a nested one (optimize.passes=[]); repeatable")
     prof = sub.add_parser("profile", help="measure an engine's max efficient batch size")
     prof.add_argument("engine")
     prof.add_argument("--max-batch", type=int, default=256, help="largest batch size to try")
-    prof.add_argument("--daemon-config", type=Path, default=os.environ.get("HEADRACE_CONFIG", "configs/default.toml"))
+    _add_config(prof)
     ingest = sub.add_parser("ingest", help="load text and markdown files into a collection of a running daemon")
     ingest.add_argument("collection", help="the collection (created when missing)")
     ingest.add_argument("paths", nargs="+", metavar="PATH",
@@ -95,19 +105,43 @@ def _local(args: argparse.Namespace) -> int:
     from headrace.daemon import local
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    logging.basicConfig(level="WARNING")
-    config = load_config(args.daemon_config)
+    quiet_libraries()
+    logging.basicConfig(level="WARNING", format="%(message)s")
+    logging.getLogger("headrace.daemon.pool").setLevel("INFO")  # one line per engine as it loads
+    config = load_config(args.config)
     if args.command == "profile":
         if args.engine not in {e.name for e in config.engines}:
-            raise ConfigError("engine", f"no engine named {args.engine!r} in {args.daemon_config}")
+            raise ConfigError("engine", f"no engine named {args.engine!r} in {args.config}")
         return anyio.run(local.profile, config, args.engine, args.max_batch)
-    run_config = {}
-    if args.config is not None:
+    return anyio.run(local.run_workflow, config, args.workflow, args.input, _run_config(args))
+
+
+def _run_config(args: argparse.Namespace) -> dict[str, Any]:
+    """``--run-config``'s JSON object, then each ``--set`` over it."""
+    run_config: dict[str, Any] = {}
+    if args.run_config is not None:
         try:
-            run_config = json.loads(args.config.read_text())
+            run_config = json.loads(args.run_config.read_text())
         except (OSError, json.JSONDecodeError) as exc:
-            raise ConfigError("--config", f"{args.config}: {exc}") from None
-    return anyio.run(local.run_workflow, config, args.workflow, args.input, run_config)
+            raise ConfigError("--run-config", f"{args.run_config}: {exc}") from None
+        if not isinstance(run_config, dict):
+            raise ConfigError("--run-config", f"{args.run_config}: expected a JSON object")
+    for setting in args.settings:
+        key, sep, raw = setting.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"--set {setting}", "expected key=value")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        *parents, leaf = key.split(".")
+        table = run_config
+        for part in parents:
+            if not isinstance(table.get(part, {}), dict):
+                raise ConfigError(f"--set {setting}", f"{part!r} is already set to a value that is not an object")
+            table = table.setdefault(part, {})
+        table[leaf] = value
+    return run_config
 
 
 def _ingest(args: argparse.Namespace) -> int:
@@ -133,13 +167,14 @@ def _plugins() -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models come from disk, never a hub
+    quiet_libraries()
     config = load_config(
         args.config,
         overrides={"server.host": args.host, "server.port": args.port, "server.api_key": args.api_key,
                    "data.dir": args.data_dir, "server.log_level": args.log_level},
     )
     if not config.engines:
-        raise ConfigError("engines", "no engines configured; pass --config configs/default.toml")
+        raise ConfigError("engines", f"no engines configured in {args.config}")
     logging.basicConfig(level=config.server.log_level.upper() if config.server.log_level != "trace" else "DEBUG",
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvicorn

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.resources
 import os
 import re
 import tomllib
@@ -368,6 +369,16 @@ def _env_settings(env: Mapping[str, str]) -> list[tuple[str, str, str, str]]:
             if rest.startswith(section + "_"):
                 found.append((section, rest[len(section) + 1:], env[var], var))
     return found
+
+
+def packaged_config_path() -> Path:
+    """The CPU default config, shipped inside the package (``configs/default.toml`` links to it)."""
+    return Path(str(importlib.resources.files("headrace.daemon").joinpath("default.toml")))
+
+
+def default_config_path(env: Mapping[str, str] = os.environ) -> Path:
+    """The daemon config a command loads when not given one: ``$HEADRACE_CONFIG``, else the packaged default."""
+    return Path(env["HEADRACE_CONFIG"]) if env.get("HEADRACE_CONFIG") else packaged_config_path()
 
 
 def load_config(

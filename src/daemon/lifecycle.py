@@ -2,6 +2,9 @@
 
 - Alive: the lifespan's task groups are running and the engine pool says its loops are.
   ``/health`` answers 503 otherwise, and the systemd watchdog stops being pinged.
+- Under systemd's watchdog, every tick also asks each engine's worker for a heartbeat (the
+  tick itself running shows the event loop is alive): an engine wedged in a forward pass
+  stops the pings, so systemd restarts the daemon, and ``/health`` names it meanwhile.
 - Draining: from the first SIGTERM/SIGINT on, ``/ready`` is 503 and new requests get 503
   (probes still answer) while in-flight requests and runs get ``server.drain_seconds`` to
   finish; what is left then is cancelled. ``drained`` tells the server it may stop.
@@ -31,9 +34,9 @@ log = logging.getLogger(__name__)
 # Probes answer during a drain (a load balancer polls /ready to take the replica out) and
 # are not in-flight work the drain waits for.
 PROBE_PATHS = frozenset({"/health", "/ready", "/metrics"})
-# Runs already started may still be read and cancelled while draining: a client collects
-# its background run's result there before the daemon exits.
-RUN_PATHS = "/v1/runs/"
+# Runs already started may still be listed, read and cancelled while draining: a client
+# collects its background run's result there before the daemon exits.
+RUN_PATHS = "/v1/runs"
 
 
 @dataclass
@@ -52,6 +55,7 @@ class Lifecycle:
         self.in_flight = 0  # HTTP requests being answered, probes excepted
         self._drain_asked: anyio.Event | None = None  # events belong to a loop: made in run()
         self._idle: anyio.Event | None = None
+        self.stalled: dict[str, str] = {}  # engines whose worker the watchdog found wedged at its last tick
 
     # ----- liveness and readiness ----------------------------------------------------
 
@@ -63,7 +67,8 @@ class Lifecycle:
             problems["daemon"] = "the daemon's task groups are not running"
         pool_state = self.pool.health()
         problems.update(pool_state.problems)
-        return Health(alive=alive and pool_state.alive, problems=problems)
+        problems.update(self.stalled)
+        return Health(alive=alive and pool_state.alive and not self.stalled, problems=problems)
 
     @property
     def ready(self) -> bool:
@@ -94,11 +99,27 @@ class Lifecycle:
             self.serving = False
 
     async def _ping_watchdog(self, interval: float) -> None:
-        # systemd restarts the unit when pings stop, so ping only while truly alive.
+        """Every ``interval`` (half the watchdog's timeout) ping systemd, but only while truly alive.
+
+        Each engine's worker gets ``interval`` to answer; one that does not withholds this tick's
+        ping, and a worker wedged for as long as the watchdog's timeout lets systemd restart us.
+        """
+        withheld: dict[str, str] = {}
         while True:
-            if self.health().alive:
+            tick = anyio.current_time()
+            self.stalled = await self.pool.unresponsive(within=interval)
+            state = self.health()
+            if state.alive:
+                if withheld:
+                    log.warning("watchdog: alive again, pinging systemd")
                 systemd.notify("WATCHDOG=1")
-            await anyio.sleep(interval)
+                withheld = {}
+            else:
+                if state.problems != withheld:
+                    log.error("watchdog: not pinging systemd: %s",
+                              "; ".join(f"{name}: {why}" for name, why in state.problems.items()))
+                withheld = state.problems
+            await anyio.sleep(max(0.0, interval - (anyio.current_time() - tick)))
 
     # ----- drain -----------------------------------------------------------------------
 
@@ -118,6 +139,7 @@ class Lifecycle:
 
     async def _drain(self, runs: anyio.CancelScope) -> None:
         systemd.notify("STOPPING=1")
+        systemd.notify(f"STATUS=draining: {self.in_flight} request(s) and {len(self.active_runs())} run(s) in flight")
         log.info("draining: %d request(s) and %d run(s) in flight get up to %gs to finish; new requests get 503",
                  self.in_flight, len(self.active_runs()), self.drain_seconds)
         with anyio.move_on_after(self.drain_seconds):

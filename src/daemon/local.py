@@ -55,7 +55,11 @@ def parse_inputs(pairs: list[str], schema: dict[str, Any]) -> dict[str, Any]:
         if not sep or not key:
             raise WorkflowInputError(f"--input {pair}", "expected key=value")
         if raw.startswith("@"):
-            value: Any = Path(raw[1:]).read_text()
+            try:
+                value: Any = Path(raw[1:]).read_text()
+            except (OSError, UnicodeDecodeError) as exc:
+                reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+                raise WorkflowInputError(f"--input {key}", f"cannot read {raw[1:]}: {reason}") from None
         else:
             try:
                 value = json.loads(raw)

@@ -40,6 +40,13 @@ ERRORS = {
     "5XX": _json(_ref(s.ErrorResponse), "the server failed or is not ready; OpenAI's error envelope"),
 }
 RUN_ID = {"name": "run_id", "in": "path", "required": True, "schema": {"type": "string"}}
+
+
+def _query(model: type[BaseModel]) -> list[dict[str, Any]]:
+    """A query model's fields as OpenAPI query parameters (the route validates with the same model)."""
+    schema = model.model_json_schema()
+    return [{"name": name, "in": "query", "required": name in schema.get("required", ()), "schema": prop}
+            for name, prop in schema["properties"].items()]
 COLLECTION = {"name": "collection", "in": "path", "required": True,
               "schema": {"type": "string", "pattern": s.COLLECTION_NAME}}
 ENGINE_NAME = {"name": "engine", "in": "path", "required": True, "schema": {"type": "string"}}
@@ -63,7 +70,7 @@ def document(workflows: Mapping[str, Workflow]) -> dict[str, Any]:
     requests = [s.ChatCompletionRequest, s.CompletionRequest, s.EmbeddingRequest, s.RerankRequest, s.RunRequest,
                 s.CreateCollectionRequest, s.AddDocumentsRequest, s.EngineSettingsRequest]
     responses = [s.ErrorResponse, s.Health, s.Readiness, s.ModelList, s.ChatCompletion, s.Completion,
-                 s.EmbeddingList, s.RerankResponse, s.WorkflowList, s.RunRecord, s.RunGraph, s.RunTimeline,
+                 s.EmbeddingList, s.RerankResponse, s.WorkflowList, s.RunRecord, s.RunList, s.RunGraph, s.RunTimeline,
                  s.CollectionCard, s.CollectionList, s.DocumentsAdded, s.Deleted, s.EngineSettings]
     _, defs = models_json_schema([(m, "validation") for m in requests + responses], ref_template=REF)
     components = dict(defs.get("$defs", {}))
@@ -104,6 +111,8 @@ def document(workflows: Mapping[str, Workflow]) -> dict[str, Any]:
             "change a live engine's settings: an LLM's scheduling policy, its prefix caching",
             {"200": _json(_ref(s.EngineSettings))}, _ref(s.EngineSettingsRequest), params=[ENGINE_NAME])},
         "/v1/workflows": {"get": _op("the workflows and their schemas", {"200": _json(_ref(s.WorkflowList))})},
+        "/v1/runs": {"get": _op("the caller's own runs, newest first, a page at a time",
+                                {"200": _json(_ref(s.RunList))}, params=_query(s.RunListQuery))},
         "/v1/runs/{run_id}": {
             "get": _op("a run's record", {"200": _json(_ref(s.RunRecord))}, params=[RUN_ID]),
             "delete": _op("cancel a run", {"200": _json(_ref(s.RunRecord))}, params=[RUN_ID]),
@@ -126,7 +135,9 @@ def document(workflows: Mapping[str, Workflow]) -> dict[str, Any]:
         paths[f"/v1/workflows/{name}/runs"] = {"post": _op(
             f"run {name}: {workflow.description}",
             {"200": _json(_ref(s.RunRecord), "the finished run", stream=True),
-             "202": _json(_ref(s.RunRecord), "the run, started in the background")},
+             "202": {**_json(_ref(s.RunRecord), "the run, started in the background"),
+                     "headers": {"Location": {"description": "the run's URL, /v1/runs/{id}",
+                                              "schema": {"type": "string"}}}}},
             {"$ref": REF.format(model=f"RunRequest_{name}")})}
     return {
         "openapi": "3.1.0",

@@ -34,6 +34,13 @@ OP_COLOURS = {
 }
 SPARE_COLOURS = ("#8c564b", "#c49c94", "#dbdb8d", "#9edae5", "#c7c7c7", "#ff9896", "#98df8a", "#aec7e8")
 BUSY_COLOUR = "#252525"
+# How a bar shows a node that did not simply finish: its edge colour and hatch. The bars and
+# the legend both read this table, so the legend always holds every style a bar uses.
+STATE_STYLES = {
+    "running": ("#636363", "///", "still running"),
+    "failed": ("#d62728", "xx", "failed"),
+    "cancelled": ("#7f7f7f", "xx", "cancelled"),
+}
 
 LANE = 1.0  # data units per lane; one bar per lane
 STRIP = 0.35  # the engine-busy strip under a row
@@ -110,19 +117,24 @@ def _title(timeline: dict, title: str | None) -> str:
     return f"{timeline.get('workflow') or 'workflow'}  ·  run {run[:16]}{total}" + (f"  ({status})" if status else "")
 
 
-def _empty_png(title: str) -> bytes:
+def _empty_figure(title: str) -> Figure:
     fig = Figure(figsize=(WIDTH_IN, 2.0), dpi=DPI)
     fig.suptitle(title, fontsize=11)
     fig.text(0.5, 0.45, "no primitives ran", ha="center", va="center", fontsize=12, color="#636363")
-    return figure_png(fig)
+    return fig
 
 
 def timeline_png(timeline: dict, title: str | None = None) -> bytes:
     """A Gantt chart of one run: a row per engine, a bar per node instance, the engine's busy strip below."""
+    return figure_png(timeline_figure(timeline, title))
+
+
+def timeline_figure(timeline: dict, title: str | None = None) -> Figure:
+    """The figure ``timeline_png`` draws."""
     nodes = drawn_nodes(timeline)
     heading = _title(timeline, title)
     if not nodes:
-        return _empty_png(heading)
+        return _empty_figure(heading)
     total = _total_seconds(timeline, nodes)
     rows = timeline_rows(timeline)
     busy: dict[str, list[dict]] = {r: [] for r in rows}
@@ -175,12 +187,12 @@ def timeline_png(timeline: dict, title: str | None = None) -> bytes:
     label_size = 7 if lane_px >= 14 else 5
 
     for node, yc, start, end in placed:
-        running, state = node.get("end") is None, node.get("state")
         colour = op_colour(node.get("op") or "")
+        style = STATE_STYLES.get(bar_state(node))
         ax.barh(yc, max(end - start, min_width), left=start, height=0.8 * LANE, color=colour,
-                edgecolor="#d62728" if state == "failed" else _darker(colour), linewidth=0.6,
-                hatch="///" if running else ("xx" if state in ("failed", "cancelled") else None),
-                alpha=0.45 if state == "skipped" else 1.0, zorder=2)
+                edgecolor=style[0] if style else _darker(colour), linewidth=0.6 if style is None else 1.2,
+                hatch=style[1] if style else None,
+                alpha=0.45 if node.get("state") == "skipped" else 1.0, zorder=2)
         pieces = [p for p in node.get("pieces") or () if p is not None]
         if pieces:
             ax.vlines(pieces, yc - 0.4 * LANE, yc, colors="black", linewidth=1.0, zorder=3)
@@ -194,7 +206,12 @@ def timeline_png(timeline: dict, title: str | None = None) -> bytes:
                            (strip_top, STRIP - 0.1), facecolors=BUSY_COLOUR, zorder=2)
 
     fig.legend(handles=handles, loc="lower center", ncol=ncol, fontsize=8, frameon=False, bbox_to_anchor=(0.5, 0.0))
-    return figure_png(fig)
+    return fig
+
+
+def bar_state(node: dict) -> str | None:
+    """Which of ``STATE_STYLES`` a node's bar takes: a bar with no end is still running."""
+    return "running" if node.get("end") is None else node.get("state")
 
 
 def _darker(colour: str) -> tuple[float, float, float]:
@@ -220,8 +237,8 @@ def _legend_handles(placed: list[tuple[dict, float, float, float]], has_busy: bo
         handles.append(Patch(facecolor=BUSY_COLOUR, label="engine computing"))
     if any(n.get("pieces") for n, *_ in placed):
         handles.append(Line2D([], [], color="black", marker="|", linestyle="", markersize=9, label="piece streamed"))
-    if any(n.get("end") is None for n, *_ in placed):
-        handles.append(Patch(facecolor="white", edgecolor="#636363", hatch="///", label="still running"))
-    if any(n.get("state") in ("failed", "cancelled") for n, *_ in placed):
-        handles.append(Patch(facecolor="white", edgecolor="#d62728", hatch="xx", label="failed / cancelled"))
+    states = {bar_state(n) for n, *_ in placed}
+    for state, (edge, hatch, label) in STATE_STYLES.items():
+        if state in states:
+            handles.append(Patch(facecolor="white", edgecolor=edge, hatch=hatch, label=label))
     return handles

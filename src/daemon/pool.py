@@ -34,7 +34,7 @@ from headrace.daemon import systemd
 from headrace.daemon.config import Config, ConfigError
 from headrace.daemon.metrics import Metrics
 from headrace.plugins.manager import Registry
-from headrace.plugins.protocols import EngineEnv, EngineSpec
+from headrace.plugins.protocols import EngineEnv, EngineSpec, WorkerHeartbeat
 
 log = logging.getLogger(__name__)
 
@@ -154,11 +154,18 @@ class EnginePool:
         return PoolHealth(alive=not any(s.died for s in self.slots.values()), problems=problems)
 
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
-        """Load every engine in config order, start its scheduler, then serve until cancelled."""
+        """Load every engine in config order, start its scheduler, then serve until cancelled.
+
+        Each engine's load is one log line before and one after; systemd's status line says
+        which engine loads and how many of them are loaded.
+        """
+        total = len(self.slots)
         async with anyio.create_task_group() as tg:
             task_status.started()
-            for slot in self.slots.values():
+            for i, slot in enumerate(self.slots.values()):
                 slot.state = "loading"
+                log.info("loading %s (%s) ...", slot.name, slot.plugin)
+                systemd.notify(f"STATUS=loading {slot.name} ({slot.plugin}): {i} of {total} engines loaded")
                 start = time.monotonic()
                 try:
                     await tg.start(self._serve_engine, slot)
@@ -171,9 +178,44 @@ class EnginePool:
                 await tg.start(self._supervise_scheduler, slot)
                 if slot.state == "loading":  # it may have died already
                     slot.state = "ready"
-                    log.info("engine %s ready in %.1fs", slot.name, slot.load_seconds)
+                    log.info("loaded %s in %.1f s", slot.name, slot.load_seconds)
+            loaded = sum(s.state == "ready" for s in self.slots.values())
+            failed = [s.name for s in self.slots.values() if s.state == "failed"]
+            systemd.notify(f"STATUS={loaded} of {total} engines loaded"
+                           + (f"; failed: {', '.join(failed)}" if failed else "; ready"))
             if self.ready:
                 systemd.notify("READY=1")
+
+    async def unresponsive(self, within: float) -> dict[str, str]:
+        """The ready engines whose worker shows no progress within ``within`` seconds, and why.
+
+        An engine with a worker thread of its own (``WorkerHeartbeat``) must answer a heartbeat
+        in that time; a batchable engine's scheduler must not have been running one batch for
+        longer. The watchdog calls this at every tick: a wedged engine stops its pings.
+        """
+        stalled: dict[str, str] = {}
+
+        async def ask(slot: EngineSlot) -> None:
+            with anyio.move_on_after(within) as waited:
+                try:
+                    await slot.engine.heartbeat()
+                except Exception as exc:  # its worker died: the pool marks it failed too
+                    stalled[slot.name] = f"its worker thread did not answer a heartbeat: {exc}"
+            if waited.cancelled_caught:
+                stalled[slot.name] = f"its worker thread has not answered a heartbeat in {within:g}s"
+
+        now = time.monotonic()
+        async with anyio.create_task_group() as tg:
+            for slot in self.slots.values():
+                if slot.state != "ready":
+                    continue
+                if isinstance(slot.engine, WorkerHeartbeat):
+                    tg.start_soon(ask, slot)
+                if isinstance(slot.scheduler, BatchScheduler) and slot.scheduler.busy_since is not None:
+                    running = now - slot.scheduler.busy_since
+                    if running > within:
+                        stalled[slot.name] = f"one batch has been running for {running:.1f}s"
+        return stalled
 
     async def _serve_engine(self, slot: EngineSlot, *, task_status: Any) -> None:
         """The engine's ``run``; once it was ready, its end fails this slot only."""

@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from headrace.daemon import requests as rq
 from headrace.daemon.errors import APIError, bad_request
-from headrace.daemon.schemas import RunRequest
+from headrace.daemon.schemas import RunListQuery, RunRequest
 from headrace.graph.collections import UnknownCollection
 from headrace.graph.executor import Run
 from headrace.graph.service import UnknownWorkflow, WorkflowService, seconds, timeline
@@ -72,7 +72,7 @@ async def create_run(request: Request) -> Response:
     events = service.subscribe(run.id) if stream else None
     service.start(run)
     if background and not stream:
-        return JSONResponse(run_json(run), status_code=202)
+        return JSONResponse(run_json(run), status_code=202, headers={"Location": f"/v1/runs/{run.id}"})
     if stream:
         return StreamingResponse(_events(request, run, events, background), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -104,6 +104,24 @@ async def _events(request: Request, run: Run, events: Any, background: bool) -> 
         # The stream ended: either the run finished, or the client left (the generator is closed).
         if not run.done.is_set() and not background:
             run.cancel_scope.cancel()
+
+
+async def list_runs(request: Request) -> Response:
+    """The caller's own runs (those its API key created), a page at a time, as OpenAI lists."""
+    query = rq.validate(RunListQuery, dict(request.query_params))
+    owner = getattr(request.state, "principal", None)
+    runs = [run for run in list(request.app.state.workflows.runs.values()) if run.owner == owner]  # oldest first
+    if query.order == "desc":
+        runs.reverse()
+    if query.after is not None:
+        ids = [run.id for run in runs]
+        if query.after not in ids:  # another key's run is as unknown as a missing one
+            raise APIError(404, f"no run {query.after!r} to list after", param="after", code="run_not_found")
+        runs = runs[ids.index(query.after) + 1:]
+    page = runs[:query.limit]
+    return JSONResponse({"object": "list", "data": [run_json(run) for run in page],
+                         "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None,
+                         "has_more": len(runs) > len(page)})
 
 
 async def get_run(request: Request) -> Response:

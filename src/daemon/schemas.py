@@ -331,6 +331,28 @@ class RunRecord(BaseModel):
     passes: list[dict[str, Any]]
 
 
+class Query(BaseModel):
+    """Query parameters: closed like a body, but lax, since every value arrives as a string ("20")."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class RunListQuery(Query):
+    limit: Annotated[int, Field(ge=1, le=100)] = Field(20, description="runs per page")
+    order: Literal["asc", "desc"] = Field("desc", description="by creation: newest first (desc) or oldest first")
+    after: NonEmptyStr | None = Field(None, description="the last_id of the previous page: list the runs after it")
+
+
+class RunList(BaseModel):
+    """One page of the caller's runs, in OpenAI's list shape."""
+
+    object: Literal["list"]
+    data: list[RunRecord]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
 class RunGraph(BaseModel):
     run: str
     graph: dict[str, Any]

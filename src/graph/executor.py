@@ -74,12 +74,28 @@ class Run:
     cancel_scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
     done: anyio.Event = field(default_factory=anyio.Event)
     emit: Emit = lambda event: None
-    on_delta: Callable[[Node, Any], Awaitable[None]] | None = None  # LLM token deltas as they decode
+    # LLM token deltas as they decode; None: the decodes of the run's outputs stream theirs as events
+    on_delta: Callable[[Node, tuple, Any], Awaitable[None]] | None = None
     policy: str | None = None  # this run's batch policy, overriding the engines' own
     slo_seconds: float | None = None  # its deadline, counted from its arrival; None: none
     applied: list[tuple[str, list[str]]] = field(default_factory=list)  # what each pass changed
     isolate: bool = False  # one engine at a time: each node's duration is its batched compute alone
     owner: str | None = None  # the principal (API key digest) that created it; None: no auth
+
+
+def _output_deltas(run: Run) -> Callable[[Node, tuple, Any], Awaitable[None]]:
+    """Stream the tokens of the decodes that write the run's outputs (the answer), as a chat stream does.
+
+    Each delta is a ``node.partial`` event with the new text in ``delta`` (a splittable decode's
+    parsed pieces are ``node.partial`` events with ``piece``). A run nobody streams drops them.
+    """
+    outputs = set(run.outputs)
+
+    async def forward(node: Node, key: tuple, delta: Any) -> None:
+        if delta.text and outputs.intersection(node.outputs):
+            run.emit({"event": "node.partial", "run": run.id, "node": node.id, "key": list(key), "delta": delta.text})
+
+    return forward
 
 
 class Executor:
@@ -90,7 +106,7 @@ class Executor:
         """Run to completion; sets the run's status, result or error. Cancellation propagates."""
         graph = run.graph
         store = Store(run.inputs, declares={v for n in graph.nodes.values() for v in n.outputs})
-        ctx = OpContext(run.id, self.resolve, on_delta=run.on_delta, policy=run.policy,
+        ctx = OpContext(run.id, self.resolve, on_delta=run.on_delta or _output_deltas(run), policy=run.policy,
                         alone=EngineTurns() if run.isolate else None, arrival=run.arrival,
                         deadline=None if run.slo_seconds is None else run.arrival + run.slo_seconds,
                         objectives=objectives(graph, run.outputs), task_groups=task_groups(graph))

@@ -180,17 +180,27 @@ class Graph:
         }
 
     def to_dot(self) -> str:
-        lines = [f"digraph {json.dumps(self.name or 'workflow')} {{", "  rankdir=LR;"]
+        lines = [f"digraph {_dot_string(self.name or 'workflow')} {{", "  rankdir=LR;"]
         for n in self.topo_order():
             node = self.nodes[n]
-            label = f"{node.id}\\n{node.op}" + (f" @{node.engine}" if node.engine else "")
+            label = _dot_string(node.id, f"{node.op}" + (f" @{node.engine}" if node.engine else ""))
             shape = "diamond" if node.op == Op.CONDITION else "box"
-            lines.append(f"  {json.dumps(n)} [label={json.dumps(label)}, shape={shape}];")
+            lines.append(f"  {_dot_string(n)} [label={label}, shape={shape}];")
         for e in sorted(self.edges, key=_edge_key):
             style = "dashed" if e.var is None else ("bold" if e.stream else "solid")
-            lines.append(f"  {json.dumps(e.src)} -> {json.dumps(e.dst)} [label={json.dumps(e.var or '')}, style={style}];")
+            lines.append(f"  {_dot_string(e.src)} -> {_dot_string(e.dst)} [label={_dot_string(e.var or '')}, style={style}];")
         lines.append("}")
         return "\n".join(lines)
+
+
+def _dot_string(*lines: str) -> str:
+    """A quoted DOT string (an id, or a label showing ``lines`` one under another).
+
+    DOT's escapes, not JSON's: ``\\n`` inside a quoted string is a line break, so the lines are
+    escaped one by one (backslash, quote) and joined with it. JSON quoting escaped that
+    backslash too, and Graphviz printed a literal ``\\n``; it also wrote non-ASCII as ``\\uXXXX``.
+    """
+    return '"' + "\\n".join(line.replace("\\", "\\\\").replace('"', '\\"') for line in lines) + '"'
 
 
 def _edge_key(e: Edge) -> tuple:

@@ -36,7 +36,7 @@ class OpContext:
     contexts: set[tuple[str, str]] = field(default_factory=set)  # (engine, ctx) to free when the run ends
     collections: set[tuple[str, str]] = field(default_factory=set)  # (engine, run's own table) to drop at its end
     on_piece: Callable[[Node, str, tuple], Awaitable[None]] | None = None
-    on_delta: Callable[[Node, Any], Awaitable[None]] | None = None  # token deltas, for a streamed response
+    on_delta: Callable[[Node, tuple, Any], Awaitable[None]] | None = None  # token deltas, for a streamed response
     policy: str | None = None
     alone: Any = None  # an isolated run's EngineTurns: one engine computes at a time
     arrival: float = field(default_factory=time.monotonic)  # the run's
@@ -232,7 +232,7 @@ async def _decode(node, scope, ctx, key):
     try:
         async for delta in deltas:
             if ctx.on_delta is not None:
-                await ctx.on_delta(node, delta)
+                await ctx.on_delta(node, key, delta)
             text.append(delta.text)
             if parser is not None:
                 await emit(parser.feed(delta.text))

@@ -211,7 +211,7 @@ class WorkflowService:
         run = Run(workflow="request", graph=graph, inputs={}, outputs=())
         send, receive = anyio.create_memory_object_stream(params.max_tokens + 1)
 
-        async def forward(node: Node, delta: TokenDelta) -> None:
+        async def forward(node: Node, key: tuple, delta: TokenDelta) -> None:
             await send.send(delta)
 
         async def execute() -> None:

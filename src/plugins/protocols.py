@@ -171,6 +171,19 @@ class PrefixCaching(Protocol):
         ...
 
 
+@runtime_checkable
+class WorkerHeartbeat(Protocol):
+    """An engine whose compute runs on a worker thread of its own (every in-process LLM engine).
+
+    The daemon's watchdog asks it at every tick: an engine wedged inside a forward pass stops
+    answering, and the daemon stops telling systemd it is alive.
+    """
+
+    async def heartbeat(self) -> None:
+        """Return once the worker thread has come round its loop (after the iteration it is in)."""
+        ...
+
+
 # ----- embed / rerank ----------------------------------------------------------
 
 

@@ -12,24 +12,62 @@ import pytest
 from conftest import ROOT
 
 
-def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "headrace.daemon.cli", *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+def cli(*args: str, timeout: float = 300, cwd=ROOT) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "HEADRACE_CONFIG"}
+    return subprocess.run([sys.executable, "-m", "headrace.cli", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=timeout, env={**env, "HF_HUB_OFFLINE": "1"})
 
 
 @pytest.mark.slow
-def test_run_prints_result_and_node_timings(tmp_path):
-    config = tmp_path / "run.json"
-    config.write_text(json.dumps({"max_tokens": 12, "synthesis": "one_shot"}))
+def test_run_prints_result_and_node_timings_from_any_directory(tmp_path):
+    # No --config and a working directory without configs/: the packaged default config serves.
+    run_config = tmp_path / "run.json"
+    run_config.write_text(json.dumps({"max_tokens": 64, "synthesis": "tree"}))
     doc = tmp_path / "doc.txt"
     doc.write_text("A headrace is the channel that carries water to a mill wheel.")
     out = cli("run", "naive_rag", "--input", "question=What does a headrace carry?",
-              "--input", f"documents=@{doc}", "--config", str(config))
+              "--input", f"documents=@{doc.name}", "--run-config", str(run_config),
+              "--set", "max_tokens=12", "--set", "synthesis=one_shot", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     head, _, table = out.stdout.partition("\n\n")
     result = json.loads(head)
     assert result["status"] == "succeeded" and result["result"]["answer"]
     assert "embed_chunks" in table and "all-minilm-l6-v2" in table
+    assert "combine" not in table  # --set synthesis=one_shot overrode the file's tree
+    for engine, plugin in (("smollm2", "torch"), ("all-minilm-l6-v2", "sentence-transformers"), ("lancedb", "lancedb")):
+        assert f"loading {engine} ({plugin}) ..." in out.stderr
+        assert f"loaded {engine} in " in out.stderr
+
+
+def test_version():
+    from headrace import __version__
+
+    for args in (["--version"], ["version"]):
+        out = cli(*args)
+        assert out.returncode == 0 and out.stdout.strip() == f"headrace {__version__}", out
+
+
+def test_a_missing_input_file_is_one_line():
+    out = cli("run", "naive_rag", "--input", "question=q", "--input", "documents=@no/such/notes.txt")
+    assert out.returncode == 2, out
+    assert out.stderr == "headrace: --input documents: cannot read no/such/notes.txt: No such file or directory\n"
+
+
+def test_run_flags_say_what_they_set(tmp_path):
+    from headrace.daemon.cli import _run_config, build_parser
+
+    run_config = tmp_path / "run.json"
+    run_config.write_text(json.dumps({"top_k": 2, "optimize": {"passes": ["prefill_split"]}}))
+    parser, _ = build_parser()
+    args = parser.parse_args(["run", "naive_rag", "--config", "my.toml", "--run-config", str(run_config),
+                              "--set", "top_k=4", "--set", "optimize.passes=[]", "--set", "synthesis=refine"])
+    assert str(args.config) == "my.toml"  # --config is the daemon's TOML here as in serve
+    assert _run_config(args) == {"top_k": 4, "optimize": {"passes": []}, "synthesis": "refine"}
+    for bad, message in (("top_k", "expected key=value"), ("top_k.x=1", "not an object")):
+        out = cli("run", "naive_rag", "--input", "question=q", "--run-config", str(run_config), "--set", bad)
+        assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out
+    out = cli("run", "naive_rag", "--config", str(tmp_path / "missing.toml"))
+    assert out.returncode == 2 and "missing.toml" in out.stderr and "Traceback" not in out.stderr, out
 
 
 def test_run_names_a_bad_input():
@@ -41,7 +79,7 @@ def test_run_names_a_bad_input():
 
 @pytest.mark.slow
 def test_profile_finds_a_max_efficient_batch_size():
-    out = cli("profile", "all-minilm-l6-v2", "--max-batch", "32")
+    out = cli("profile", "all-minilm-l6-v2", "--max-batch", "32", "--config", str(ROOT / "configs" / "default.toml"))
     assert out.returncode == 0, out.stderr
     assert "batch    1:" in out.stdout
     size = int(out.stdout.split("max efficient batch size for all-minilm-l6-v2: ")[1].split()[0])

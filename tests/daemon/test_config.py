@@ -42,6 +42,15 @@ def test_data_paths_follow_xdg(tmp_path: Path) -> None:
     assert DataConfig(dir="/srv/x").data_path(env) == Path("/srv/x")
 
 
+def test_the_packaged_default_is_configs_default_toml() -> None:
+    # One file, two names: scripts/serve and the docs use configs/default.toml, the CLI the packaged one.
+    from headrace.daemon.config import default_config_path, packaged_config_path
+
+    assert (CONFIGS / "default.toml").resolve() == packaged_config_path().resolve()
+    assert default_config_path({}) == packaged_config_path()
+    assert default_config_path({"HEADRACE_CONFIG": "/etc/headrace/headrace.toml"}) == Path("/etc/headrace/headrace.toml")
+
+
 def test_default_toml_loads() -> None:
     config = load_config(CONFIGS / "default.toml", env={})
     assert [(e.name, e.plugin) for e in config.engines] == [

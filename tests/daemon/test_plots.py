@@ -89,3 +89,22 @@ def test_title_and_figure_png():
     assert png_size(timeline_png(RAG, title="custom title"))[0] > 0
     fig = Figure(figsize=(2, 1), dpi=50)
     assert png_size(figure_png(fig)) == (100, 50)
+
+
+def test_every_state_a_bar_shows_is_in_the_legend():
+    # A cancelled bar once took a style the legend lacked: each styled bar's edge and hatch must be a legend entry.
+    from matplotlib.colors import to_rgba
+
+    from headrace.daemon.plots import timeline_figure
+
+    timeline = run([node("ok", "embed", "minilm", 0.0, 0.5),
+                    node("gone", "decode", "smollm2", 0.1, 0.7, state="cancelled"),
+                    node("bad", "rerank", "reranker", 0.2, 0.3, state="failed"),
+                    node("late", "prefill", "smollm2", 0.4, None)], status="cancelled")
+    fig = timeline_figure(timeline)
+    legend = [(h.get_label(), to_rgba(h.get_edgecolor()), h.get_hatch()) for h in fig.legends[0].legend_handles
+              if h.get_hatch()]
+    assert [label for label, *_ in legend] == ["still running", "failed", "cancelled"]
+    bars = [(to_rgba(p.get_edgecolor()), p.get_hatch()) for p in fig.axes[0].patches if p.get_hatch()]
+    assert len(bars) == 3
+    assert {bar for bar in bars} == {(edge, hatch) for _, edge, hatch in legend}

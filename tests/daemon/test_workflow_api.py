@@ -85,11 +85,29 @@ def test_stream_sends_run_and_node_events(server):
     assert events[-1][1]["result"]["answer"].strip()
 
 
+def test_naive_rag_streams_the_answer_tokens(server):
+    body = {"inputs": INPUTS, "config": {"max_tokens": 16, "synthesis": "one_shot"}, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/workflows/naive_rag/runs", json=body, headers=HEADERS,
+                      timeout=120) as r:
+        events = list(read_events(r))
+    deltas = [d for e, d in events if e == "node.partial" and "delta" in d]
+    assert len(deltas) >= 2, "the answer came in one piece, not token by token"
+    graph = get(server, f"/v1/runs/{deltas[0]['run']}/graph").json()["graph"]
+    answer_decodes = {n["id"] for n in graph["nodes"] if n["op"] == "decode" and "answer" in n["outputs"]}
+    assert len(answer_decodes) == 1 and {d["node"] for d in deltas} == answer_decodes  # the answer's tokens only
+    assert all(d["key"] == [] for d in deltas)
+    # Every token arrives before the run ends, and together they are the answer.
+    assert [e for e, _ in events].index("run.finished") > max(i for i, (e, d) in enumerate(events) if "delta" in d)
+    assert "".join(d["delta"] for d in deltas).strip() == events[-1][1]["result"]["answer"]
+
+
 def test_background_run_and_cancel(server):
     body = {"inputs": INPUTS, "config": {"max_tokens": 300}, "background": True}
     r = post(server, "/v1/workflows/advanced_rag/runs", body)
     assert r.status_code == 202 and r.json()["status"] in ("queued", "running")
     run_id = r.json()["id"]
+    assert r.headers["Location"] == f"/v1/runs/{run_id}"
+    assert get(server, r.headers["Location"]).json()["id"] == run_id
     time.sleep(1.0)
     r = httpx.delete(f"{server.base_url}/v1/runs/{run_id}", headers=HEADERS, timeout=30)
     assert r.status_code == 200 and r.json()["status"] == "cancelled"
@@ -123,3 +141,29 @@ def test_graph_metrics(server):
     m = server.metrics()
     assert metric_value(m, "headrace_egraph_cache_misses_total") >= 1
     assert "headrace_graph_build_seconds_total" in m
+
+
+def test_runs_lists_the_keys_own_runs_a_page_at_a_time(server):
+    from conftest import OTHER_API_KEY
+
+    body = {"inputs": INPUTS, "config": {"max_tokens": 2, "synthesis": "one_shot"}, "background": True}
+    mine = [post(server, "/v1/workflows/naive_rag/runs", body).json()["id"] for _ in range(3)]
+    other = httpx.post(f"{server.base_url}/v1/workflows/naive_rag/runs", json=body, timeout=120,
+                       headers={"Authorization": f"Bearer {OTHER_API_KEY}"}).json()["id"]
+
+    first = get(server, "/v1/runs?limit=2").json()
+    assert first["object"] == "list" and [r["id"] for r in first["data"]] == mine[::-1][:2]  # newest first
+    assert first["first_id"] == mine[2] and first["last_id"] == mine[1] and first["has_more"] is True
+    assert all(r["object"] == "workflow.run" for r in first["data"])
+    rest = get(server, f"/v1/runs?limit=2&after={first['last_id']}").json()
+    assert rest["data"][0]["id"] == mine[0]
+    listed = [r["id"] for r in get(server, "/v1/runs?limit=100").json()["data"]]
+    assert set(mine) <= set(listed) and other not in listed  # another key's runs stay hidden
+    oldest = get(server, "/v1/runs?order=asc&limit=100").json()
+    assert [r["id"] for r in oldest["data"]] == listed[::-1] and oldest["has_more"] is False
+
+    for query, param in (("limit=0", "limit"), ("limit=x", "limit"), ("order=up", "order"), ("bogus=1", "bogus")):
+        r = get(server, f"/v1/runs?{query}")
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (query, r.text)
+    r = get(server, f"/v1/runs?after={other}")  # a cursor from another key is as unknown as a missing one
+    assert r.status_code == 404 and r.json()["error"]["param"] == "after"

@@ -529,3 +529,16 @@ async def test_a_runs_own_collection_is_dropped_when_it_ends(tmp_path, ending):
         tg.cancel_scope.cancel()
     assert run.status == ending, run.error
     assert tables() == []
+
+
+def test_dot_labels_break_lines_as_graphviz_reads_them():
+    g = Graph('say "hi"')
+    g.add(Node("prefill", Op.PREFILL, engine="smollm2", outputs=("ctx",)))
+    g.add(Node("decode", Op.DECODE, engine="smollm2", inputs=("ctx",), outputs=("text",)))
+    g.rewire()
+    dot = g.to_dot()
+    # One backslash: DOT's line break. JSON quoting made it "\\n", which Graphviz prints as text.
+    assert '"prefill" [label="prefill\\nprefill @smollm2", shape=box];' in dot
+    assert "\\\\n" not in dot
+    assert dot.startswith('digraph "say \\"hi\\"" {')
+    assert '"prefill" -> "decode" [label="ctx", style=solid];' in dot

@@ -144,7 +144,14 @@ class CacheControl:
     reply: Reply
 
 
-Command = Prefill | Decode | Stop | Logits | CacheControl
+@dataclass
+class Heartbeat:
+    """Answered as soon as the worker takes it, so the answer comes after the iteration in progress."""
+
+    reply: Reply
+
+
+Command = Prefill | Decode | Stop | Logits | CacheControl | Heartbeat
 
 
 @dataclass
@@ -291,6 +298,8 @@ class LLMCore(ABC):
                 elif isinstance(cmd, CacheControl):
                     self.set_prefix_caching(cmd.enabled)
                     out.reply(cmd.reply)
+                elif isinstance(cmd, Heartbeat):
+                    out.reply(cmd.reply)
             except Exception as exc:  # this command's request fails, no other
                 log.exception("engine %s: %s failed", self.name, type(cmd).__name__)
                 if isinstance(cmd, Decode):
@@ -384,6 +393,7 @@ class LLMFront:
         # Every request awaiting the worker, so that its death answers them all.
         self._awaiting: set[Reply] = set()
         self._streams: set[Any] = set()  # send ends of open decode streams
+        self._heartbeat: Reply | None = None  # the one heartbeat the worker has not answered yet
 
     # What the daemon's request checks read (valid once run() has loaded the model).
     @property
@@ -514,6 +524,26 @@ class LLMFront:
         reply = Reply()
         self._commands.put(CacheControl(enabled, reply))
         await self._wait(reply)
+
+    async def heartbeat(self) -> None:
+        """``WorkerHeartbeat``: wait for the worker to come round its loop.
+
+        One heartbeat at a time: a caller that gave up on a wedged worker waits on the same one
+        next time, so the queue never fills with heartbeats.
+        """
+        self._require_running()
+        if self._heartbeat is None:
+            self._heartbeat = Reply()
+            self._awaiting.add(self._heartbeat)  # the worker's death answers it too
+            self._commands.put(Heartbeat(self._heartbeat))
+        reply = self._heartbeat
+        try:
+            await reply.wait()
+        finally:
+            if reply.done.is_set():
+                self._awaiting.discard(reply)
+                if self._heartbeat is reply:
+                    self._heartbeat = None
 
     async def _wait(self, reply: Reply) -> Any:
         self._awaiting.add(reply)

@@ -1,0 +1,140 @@
+"""Under systemd: the notify protocol on a real socket, and a watchdog that a wedged engine silences."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+from starlette.testclient import TestClient
+
+from conftest import ROOT, Server
+
+WATCHDOG_USEC = 2_000_000  # a ping every second; the workers get a second to answer
+
+
+def test_notify_reaches_an_abstract_socket(monkeypatch):
+    from headrace.daemon import systemd
+
+    name = f"headrace-test-{os.getpid()}-{time.monotonic_ns()}"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
+        notify.bind("\0" + name)
+        notify.settimeout(5)
+        monkeypatch.setenv("NOTIFY_SOCKET", "@" + name)
+        assert systemd.notify("STATUS=hello")
+        assert notify.recv(256) == b"STATUS=hello"
+    monkeypatch.delenv("NOTIFY_SOCKET")
+    assert not systemd.notify("READY=1")  # not under systemd: nothing to tell
+
+
+class Listener:
+    """The socket systemd would read: every datagram the daemon sends, in order."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.heard: list[str] = []
+
+    def until(self, state: str, timeout: float) -> list[str]:
+        """Datagrams up to and including ``state``."""
+        deadline = time.monotonic() + timeout
+        got: list[str] = []
+        while state not in got:
+            self.sock.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                got.append(self.sock.recv(512).decode())
+            except socket.timeout:
+                raise AssertionError(f"no {state} within {timeout}s; heard {got}") from None
+        self.heard += got
+        return got
+
+    def during(self, seconds: float) -> list[str]:
+        """Everything heard in the next ``seconds``."""
+        deadline, got = time.monotonic() + seconds, []
+        while (left := deadline - time.monotonic()) > 0:
+            self.sock.settimeout(left)
+            try:
+                got.append(self.sock.recv(512).decode())
+            except socket.timeout:
+                break
+        self.heard += got
+        return got
+
+
+@pytest.mark.slow
+def test_watchdog_pings_stop_while_an_engine_thread_is_wedged(tmp_path, monkeypatch):
+    from headrace.daemon.app import create_app
+    from headrace.daemon.config import load_config
+
+    config = load_config(ROOT / "configs" / "default.toml", env={}, overrides={"data.dir": str(tmp_path / "data")})
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(str(tmp_path / "notify.sock"))
+        monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "notify.sock"))
+        monkeypatch.setenv("WATCHDOG_USEC", str(WATCHDOG_USEC))
+        systemd = Listener(sock)
+        app = create_app(config)
+        with TestClient(app) as client:  # the real app and lifespan: every engine loads on its own thread
+            loading = systemd.until("READY=1", 300)
+            statuses = [s for s in loading if s.startswith("STATUS=")]
+            assert statuses[0] == "STATUS=loading smollm2 (torch): 0 of 4 engines loaded"
+            assert "STATUS=loading lancedb (lancedb): 3 of 4 engines loaded" in statuses
+            assert statuses[-1] == "STATUS=4 of 4 engines loaded; ready"
+            assert systemd.during(3.5).count("WATCHDOG=1") >= 2  # alive: a ping every second
+
+            # Wedge the LLM's engine thread inside an iteration, as a forward pass that never returns would.
+            core = app.state.pool.slots["smollm2"].engine.core
+            entered, release = threading.Event(), threading.Event()
+            step = core.step
+
+            def wedged(out):
+                entered.set()
+                release.wait(120)
+                step(out)
+
+            core.step = wedged
+            try:
+                # Any iteration wedges it: a chat on its way in, or the watchdog's own heartbeat.
+                assert entered.wait(10), "the engine thread never iterated"
+                systemd.during(WATCHDOG_USEC / 1e6)  # a ping already on its way may still land
+                assert "WATCHDOG=1" not in systemd.during(4 * WATCHDOG_USEC / 1e6 / 2), "pinged while wedged"
+                health = client.get("/health")
+                assert health.status_code == 503 and "smollm2" in health.json()["problems"], health.text
+            finally:
+                del core.step  # back to the class's own method
+                release.set()
+            systemd.until("WATCHDOG=1", 10)  # unwedged: alive again
+            assert client.get("/health").status_code == 200
+            chat = client.post("/v1/chat/completions", json={"model": "smollm2", "max_tokens": 4, "temperature": 0,
+                                                              "messages": [{"role": "user", "content": "Hi"}]})
+            assert chat.status_code == 200, chat.text
+        assert "STOPPING=1" in systemd.during(0.5)  # the lifespan ended
+
+
+# A tqdm bar ("42%|####  | 5/12 [00:01<00:02, 3.1it/s]") and Python's warning lines.
+PROGRESS_BAR = re.compile(r"\d+%\|| \d+/\d+ \[\d\d:\d\d|it/s\]")
+WARNING_LINE = re.compile(r"FutureWarning|DeprecationWarning|UserWarning|warnings\.warn")
+
+
+@pytest.mark.slow
+def test_model_loading_logs_one_line_per_engine_and_no_library_noise(tmp_path):
+    # A fresh cache: the GGUF is converted again, the load that once drew transformers' bars.
+    server = Server(ROOT / "configs" / "default.toml", tmp_path,
+                    env={"HEADRACE_DATA_CACHE_DIR": str(tmp_path / "cache"), "PYTHONWARNINGS": ""})
+    try:
+        server.wait_ready()
+        # A forward pass too: that is where transformers warns of its deprecated arguments.
+        chat = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=120, json={
+            "model": "smollm2", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]})
+        assert chat.status_code == 200, chat.text
+    finally:
+        server.stop()
+    log = server.log.read_text()
+    for engine, plugin in (("smollm2", "torch"), ("all-minilm-l6-v2", "sentence-transformers"),
+                           ("smollm2-rerank", "llm-rerank"), ("lancedb", "lancedb")):
+        assert len(re.findall(rf"loading {engine} \({re.escape(plugin)}\) \.\.\.$", log, re.M)) == 1, log
+        assert len(re.findall(rf"loaded {engine} in \d+\.\d s$", log, re.M)) == 1, log
+    assert not PROGRESS_BAR.search(log), log
+    assert not WARNING_LINE.search(log), log
