@@ -37,6 +37,7 @@ def test_run_prints_result_and_node_timings_from_any_directory(tmp_path):
     for engine, plugin in (("smollm2", "torch"), ("all-minilm-l6-v2", "sentence-transformers"), ("lancedb", "lancedb")):
         assert f"loading {engine} ({plugin}) ..." in out.stderr
         assert f"loaded {engine} in " in out.stderr
+    assert "%|" not in out.stderr and "Warning" not in out.stderr, out.stderr  # no library bars or warnings
 
 
 def test_version():

@@ -7,6 +7,8 @@ import re
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -64,6 +66,33 @@ class Listener:
         return got
 
 
+@contextmanager
+def wedged(obj, method: str):
+    """Make ``obj.method`` block its thread until the block ends (then it runs as before); yields
+    the event set once a call is stuck in it."""
+    entered, release = threading.Event(), threading.Event()
+    original = getattr(obj, method)
+
+    def stuck(*args):
+        entered.set()
+        release.wait(120)
+        return original(*args)
+
+    setattr(obj, method, stuck)
+    try:
+        yield entered
+    finally:
+        delattr(obj, method)  # the class's own method again
+        release.set()
+
+
+def assert_silent_while_wedged(systemd: Listener, client: TestClient, engine: str) -> None:
+    systemd.during(WATCHDOG_USEC / 1e6)  # a ping already on its way may still land
+    assert "WATCHDOG=1" not in systemd.during(2 * WATCHDOG_USEC / 1e6), f"pinged while {engine} is wedged"
+    health = client.get("/health")
+    assert health.status_code == 503 and engine in health.json()["problems"], health.text
+
+
 @pytest.mark.slow
 def test_watchdog_pings_stop_while_an_engine_thread_is_wedged(tmp_path, monkeypatch):
     from headrace.daemon.app import create_app
@@ -86,30 +115,26 @@ def test_watchdog_pings_stop_while_an_engine_thread_is_wedged(tmp_path, monkeypa
 
             # Wedge the LLM's engine thread inside an iteration, as a forward pass that never returns would.
             core = app.state.pool.slots["smollm2"].engine.core
-            entered, release = threading.Event(), threading.Event()
-            step = core.step
-
-            def wedged(out):
-                entered.set()
-                release.wait(120)
-                step(out)
-
-            core.step = wedged
-            try:
+            with wedged(core, "step") as entered:
                 # Any iteration wedges it: a chat on its way in, or the watchdog's own heartbeat.
                 assert entered.wait(10), "the engine thread never iterated"
-                systemd.during(WATCHDOG_USEC / 1e6)  # a ping already on its way may still land
-                assert "WATCHDOG=1" not in systemd.during(4 * WATCHDOG_USEC / 1e6 / 2), "pinged while wedged"
-                health = client.get("/health")
-                assert health.status_code == 503 and "smollm2" in health.json()["problems"], health.text
-            finally:
-                del core.step  # back to the class's own method
-                release.set()
+                assert_silent_while_wedged(systemd, client, "smollm2")
             systemd.until("WATCHDOG=1", 10)  # unwedged: alive again
             assert client.get("/health").status_code == 200
             chat = client.post("/v1/chat/completions", json={"model": "smollm2", "max_tokens": 4, "temperature": 0,
                                                               "messages": [{"role": "user", "content": "Hi"}]})
             assert chat.status_code == 200, chat.text
+
+            # A batchable engine: its batch runs on a worker thread and never comes back.
+            embedder = app.state.pool.slots["all-minilm-l6-v2"].engine
+            with ThreadPoolExecutor(1) as pool:
+                with wedged(embedder, "_encode") as entered:
+                    embedded = pool.submit(client.post, "/v1/embeddings",
+                                           json={"model": "all-minilm-l6-v2", "input": "a mill wheel"})
+                    assert entered.wait(30), "the embedding batch never started"
+                    assert_silent_while_wedged(systemd, client, "all-minilm-l6-v2")
+                assert embedded.result(60).status_code == 200
+            systemd.until("WATCHDOG=1", 10)
         assert "STOPPING=1" in systemd.during(0.5)  # the lifespan ended
 
 

@@ -6,7 +6,8 @@ engine core:
 - the **front** (:class:`LLMFront`, this module, on the event loop) implements
   the ``LLMEngine`` protocol: it tokenizes, checks requests, posts commands to one queue, gives each decode a
   bounded output stream, turns a cancelled or abandoned request into a ``Stop``,
-  owns the worker thread's lifetime, receives each iteration's results through a
+  owns the worker thread's lifetime, answers the watchdog's ``heartbeat`` once the
+  worker comes round its loop, receives each iteration's results through a
   ``BlockingPortal``, and when the worker dies fails everything outstanding and
   ends ``run`` with an error (the pool marks the engine failed);
 - the **core** (a subclass of :class:`LLMCore`, per engine, on the worker
@@ -529,9 +530,13 @@ class LLMFront:
         """``WorkerHeartbeat``: wait for the worker to come round its loop.
 
         One heartbeat at a time: a caller that gave up on a wedged worker waits on the same one
-        next time, so the queue never fills with heartbeats.
+        next time, so the queue never fills with heartbeats. One answered after its caller gave
+        up says nothing of now: a fresh one goes.
         """
         self._require_running()
+        if self._heartbeat is not None and self._heartbeat.done.is_set():
+            self._awaiting.discard(self._heartbeat)
+            self._heartbeat = None
         if self._heartbeat is None:
             self._heartbeat = Reply()
             self._awaiting.add(self._heartbeat)  # the worker's death answers it too
