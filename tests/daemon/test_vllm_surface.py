@@ -280,7 +280,8 @@ def test_vllm_dashboard_metrics(client, server):
     client.chat.completions.create(model=LLM, messages=LONG, max_tokens=3, temperature=0)
     with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", headers=HEADERS, timeout=60,
                       json={"model": LLM, "messages": LONG, "max_tokens": 300, "stream": True}) as r:
-        next(r.iter_lines())  # then leave: the request is aborted
+        # Once it decodes, leave: the request is aborted.
+        next(line for line in r.iter_lines() if '"content": "' in line and '"content": ""' not in line)
     deadline = time.monotonic() + 15
     while metric_value(server.metrics(), "headrace_request_success_total", model=LLM, finished_reason="abort") == \
             metric_value(before, "headrace_request_success_total", model=LLM, finished_reason="abort"):
