@@ -174,8 +174,10 @@ class LLMScheduler:
 
     async def _timed(self, deltas: AsyncIterator[TokenDelta], arrival: float, prompt_tokens: int):
         generated, last = 0, None
+        outcome = "abort"  # unless it finishes or fails: the client left, or the run was cancelled
         try:
             async for delta in deltas:
+                outcome = delta.finish_reason or outcome
                 now = time.monotonic()
                 if last is None:
                     self._observer.first_token(self.name, now - arrival)
@@ -184,6 +186,9 @@ class LLMScheduler:
                 last = now
                 generated += len(delta.token_ids)
                 yield delta
+        except Exception:
+            outcome = "error"
+            raise
         finally:
             await deltas.aclose()
-            self._observer.finished(self.name, time.monotonic() - arrival, prompt_tokens, generated)
+            self._observer.finished(self.name, time.monotonic() - arrival, prompt_tokens, generated, outcome)

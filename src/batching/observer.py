@@ -14,7 +14,11 @@ class SchedulerObserver(Protocol):
 
     def next_token(self, engine: str, seconds: float) -> None: ...
 
-    def finished(self, engine: str, seconds: float, prompt_tokens: int, generation_tokens: int) -> None: ...
+    def finished(self, engine: str, seconds: float, prompt_tokens: int, generation_tokens: int,
+                 finish_reason: str) -> None:
+        """A request ended: ``finish_reason`` is ``stop`` or ``length`` (an LLM's; ``stop`` for other engines),
+        ``abort`` (cancelled or abandoned) or ``error`` (it failed)."""
+        ...
 
 
 class NullObserver:
@@ -30,5 +34,6 @@ class NullObserver:
     def next_token(self, engine: str, seconds: float) -> None:
         pass
 
-    def finished(self, engine: str, seconds: float, prompt_tokens: int, generation_tokens: int) -> None:
+    def finished(self, engine: str, seconds: float, prompt_tokens: int, generation_tokens: int,
+                 finish_reason: str) -> None:
         pass

@@ -164,6 +164,7 @@ class BatchScheduler:
         except Exception as exc:
             if len(batch) == 1:
                 batch[0].resolve(error=exc)
+                self._observer.finished(self.name, time.monotonic() - batch[0].arrival, 0, 0, "error")
                 return
             # Bisect: the halves that succeed answer; a bad item ends up alone with its own error.
             log.info("scheduler %s: batch of %d failed (%s); retrying in halves", self.name, len(batch), exc)
@@ -175,7 +176,7 @@ class BatchScheduler:
             return
         for item, result in zip(batch, results):
             item.resolve(result)
-            self._observer.finished(self.name, time.monotonic() - item.arrival, 0, 0)
+            self._observer.finished(self.name, time.monotonic() - item.arrival, 0, 0, "stop")
 
 
 def _pick(policy: BatchPolicy, queue: Sequence[Pending], capacity: int) -> list[Pending]:

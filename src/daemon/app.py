@@ -21,7 +21,9 @@ from headrace.daemon.lifecycle import DrainMiddleware, Lifecycle
 from headrace.daemon.metrics import Metrics
 from headrace.daemon.openapi import openapi_json
 from headrace.daemon.pool import EnginePool
-from headrace.daemon.routes_openai import chat_completions, completions, list_models
+from headrace.daemon.docs import docs_asset, docs_page
+from headrace.daemon.routes_openai import chat_completions, completions, get_model, list_models
+from headrace.daemon.routes_tokenize import detokenize, tokenize
 from headrace.daemon.routes_collections import (add_documents, create_collection, delete_collection,
                                                  delete_document, get_collection, list_collections)
 from headrace.daemon.routes_engines import update_engine
@@ -114,7 +116,7 @@ def create_app(config: Config, registry: Registry | None = None) -> Starlette:
     collections = CollectionRegistry(config.data.data_path())
     workflows = WorkflowService(registry.workflows, registry.passes, pool.resolve, pool.engines_by_kind,
                                 pool.max_efficient_batch, policies=[*registry.batch_policies, *registry.llm_policies],
-                                collections=collections.lookup)
+                                collections=collections.lookup, observer=metrics_)
     metrics_.watch_optimizer(workflows.optimizer.stats)
 
     lifecycle = Lifecycle(pool, workflows, config.server.drain_seconds)
@@ -144,7 +146,13 @@ def create_app(config: Config, registry: Registry | None = None) -> Starlette:
             Route("/ready", ready),
             Route("/metrics", metrics),
             Route("/openapi.json", openapi_json),
+            Route("/docs", docs_page),
+            Route("/docs/assets/{file}", docs_asset),
+            Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/detokenize", detokenize, methods=["POST"]),
             Route("/v1/models", list_models),
+            # :path, so an id with '/' (an org/model name) is answered "model not found", not "no route"
+            Route("/v1/models/{model:path}", get_model),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/embeddings", embeddings, methods=["POST"]),

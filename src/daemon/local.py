@@ -34,7 +34,7 @@ async def engines(config: Config, only: set[str] | None = None) -> AsyncIterator
     collections = CollectionRegistry(config.data.data_path())  # `headrace run` may search a collection too
     service = WorkflowService(registry.workflows, registry.passes, pool.resolve, pool.engines_by_kind,
                               pool.max_efficient_batch, policies=[*registry.batch_policies, *registry.llm_policies],
-                              collections=collections.lookup)
+                              collections=collections.lookup, observer=pool.metrics)
     async with anyio.create_task_group() as tg:
         await tg.start(pool.run)
         while not pool.ready:

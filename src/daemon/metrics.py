@@ -1,6 +1,8 @@
-"""Prometheus metrics: the vLLM request set under a ``headrace_`` prefix, plus batch sizes.
+"""Prometheus metrics: the vLLM request set under a ``headrace_`` prefix, plus batch sizes and workflow runs.
 
-Each app owns its own registry, so several apps (tests) never collide.
+A vLLM metric ``vllm:<name>`` is ``headrace_<name>`` here, with the same type, unit and meaning, and a
+``model`` label where vLLM has ``model_name`` (the README's metrics table maps each). Each app owns
+its own registry, so several apps (tests) never collide.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256)
+# vLLM's 1-2-5 series for tokens per request (it stops at the model's context; ours is a fixed ceiling).
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+RUN_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
 ACTIVITY_KEEP = 100_000  # engine batches remembered for run timelines (a decode step is one)
 
 
@@ -53,6 +58,26 @@ class Metrics:
         )
         self.prompt_tokens = Counter("headrace_prompt_tokens", "Prompt tokens processed.", ["model"], registry=r)
         self.generation_tokens = Counter("headrace_generation_tokens", "Tokens generated.", ["model"], registry=r)
+        self.request_prompt_tokens = Histogram(
+            "headrace_request_prompt_tokens", "Prompt tokens per LLM request.", ["model"], registry=r,
+            buckets=TOKEN_BUCKETS,
+        )
+        self.request_generation_tokens = Histogram(
+            "headrace_request_generation_tokens", "Tokens generated per LLM request.", ["model"], registry=r,
+            buckets=TOKEN_BUCKETS,
+        )
+        self.request_success = Counter(
+            "headrace_request_success", "Requests that ended, by why: stop, length, or abort (cancelled or "
+            "abandoned).", ["model", "finished_reason"], registry=r,
+        )
+        self.request_errors = Counter("headrace_request_errors", "Requests that failed.", ["model"], registry=r)
+        self.workflow_runs = Counter(
+            "headrace_workflow_runs", "Workflow runs that ended, by status.", ["workflow", "status"], registry=r
+        )
+        self.workflow_run_seconds = Histogram(
+            "headrace_workflow_run_seconds", "Workflow run latency, start to end.", ["workflow"], registry=r,
+            buckets=RUN_BUCKETS,
+        )
         self.batch_size = Histogram(
             "headrace_batch_size", "Items per engine batch.", ["engine", "op"], registry=r, buckets=BATCH_BUCKETS
         )
@@ -92,7 +117,12 @@ class Metrics:
                     queries.add_metric([model], s["prefix_cache_queries"])
                     hits.add_metric([model], s["prefix_cache_hits"])
                     usage.add_metric([model], s["prefix_cache_tokens"] / max(1, s["prefix_cache_capacity"]))
-                yield from (queries, hits, usage)
+                kv = GaugeMetricFamily("headrace_kv_cache_usage_perc", "KV-cache usage: the fraction of the "
+                                       "engine's KV capacity its contexts hold (1 = full).", labels=["model"])
+                for model, s in stats.items():
+                    if "kv_cache_capacity" in s:
+                        kv.add_metric([model], min(1.0, s["kv_cache_tokens"] / max(1, s["kv_cache_capacity"])))
+                yield from (queries, hits, usage, kv)
 
         r.register(_Live())
 
@@ -157,9 +187,23 @@ class Metrics:
     def next_token(self, engine: str, seconds: float) -> None:
         self.itl.labels(engine).observe(seconds)
 
-    def finished(self, engine: str, seconds: float, prompt_tokens: int, generation_tokens: int) -> None:
+    def finished(self, engine: str, seconds: float, prompt_tokens: int, generation_tokens: int,
+                 finish_reason: str) -> None:
         self.e2e.labels(engine).observe(seconds)
+        if finish_reason == "error":
+            self.request_errors.labels(engine).inc()
+        else:
+            self.request_success.labels(engine, finish_reason).inc()
         if prompt_tokens:
             self.prompt_tokens.labels(engine).inc(prompt_tokens)
         if generation_tokens:
             self.generation_tokens.labels(engine).inc(generation_tokens)
+        if prompt_tokens or generation_tokens:  # an LLM request (other engines report no tokens)
+            self.request_prompt_tokens.labels(engine).observe(prompt_tokens)
+            self.request_generation_tokens.labels(engine).observe(generation_tokens)
+
+    # RunObserver ---------------------------------------------------------------
+
+    def run_finished(self, workflow: str, status: str, seconds: float) -> None:
+        self.workflow_runs.labels(workflow, status).inc()
+        self.workflow_run_seconds.labels(workflow).observe(seconds)

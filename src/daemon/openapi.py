@@ -50,28 +50,34 @@ def _query(model: type[BaseModel]) -> list[dict[str, Any]]:
 COLLECTION = {"name": "collection", "in": "path", "required": True,
               "schema": {"type": "string", "pattern": s.COLLECTION_NAME}}
 ENGINE_NAME = {"name": "engine", "in": "path", "required": True, "schema": {"type": "string"}}
+MODEL_ID = {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
+ASSET = {"name": "file", "in": "path", "required": True, "schema": {"type": "string"},
+         "description": "a file of the swagger-ui-bundle package"}
 DOCUMENT_ID = {"name": "document_id", "in": "path", "required": True, "schema": {"type": "string"},
                "description": "may hold '/' (an ingested file's relative path)"}
 
 
 def _op(summary: str, ok: dict[str, dict[str, Any]], body: dict[str, Any] | None = None, *,
-        params: list[dict[str, Any]] = (), guarded: bool = True) -> dict[str, Any]:
+        params: list[dict[str, Any]] = (), guarded: bool = True, keyed: bool | None = None) -> dict[str, Any]:
+    """An operation; ``guarded``: it may answer errors; ``keyed`` (default: as guarded): it needs the API key."""
     op: dict[str, Any] = {"summary": summary, "responses": {**ok, **(ERRORS if guarded else {})}}
     if body is not None:
         op["requestBody"] = {"required": True, "content": {JSON: {"schema": body}}}
     if params:
         op["parameters"] = list(params)
-    if not guarded:
+    if not (guarded if keyed is None else keyed):
         op["security"] = []
     return op
 
 
 def document(workflows: Mapping[str, Workflow]) -> dict[str, Any]:
     requests = [s.ChatCompletionRequest, s.CompletionRequest, s.EmbeddingRequest, s.RerankRequest, s.RunRequest,
-                s.CreateCollectionRequest, s.AddDocumentsRequest, s.EngineSettingsRequest]
-    responses = [s.ErrorResponse, s.Health, s.Readiness, s.ModelList, s.ChatCompletion, s.Completion,
+                s.CreateCollectionRequest, s.AddDocumentsRequest, s.EngineSettingsRequest, s.TokenizeRequest,
+                s.TokenizeChatRequest, s.DetokenizeRequest]
+    responses = [s.ErrorResponse, s.Health, s.Readiness, s.ModelCard, s.ModelList, s.ChatCompletion, s.Completion,
                  s.EmbeddingList, s.RerankResponse, s.WorkflowList, s.RunRecord, s.RunList, s.RunGraph, s.RunTimeline,
-                 s.CollectionCard, s.CollectionList, s.DocumentsAdded, s.Deleted, s.EngineSettings]
+                 s.CollectionCard, s.CollectionList, s.DocumentsAdded, s.Deleted, s.EngineSettings, s.Tokenized,
+                 s.Detokenized]
     _, defs = models_json_schema([(m, "validation") for m in requests + responses], ref_template=REF)
     components = dict(defs.get("$defs", {}))
     text = {"description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}}
@@ -82,7 +88,18 @@ def document(workflows: Mapping[str, Workflow]) -> dict[str, Any]:
                               guarded=False)},
         "/metrics": {"get": _op("Prometheus metrics", {"200": text}, guarded=False)},
         "/openapi.json": {"get": _op("this document", {"200": _json({"type": "object"})}, guarded=False)},
+        "/docs": {"get": _op("Swagger UI over this document", {"200": {
+            "description": "OK", "content": {"text/html": {"schema": {"type": "string"}}}}}, guarded=False)},
+        "/docs/assets/{file}": {"get": _op("a static file of the /docs page", {"200": {
+            "description": "OK", "content": {"*/*": {"schema": {"type": "string", "format": "binary"}}}}},
+            params=[ASSET], keyed=False)},
+        "/tokenize": {"post": _op("tokenize a prompt, or chat messages through the chat template (vLLM's)",
+                                  {"200": _json(_ref(s.Tokenized))},
+                                  {"oneOf": [_ref(s.TokenizeRequest), _ref(s.TokenizeChatRequest)]}, keyed=False)},
+        "/detokenize": {"post": _op("token ids back to text (vLLM's)", {"200": _json(_ref(s.Detokenized))},
+                                    _ref(s.DetokenizeRequest), keyed=False)},
         "/v1/models": {"get": _op("the engines", {"200": _json(_ref(s.ModelList))})},
+        "/v1/models/{model}": {"get": _op("one engine", {"200": _json(_ref(s.ModelCard))}, params=[MODEL_ID])},
         "/v1/chat/completions": {"post": _op("chat completion", {"200": _json(_ref(s.ChatCompletion), stream=True)},
                                              _ref(s.ChatCompletionRequest))},
         "/v1/completions": {"post": _op("text completion", {"200": _json(_ref(s.Completion), stream=True)},

@@ -142,10 +142,18 @@ def stream_spec(body: Sampling) -> StreamSpec:
     return StreamSpec(bool(body.stream), bool(body.stream_options and body.stream_options.include_usage))
 
 
+def logprobs(body: ChatCompletionRequest | CompletionRequest) -> int | None:
+    """How many alternatives each token's log-probability comes with; None: no log-probabilities."""
+    if isinstance(body, CompletionRequest):
+        return body.logprobs
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    return (body.top_logprobs or 0) if body.logprobs else None
+
+
 def sampling(body: ChatCompletionRequest | CompletionRequest, default_max_tokens: int) -> SamplingParams:
-    max_tokens = body.max_tokens
-    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
-        max_tokens = body.max_completion_tokens
+    # max_completion_tokens is OpenAI's newer name; on /v1/completions too it is max_tokens' alias.
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     stop = body.stop
     stops = (stop,) if isinstance(stop, str) and stop else tuple(stop) if isinstance(stop, list) else ()
     return SamplingParams(
@@ -154,6 +162,7 @@ def sampling(body: ChatCompletionRequest | CompletionRequest, default_max_tokens
         top_p=1.0 if body.top_p is None else float(body.top_p),
         seed=body.seed,
         stop=stops,
+        logprobs=logprobs(body),
     )
 
 
@@ -165,11 +174,12 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
     return out
 
 
-def completion_prompt(body: CompletionRequest) -> str | list[int]:
+def completion_prompts(body: CompletionRequest) -> list[str | list[int]]:
+    """The request's prompts: each a text or a list of token ids."""
     prompt = body.prompt
-    if isinstance(prompt, list) and isinstance(prompt[0], str):  # a list of one string
-        return prompt[0]
-    return prompt  # type: ignore[return-value]
+    if isinstance(prompt, str) or isinstance(prompt[0], int):
+        return [prompt]  # type: ignore[list-item]
+    return list(prompt)  # type: ignore[arg-type]
 
 
 async def off_loop_if_large(size: int, fn: Callable[..., Any], *args: Any) -> Any:

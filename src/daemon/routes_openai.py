@@ -1,4 +1,4 @@
-"""OpenAI-compatible text routes: /v1/models, /v1/chat/completions, /v1/completions."""
+"""OpenAI-compatible text routes: /v1/models, /v1/models/{model}, /v1/chat/completions, /v1/completions."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import json
 import time
 import uuid
 from contextlib import aclosing
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 import anyio
@@ -14,8 +15,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from headrace.daemon import requests as rq
 from headrace.daemon.errors import APIError, bad_request, internal
-from headrace.daemon.schemas import ChatCompletionRequest, CompletionRequest
-from headrace.plugins.protocols import SamplingParams, TokenDelta
+from headrace.daemon.logprobs import CompletionLogprobs, TokenStrings, chat_content
+from headrace.daemon.schemas import MAX_CHOICES, ChatCompletionRequest, CompletionRequest
+from headrace.graph.service import ChoiceDelta
+from headrace.plugins.protocols import SamplingParams, TokenDelta, TokenLogprob
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -34,14 +37,22 @@ def engine_for(request: Request, model: str, kind: str, what: str) -> Any:
     return slot
 
 
+def _model_card(slot: Any) -> dict[str, Any]:
+    return {"id": slot.name, "object": "model", "created": slot.created, "owned_by": "headrace",
+            "kind": slot.engine.kind, "plugin": slot.plugin, "ready": slot.state == "ready"}
+
+
 async def list_models(request: Request) -> Response:
-    pool = request.app.state.pool
-    data = [
-        {"id": s.name, "object": "model", "created": s.created, "owned_by": "headrace",
-         "kind": s.engine.kind, "plugin": s.plugin, "ready": s.state == "ready"}
-        for s in pool.slots.values()
-    ]
-    return JSONResponse({"object": "list", "data": data})
+    return JSONResponse({"object": "list", "data": [_model_card(s) for s in request.app.state.pool.slots.values()]})
+
+
+async def get_model(request: Request) -> Response:
+    """One model's card, whatever its state (OpenAI's retrieve-model); 404 for an unknown id."""
+    model = request.path_params["model"]
+    slot = request.app.state.pool.slots.get(model)
+    if slot is None:
+        raise APIError(404, f"the model '{model}' does not exist", param="model", code="model_not_found")
+    return JSONResponse(_model_card(slot))
 
 
 def _check_length(slot: Any, tokens: list[int], param: str) -> None:
@@ -61,14 +72,14 @@ def vocab_size(engine: Any) -> int | None:
     return size
 
 
-def _check_token_ids(slot: Any, tokens: list[int]) -> None:
+def check_vocab(slot: Any, tokens: list[int], param: str = "prompt") -> None:
     size = vocab_size(slot.engine)
     if size is None:
         return
     for i, token in enumerate(tokens):
         if token >= size:
             raise bad_request(f"token id {token} is outside the vocabulary of '{slot.name}' (0 to {size - 1})",
-                              param=f"prompt[{i}]")
+                              param=f"{param}[{i}]")
 
 
 async def _llm_request(request: Request, model: type[rq.Model], what: str) -> tuple[rq.Model, Any]:
@@ -85,27 +96,58 @@ async def chat_completions(request: Request) -> Response:
     size = sum(len(m["content"]) for m in messages)
     tokens = await rq.off_loop_if_large(size, slot.engine.chat_tokens, messages)
     _check_length(slot, tokens, "messages")
-    return await _respond(request, slot, tokens, params, spec, chat=True)
+    return await _respond(request, slot, [tokens], params, body.n or 1, spec, chat=True)
 
 
 async def completions(request: Request) -> Response:
     body, slot = await _llm_request(request, CompletionRequest, "completions")
-    prompt = rq.completion_prompt(body)
+    prompts = rq.completion_prompts(body)
     spec = rq.stream_spec(body)
     params = rq.sampling(body, 16)  # OpenAI's default for completions
-    if isinstance(prompt, str):
-        tokens = await rq.off_loop_if_large(len(prompt), slot.engine.encode, prompt)
-    else:
-        tokens = list(prompt)
-        _check_token_ids(slot, tokens)
-    _check_length(slot, tokens, "prompt")
-    return await _respond(request, slot, tokens, params, spec, chat=False)
+    n = body.n or 1
+    if len(prompts) * n > MAX_CHOICES:
+        raise bad_request(f"{len(prompts)} prompts with n={n} make {len(prompts) * n} choices; at most {MAX_CHOICES}",
+                          param="n")
+    texts = [p for p in prompts if isinstance(p, str)]
+    if texts:  # all of a request's texts in one go: off the loop when together they are large
+        encoded = iter(await rq.off_loop_if_large(sum(map(len, texts)), _encode_all, slot.engine, texts))
+    token_lists = []
+    for i, prompt in enumerate(prompts):
+        where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if isinstance(prompt, str):
+            tokens = next(encoded)
+        else:
+            tokens = list(prompt)
+            check_vocab(slot, tokens, where)
+        _check_length(slot, tokens, where)
+        token_lists.append(tokens)
+    return await _respond(request, slot, token_lists, params, n, spec, chat=False)
 
 
-async def _collect(request: Request, deltas: AsyncIterator[TokenDelta]) -> tuple[str, int, str | None] | None:
+def _encode_all(engine: Any, texts: list[str]) -> list[list[int]]:
+    return [engine.encode(text) for text in texts]
+
+
+@dataclass
+class _Choice:
+    """What one choice has generated so far (a non-streamed response)."""
+
+    text: list[str] = field(default_factory=list)
+    generated: int = 0
+    finish: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def add(self, d: TokenDelta) -> None:
+        self.text.append(d.text)
+        self.generated += len(d.token_ids)
+        self.finish = d.finish_reason or self.finish
+        self.logprobs.extend(d.logprobs)
+
+
+async def _collect(request: Request, deltas: AsyncIterator[ChoiceDelta], count: int) -> list[_Choice] | None:
     """Drain a non-streamed generation; None when the client disconnected first (the generation is aborted)."""
-    text: list[str] = []
-    generated, finish, gone = 0, None, False
+    choices = [_Choice() for _ in range(count)]
+    gone = False
     failed: Exception | None = None
     async with anyio.create_task_group() as tg:
 
@@ -114,77 +156,90 @@ async def _collect(request: Request, deltas: AsyncIterator[TokenDelta]) -> tuple
             while (await request.receive())["type"] != "http.disconnect":
                 pass
             gone = True
-            tg.cancel_scope.cancel()  # closing the deltas below cancels the run and frees its context
+            tg.cancel_scope.cancel()  # closing the deltas below cancels the run and frees its contexts
 
         tg.start_soon(watch)
         try:
             async with aclosing(deltas):
-                async for d in deltas:
-                    text.append(d.text)
-                    generated += len(d.token_ids)
-                    finish = d.finish_reason or finish
+                async for c in deltas:
+                    choices[c.index].add(c.delta)
         except Exception as exc:  # raised below, outside the task group, so it is not wrapped in a group
             failed = exc
         tg.cancel_scope.cancel()
     if failed is not None:
         # An APIError, answered by its handler, keeps the connection open (the 500 handler closes it).
         raise internal(failed, "the generation")
-    return None if gone else ("".join(text), generated, finish)
+    return None if gone else choices
 
 
-async def _respond(request: Request, slot: Any, tokens: list[int], params: SamplingParams, spec: rq.StreamSpec,
-                   chat: bool) -> Response:
+async def _respond(request: Request, slot: Any, prompts: list[list[int]], params: SamplingParams, n: int,
+                   spec: rq.StreamSpec, chat: bool) -> Response:
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
+    count = len(prompts) * n
+    n_prompt = sum(map(len, prompts))  # each prompt counted once, however many choices fork it (as vLLM counts)
+    strings = TokenStrings(slot.engine.tokenizer) if params.logprobs is not None else None
     # A one-request run through the graph executor: the same batching path as workflows.
-    deltas = request.app.state.workflows.generate(slot.name, tokens, params)
+    deltas = request.app.state.workflows.generate_choices(slot.name, prompts, params, n)
     if not spec.stream:
-        collected = await _collect(request, deltas)
+        collected = await _collect(request, deltas, count)
         if collected is None:
             return Response(status_code=499)  # nginx's "client closed request": nobody reads it
-        content, generated, finish = collected
-        choice: dict[str, Any] = (
-            {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None, "finish_reason": finish}
-            if chat
-            else {"index": 0, "text": content, "logprobs": None, "finish_reason": finish}
-        )
+        choices = [_choice(i, c, strings, chat) for i, c in enumerate(collected)]
         return JSONResponse({
             "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": slot.name, "choices": [choice], "usage": _usage(len(tokens), generated),
+            "model": slot.name, "choices": choices,
+            "usage": _usage(n_prompt, sum(c.generated for c in collected)),
         })
     return StreamingResponse(
-        _sse(_chunks(rid, created, slot.name, len(tokens), deltas, spec, chat)),
+        _sse(_chunks(rid, created, slot.name, n_prompt, count, deltas, spec, chat, strings)),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
+
+
+def _choice(index: int, c: _Choice, strings: TokenStrings | None, chat: bool) -> dict[str, Any]:
+    text = "".join(c.text)
+    if chat:
+        logprobs = None if strings is None else {"content": chat_content(c.logprobs, strings)}
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": c.finish}
+    logprobs = None if strings is None else CompletionLogprobs(strings).add(c.logprobs)
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish}
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def _chunks(rid: str, created: int, model: str, n_prompt: int, deltas: AsyncIterator[TokenDelta],
-                  spec: rq.StreamSpec, chat: bool) -> AsyncIterator[dict[str, Any]]:
+async def _chunks(rid: str, created: int, model: str, n_prompt: int, count: int, deltas: AsyncIterator[ChoiceDelta],
+                  spec: rq.StreamSpec, chat: bool, strings: TokenStrings | None) -> AsyncIterator[dict[str, Any]]:
     base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
             "model": model}
     extra = {"usage": None} if spec.include_usage else {}
+    # Completions' text_offset runs on over a choice's chunks.
+    offsets = [CompletionLogprobs(strings) for _ in range(count)] if strings is not None and not chat else []
 
-    def chunk(text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+    def chunk(index: int, d: TokenDelta) -> dict[str, Any]:
         if chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            logprobs = None if strings is None else {"content": chat_content(d.logprobs, strings)}
+            delta: dict[str, Any] = {"content": d.text} if d.text else {}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": d.finish_reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            logprobs = offsets[index].add(d.logprobs) if offsets else None
+            choice = {"index": index, "text": d.text, "logprobs": logprobs, "finish_reason": d.finish_reason}
         return {**base, "choices": [choice], **extra}
 
     if chat:
-        yield chunk(None, None, role=True)
+        for index in range(count):
+            yield {**base, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}], **extra}
     generated = 0
     async with aclosing(deltas):
-        async for d in deltas:
-            generated += len(d.token_ids)
-            if d.text or d.finish_reason:
-                yield chunk(d.text, d.finish_reason)
+        async for c in deltas:
+            generated += len(c.delta.token_ids)
+            if c.delta.text or c.delta.finish_reason or c.delta.logprobs:
+                yield chunk(c.index, c.delta)
     if spec.include_usage:
         yield {**base, "choices": [], "usage": _usage(n_prompt, generated)}
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import uuid
+from typing import Any
 
 import numpy as np
 from starlette.requests import Request
@@ -14,13 +15,14 @@ from headrace.daemon import requests as rq
 from headrace.daemon.errors import bad_request
 from headrace.daemon.routes_openai import engine_for
 from headrace.daemon.schemas import EmbeddingRequest, RerankRequest
+from headrace.plugins.protocols import TokenInput
 
 
 async def embeddings(request: Request) -> Response:
     raw = await rq.read_json(request, request.app.state.config.server.max_body_bytes)
     body = rq.validate(EmbeddingRequest, raw)
     slot = engine_for(request, body.model, "embed", "embeddings")
-    texts = [body.input] if isinstance(body.input, str) else body.input
+    texts = await _input_texts(slot, body.input)
     fmt = body.encoding_format or "float"
     if body.dimensions is not None and body.dimensions != slot.engine.dimensions:
         raise bad_request(f"'dimensions' must be {slot.engine.dimensions} for '{slot.name}' (it cannot be reduced)",
@@ -35,6 +37,32 @@ async def embeddings(request: Request) -> Response:
     n = slot.engine.count_tokens(texts)
     return JSONResponse({"object": "list", "data": data, "model": slot.name,
                          "usage": {"prompt_tokens": n, "total_tokens": n}})
+
+
+async def _input_texts(slot: Any, given: str | list[str] | list[int] | list[list[int]]) -> list[str]:
+    """The texts to embed. Token ids (what LangChain's OpenAIEmbeddings sends) are the model's own tokenizer's ids, as
+    vLLM reads them, and decoded with it: ids of another tokenizer (tiktoken's) embed unrelated text."""
+    if isinstance(given, str):
+        return [given]
+    if isinstance(given[0], str):
+        return given  # type: ignore[return-value]
+    rows: list[list[int]] = [given] if isinstance(given[0], int) else given  # type: ignore[list-item,assignment]
+    engine = slot.engine
+    if not isinstance(engine, TokenInput):
+        raise bad_request(f"the model '{slot.name}' takes text only, not token ids", param="input",
+                          code="unsupported_parameter")
+    for i, row in enumerate(rows):
+        for j, token in enumerate(row):
+            if token >= engine.vocab_size:
+                where = f"input[{i}][{j}]" if rows is given else f"input[{j}]"
+                raise bad_request(f"token id {token} is outside the vocabulary of '{slot.name}' "
+                                  f"(0 to {engine.vocab_size - 1})", param=where)
+    texts = await rq.off_loop_if_large(sum(map(len, rows)), engine.decode_tokens, rows)
+    for i, text in enumerate(texts):
+        if not text:
+            raise bad_request("the token ids spell no text (only special tokens)",
+                              param="input" if len(rows) == 1 else f"input[{i}]")
+    return texts
 
 
 async def rerank(request: Request) -> Response:

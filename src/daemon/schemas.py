@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from headrace.plugins.protocols import SEED_MAX, SEED_MIN
+from headrace.plugins.protocols import MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN
 
 # A sane ceiling; the model's context bounds what is really generated.
 MAX_TOKENS_LIMIT = 2**31 - 1
@@ -36,15 +36,18 @@ class Body(BaseModel):
 
 
 # Fields accepted only with the value that means "off" (what OpenAI's SDKs may send by default).
-NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": False,
-           "parallel_tool_calls": None, "echo": False, "best_of": 1}
+NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "parallel_tool_calls": None, "echo": False, "best_of": 1}
+# Choices one request may ask for, over all its prompts (each is a decode the engine batches).
+MAX_CHOICES = 128
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
 
 
 class NeutralFields(Body):
-    n: Annotated[int, Field(ge=1, le=1)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = Field(
+        None, description=f"choices per prompt (default 1; at most {MAX_CHOICES} over all prompts); the prompt is "
+                          "prefilled once and forked")
     presence_penalty: Annotated[float, Field(ge=0, le=0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=0, le=0)] | None = None
-    logprobs: Literal[False] | None = None
 
 
 class Sampling(Body):
@@ -78,6 +81,9 @@ class ChatCompletionRequest(Sampling, NeutralFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
+    logprobs: bool | None = Field(None, description="each output token's log-probability in choices[].logprobs")
+    top_logprobs: TopLogprobs | None = Field(None, description="with logprobs: true, the k most likely tokens "
+                                                               "at each position")
     metadata: dict[str, str] | None = None
     store: bool | None = None
     parallel_tool_calls: None = None
@@ -85,18 +91,50 @@ class ChatCompletionRequest(Sampling, NeutralFields):
 
 class CompletionRequest(Sampling, NeutralFields):
     model: NonEmptyStr
-    prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=1)]
-             | Annotated[list[TokenId], Field(min_length=1)]) = Field(
-        description="a string, a list of one string, or a list of token ids")
+    prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_CHOICES)]
+             | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
+                         Field(min_length=1, max_length=MAX_CHOICES)]) = Field(
+        description="a string, a list of strings, a list of token ids, or a list of token-id lists; "
+                    "each prompt gets n choices, numbered prompt * n + sample")
     max_tokens: MaxTokens | None = Field(None, description="default 16")
+    max_completion_tokens: MaxTokens | None = Field(None, description="an alias of max_tokens (it wins over it)")
+    logprobs: TopLogprobs | None = Field(None, description="each output token's log-probability and the k most "
+                                                           "likely tokens at each position")
     echo: Literal[False] | None = None
     best_of: Annotated[int, Field(ge=1, le=1)] | None = None
 
 
+class TokenizeRequest(Body):
+    """vLLM's /tokenize of a text (``TokenizeCompletionRequest``)."""
+
+    model: NonEmptyStr
+    prompt: str
+    add_special_tokens: bool = Field(True, description="the tokenizer's special tokens (e.g. BOS), as vLLM's default")
+    return_token_strs: bool = Field(False, description="also the tokens as strings")
+
+
+class TokenizeChatRequest(Body):
+    """vLLM's /tokenize of chat messages through the model's chat template (``TokenizeChatRequest``)."""
+
+    model: NonEmptyStr
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: bool = Field(True, description="end with the assistant turn's header")
+    return_token_strs: bool = Field(False, description="also the tokens as strings")
+
+
+class DetokenizeRequest(Body):
+    model: NonEmptyStr
+    tokens: Annotated[list[TokenId], Field(min_length=1)]
+
+
 class EmbeddingRequest(Body):
     model: NonEmptyStr
-    input: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] = Field(
-        description="a string or a list of strings (token arrays are not supported)")
+    input: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)]
+            | Annotated[list[TokenId], Field(min_length=1)]
+            | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]) = Field(
+        description="a string, a list of strings, or token ids (a list, or a list of lists) of the embedding "
+                    "model's own tokenizer, decoded with it as vLLM does (not tiktoken's)")
     encoding_format: Literal["float", "base64"] | None = None
     dimensions: Annotated[int, Field(ge=1)] | None = Field(None, description="must equal the model's; "
                                                                            "it cannot be reduced")
@@ -153,6 +191,7 @@ class AddDocumentsRequest(Body):
 Sampling.model_rebuild()
 ChatCompletionRequest.model_rebuild()
 CompletionRequest.model_rebuild()
+TokenizeChatRequest.model_rebuild()
 
 
 # Responses: documented in /openapi.json; the routes build them as plain dicts. ----------
@@ -205,10 +244,24 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = Field(description="the token's UTF-8 bytes")
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(description="the top_logprobs most likely tokens at this position")
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None
+    logprobs: ChatLogprobs | None = Field(description="with logprobs: true")
     finish_reason: Literal["stop", "length"] | None
 
 
@@ -221,10 +274,18 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] = Field(description="the k most likely tokens at each position, "
+                                                                    "and the sampled one")
+    text_offset: list[int] = Field(description="where each token starts in the choice's text")
+
+
 class TextChoice(BaseModel):
     index: int
     text: str
-    logprobs: None
+    logprobs: CompletionLogprobs | None = Field(description="with logprobs: k")
     finish_reason: Literal["stop", "length"] | None
 
 
@@ -235,6 +296,17 @@ class Completion(BaseModel):
     model: str
     choices: list[TextChoice]
     usage: Usage
+
+
+class Tokenized(BaseModel):
+    count: int
+    max_model_len: int = Field(description="the most tokens the model's context holds")
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class Detokenized(BaseModel):
+    prompt: str
 
 
 class Embedding(BaseModel):

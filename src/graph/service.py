@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any, AsyncIterator, Callable, Iterable, Mapping, Protocol, Sequence
 
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
@@ -22,13 +22,36 @@ from headrace.graph.graph import Graph, Node, Op
 from headrace.graph.optimizer import Optimized, Optimizer
 from headrace.graph.passes import GraphPass, PassEnv
 from headrace.graph.workflow import Workflow, WorkflowInputError
-from headrace.plugins.protocols import SamplingParams, TokenDelta
+from headrace.plugins.protocols import SEED_MAX, SEED_MIN, SamplingParams, TokenDelta
 
 EVENT_BUFFER = 1024  # events per subscriber; a run emits a few per node and piece
 
 
+class RunObserver(Protocol):
+    """Told of every workflow run that ends (plain LLM requests are not workflow runs); the daemon's metrics."""
+
+    def run_finished(self, workflow: str, status: str, seconds: float) -> None: ...
+
+
 class RequestFailed(RuntimeError):
     """An LLM request run failed; the message names the primitive and the cause."""
+
+
+@dataclass(frozen=True)
+class ChoiceDelta:
+    """A token delta of one choice of an LLM request (``index``: prompt * n + sample)."""
+
+    index: int
+    delta: TokenDelta
+
+
+def choice_params(params: SamplingParams, j: int) -> SamplingParams:
+    """The sampling of a request's ``j``-th choice: a seeded request gives each choice its own seed (vLLM's ``seed + j``,
+    wrapped into the seeds a generator takes)."""
+    if params.seed is None or j == 0:
+        return params
+    span = SEED_MAX - SEED_MIN + 1
+    return replace(params, seed=(params.seed + j - SEED_MIN) % span + SEED_MIN)
 
 
 @dataclass(frozen=True)
@@ -59,7 +82,9 @@ class WorkflowService:
         keep_runs: int = 1000,
         policies: Iterable[str] = (),
         collections: CollectionLookup | None = None,
+        observer: RunObserver | None = None,
     ) -> None:
+        self.observer = observer
         self.policies = set(policies)
         self._collections = collections
         self.workflows = dict(workflows)
@@ -186,7 +211,11 @@ class WorkflowService:
         return run
 
     async def execute(self, run: Run) -> Run:
-        await self.executor.execute(run)
+        try:
+            await self.executor.execute(run)
+        finally:
+            if self.observer is not None:
+                self.observer.run_finished(run.workflow, run.status, seconds(run))
         return run
 
     def start(self, run: Run) -> None:
@@ -196,23 +225,49 @@ class WorkflowService:
         self.task_group.start_soon(self.execute, run)
 
     async def generate(self, engine: str, tokens: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
-        """One LLM request as a run of two primitives (prefill, decode), its token deltas streamed back.
+        """One LLM request's token deltas (``generate_choices`` with one prompt and one choice)."""
+        async for choice in self.generate_choices(engine, [tokens], params):
+            yield choice.delta
 
+    async def generate_choices(self, engine: str, prompts: Sequence[list[int]], params: SamplingParams,
+                               n: int = 1) -> AsyncIterator[ChoiceDelta]:
+        """``n`` choices per prompt as one run of prefill and decode primitives, their deltas streamed back.
+
+        Choice ``i * n + j`` is prompt ``i``'s ``j``-th sample (vLLM's and OpenAI's numbering). With
+        ``n > 1`` a prompt is prefilled once and each choice forks it (``prefill(ctx, last, parent)``),
+        so the prompt's KV is computed once; with a seed, choice ``j`` samples with ``seed + j``.
         Plain OpenAI requests take this path so they share the executor, the schedulers and
-        cancellation with workflows. Closing the iterator cancels the run and frees its context.
+        cancellation with workflows. Closing the iterator cancels the run and frees its contexts.
         """
         graph = Graph("request")
-        graph.add(Node("prefill", Op.PREFILL, engine=engine, outputs=("prefill.ctx",), params={"tokens": tokens},
-                       size=len(tokens)))
-        graph.add(Node("decode", Op.DECODE, engine=engine, inputs=("prefill.ctx",), outputs=("text",),
-                       params={"sampling": params}, size=params.max_tokens))
+        choice_of: dict[str, int] = {}
+        for i, tokens in enumerate(prompts):
+            # A one-token prompt has no prefix to share: each choice prefills it whole.
+            fork = n > 1 and len(tokens) > 1
+            shared = f"p{i}.prefix.ctx"
+            if fork:
+                graph.add(Node(f"p{i}.prefix", Op.PREFILL, engine=engine, outputs=(shared,),
+                               params={"tokens": tokens[:-1]}, size=len(tokens) - 1))
+            for j in range(n):
+                index = i * n + j
+                ctx_var = f"c{index}.ctx"
+                if fork:
+                    graph.add(Node(f"c{index}.prefill", Op.FULL_PREFILL, engine=engine, inputs=(shared,),
+                                   outputs=(ctx_var,), params={"tokens": tokens[-1:], "parent": shared}, size=1))
+                else:
+                    graph.add(Node(f"c{index}.prefill", Op.PREFILL, engine=engine, outputs=(ctx_var,),
+                                   params={"tokens": tokens}, size=len(tokens)))
+                graph.add(Node(f"c{index}.decode", Op.DECODE, engine=engine, inputs=(ctx_var,),
+                               outputs=(f"c{index}.text",), params={"sampling": choice_params(params, j)},
+                               size=params.max_tokens))
+                choice_of[f"c{index}.decode"] = index
         graph.rewire()
         graph.compute_depths()
         run = Run(workflow="request", graph=graph, inputs={}, outputs=())
-        send, receive = anyio.create_memory_object_stream(params.max_tokens + 1)
+        send, receive = anyio.create_memory_object_stream[ChoiceDelta](len(choice_of) * (params.max_tokens + 1))
 
         async def forward(node: Node, key: tuple, delta: TokenDelta) -> None:
-            await send.send(delta)
+            await send.send(ChoiceDelta(choice_of[node.id], delta))
 
         async def execute() -> None:
             async with send:

@@ -64,6 +64,8 @@ class Engine(Protocol):
 
 # The seeds a 64-bit generator takes (torch.Generator.manual_seed): negative ones wrap around.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# The most alternatives a sampled token's log-probability comes with (OpenAI's top_logprobs bound, vLLM's default).
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,8 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # None: no log-probabilities; k >= 0: each sampled token's, with its k most likely alternatives.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -85,9 +89,21 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
 
 
 FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability under the model (log_softmax of its raw logits), and the
+    most likely alternatives at that step, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -97,6 +113,8 @@ class TokenDelta:
     text: str
     token_ids: TokenIds
     finish_reason: FinishReason | None = None
+    # One per token of ``token_ids`` when the request asked for ``logprobs``; empty otherwise.
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 Priority = int
@@ -114,8 +132,9 @@ class LLMEngine(Engine, Protocol):
 
     def encode(self, text: str) -> TokenIds: ...
 
-    def chat_tokens(self, messages: Sequence[dict[str, str]]) -> TokenIds:
-        """Apply the model's chat template, ready for the assistant's turn."""
+    def chat_tokens(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> TokenIds:
+        """Apply the model's chat template, ready for the assistant's turn (unless ``add_generation_prompt`` is
+        false: the messages alone)."""
         ...
 
     def chat_prompt(self, messages: Sequence[dict[str, str]]) -> str:
@@ -195,6 +214,17 @@ class EmbedEngine(Engine, Protocol):
 
     async def embed(self, texts: Sequence[str]) -> "torch.Tensor":
         """One row per text, L2-normalised, float32."""
+        ...
+
+
+@runtime_checkable
+class TokenInput(Protocol):
+    """An engine that also takes input as token ids of its own tokenizer (the OpenAI embeddings API's token arrays)."""
+
+    vocab_size: int
+
+    def decode_tokens(self, ids: Sequence[Sequence[int]]) -> list[str]:
+        """The text each list of ids spells (special tokens dropped); ids are below ``vocab_size``."""
         ...
 
 

@@ -104,8 +104,8 @@ def test_token_ids_inside_the_vocabulary_work(server):
 
 
 def test_unsupported_and_neutral_parameters(server):
-    r = post(server, "/v1/chat/completions", {**CHAT, "n": 2})
-    assert assert_envelope(r, param="n")["code"] == "unsupported_parameter"
+    r = post(server, "/v1/chat/completions", {**CHAT, "n": 129})
+    assert assert_envelope(r, param="n")["code"] == "invalid_value"
     r = post(server, "/v1/chat/completions", {**CHAT, "tools": []})
     assert assert_envelope(r, param="tools")["code"] == "unsupported_parameter"
     neutral = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": False, "parallel_tool_calls": None}

@@ -25,8 +25,10 @@ EXAMPLES = 15  # per operation and mode: 44 tests, about 3 minutes in all on 2 q
 REQUEST_TIMEOUT = 180  # generous: a fuzzed workflow run waits on the models; a hang still fails
 # Generation lengths are clamped so fuzzing checks validation, not decode speed.
 MODELS = {"ChatCompletionRequest": "smollm2", "CompletionRequest": "smollm2", "EmbeddingRequest": "all-minilm-l6-v2",
-          "RerankRequest": "smollm2-rerank"}
-TOKEN_FIELDS = {"max_tokens": 4, "max_completion_tokens": 4, "context_tokens": 2}
+          "RerankRequest": "smollm2-rerank", "TokenizeRequest": "smollm2", "TokenizeChatRequest": "smollm2",
+          "DetokenizeRequest": "smollm2"}
+# n multiplies the decodes as max_tokens lengthens them: both clamped.
+TOKEN_FIELDS = {"max_tokens": 4, "max_completion_tokens": 4, "context_tokens": 2, "n": 2}
 
 
 def small(doc: Any, name: str | None = None) -> Any:

@@ -50,7 +50,8 @@ def test_every_route_is_described(app, doc):
 def test_request_bodies_are_the_validating_models(doc):
     components = doc["components"]["schemas"]
     for model in (schemas.ChatCompletionRequest, schemas.CompletionRequest, schemas.EmbeddingRequest,
-                  schemas.RerankRequest):
+                  schemas.RerankRequest, schemas.TokenizeRequest, schemas.TokenizeChatRequest,
+                  schemas.DetokenizeRequest):
         published = components[model.__name__]
         generated = model.model_json_schema(ref_template=REF)
         generated.pop("$defs", None)
@@ -58,6 +59,8 @@ def test_request_bodies_are_the_validating_models(doc):
         assert published["additionalProperties"] is False
     body = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body == {"$ref": REF.format(model="ChatCompletionRequest")}
+    body = doc["paths"]["/tokenize"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body == {"oneOf": [{"$ref": REF.format(model=m)} for m in ("TokenizeRequest", "TokenizeChatRequest")]}
 
 
 def test_each_workflow_run_body_is_its_schema(app, doc):
@@ -84,7 +87,7 @@ def test_every_integer_in_a_workflow_config_is_bounded(app):
 
 
 @pytest.mark.parametrize("raw, param, code", [
-    (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 2}', "n", "unsupported_parameter"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 0}', "n", "invalid_value"),
     (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": []}', "tools",
      "unsupported_parameter"),
     (b'{"model": "m", "messages": [{"role": "user", "content": 5}]}', "messages[0].content", "invalid_value"),

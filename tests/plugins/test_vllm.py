@@ -6,6 +6,7 @@ with `-m vllm`); anywhere vLLM is not installed they skip.
 
 from __future__ import annotations
 
+import math
 from contextlib import aclosing
 from pathlib import Path
 
@@ -286,3 +287,28 @@ def test_the_daemon_serves_chat_with_the_vllm_config(tmp_path):
         assert too_long.json()["error"]["code"] == "context_length_exceeded"
     finally:
         server.stop()
+
+
+def test_logprobs_are_vllms_mapped_to_headraces(vllm_engine):
+    """vLLM's own logprobs (its raw log-softmax) reach TokenDelta.logprobs: one per token, the k best by rank."""
+    portal, engine, _ = vllm_engine
+    question = prompt(engine, "Name a colour.")
+
+    async def deltas(params):
+        with anyio.fail_after(LONG_ENOUGH):
+            return [d async for d in engine.generate(question, params)]
+
+    got = portal.call(deltas, SamplingParams(max_tokens=4, temperature=0.0, logprobs=3))
+    ids = [t for d in got for t in d.token_ids]
+    lps = [lp for d in got for lp in d.logprobs]
+    assert [lp.token_id for lp in lps] == ids
+    for lp in lps:
+        assert len(lp.top) == 3 and lp.top[0][0] == lp.token_id  # greedy: the sampled token ranks first
+        assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+        assert lp.logprob == pytest.approx(lp.top[0][1]) and lp.logprob <= 0
+    # A distribution: the three best hold at most all of the probability.
+    assert sum(math.exp(v) for _, v in lps[0].top) <= 1 + 1e-4
+    # next_token_logits reads the same raw log-softmax: the first token's agrees.
+    scored = portal.call(engine.next_token_logits, [question], [ids[0]])
+    assert float(scored[0, 0]) == pytest.approx(lps[0].logprob, abs=0.05)
+    assert all(d.logprobs == () for d in portal.call(deltas, SamplingParams(max_tokens=2, temperature=0.0)))

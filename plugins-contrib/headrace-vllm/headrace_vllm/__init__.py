@@ -17,7 +17,10 @@ The headrace protocol on a stock vLLM (no fork of it):
   stay cached until vLLM evicts them);
 - leaving a stream early, or cancelling, aborts the vLLM request;
 - ``next_token_logits`` asks for ``logprob_token_ids`` with the engine's logprobs mode set
-  to ``raw_logits``, so vLLM returns the raw logits of exactly those ids;
+  to ``raw_logprobs``, so vLLM returns the log-softmax of exactly those ids: the logits less
+  their row's logsumexp, which the LLM reranker reads only relatively (a margin of logsumexps);
+- a decode that asks for ``logprobs`` gets vLLM's own (the same raw log-softmax, before
+  temperature and top_p, as headrace's shared sampler reports), mapped to ``TokenLogprob``;
 - ``priority`` (lower runs first, as in vLLM) reaches vLLM's priority scheduler.
 
 A fault stays with its request: token ids are checked before they are queued, a request
@@ -48,7 +51,8 @@ from headrace.plugins.engines.llm_front import EngineError, check_token_ids  # t
 from headrace.plugins.engines.model_paths import resolve_model
 from headrace.plugins.engines.torch_loading import convert_gguf
 from headrace.plugins.hookspecs import hookimpl
-from headrace.plugins.protocols import EngineEnv, EngineSpec, SamplingParams, TokenDelta
+from headrace.plugins.engines.sampling import LOGPROB_FLOOR
+from headrace.plugins.protocols import EngineEnv, EngineSpec, SamplingParams, TokenDelta, TokenLogprob
 from headrace.types import ContextId, TokenIds
 
 __all__ = ["EngineError", "VLLMEngine", "register_engines"]
@@ -135,7 +139,8 @@ class _Output:
     text: str
     token_ids: TokenIds
     finish_reason: str | None
-    scores: dict[int, float] = field(default_factory=dict)  # scoring: token id -> raw logit
+    scores: dict[int, float] = field(default_factory=dict)  # scoring: token id -> raw log-probability
+    logprobs: tuple[TokenLogprob, ...] = ()  # a decode that asked: one per token of token_ids
 
 
 @dataclass
@@ -143,6 +148,7 @@ class _Live:
     send: Any
     op: str
     scored: bool
+    top_logprobs: int | None = None  # a decode's ``logprobs``: alternatives per token (None: none asked)
 
 
 # ----- the engine ---------------------------------------------------------------
@@ -227,8 +233,9 @@ class VLLMEngine:
             max_num_seqs=opts.max_num_seqs,
             enable_prefix_caching=True,
             scheduling_policy="priority",
-            # next_token_logits reads raw logits; nothing else asks vLLM for logprobs.
-            logprobs_mode="raw_logits",
+            # Log-probabilities of the model's own distribution, as OpenAI's logprobs are; next_token_logits
+            # gets them too (a per-row shift of the logits).
+            logprobs_mode="raw_logprobs",
             max_logprobs=MAX_SCORED_TOKEN_IDS,
             disable_log_stats=True,
         )
@@ -248,8 +255,9 @@ class VLLMEngine:
     def encode(self, text: str) -> TokenIds:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def chat_tokens(self, messages: Sequence[dict[str, str]]) -> TokenIds:
-        out = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    def chat_tokens(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> TokenIds:
+        out = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                                 tokenize=True)
         return list(out["input_ids"] if hasattr(out, "keys") else out)
 
     def chat_prompt(self, messages: Sequence[dict[str, str]]) -> str:
@@ -390,11 +398,12 @@ class VLLMEngine:
     async def _stream(self, tokens: TokenIds, params: SamplingParams, priority: int) -> AsyncIterator[TokenDelta]:
         vparams = self._vllm_params(
             output_kind="delta", max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-            seed=params.seed, stop=list(params.stop) or None,
+            seed=params.seed, stop=list(params.stop) or None, logprobs=params.logprobs,
         )
         async with aclosing(self._submit(tokens, vparams, priority, "decode")) as outputs:
             async for item in outputs:
-                yield TokenDelta(text=item.text, token_ids=item.token_ids, finish_reason=item.finish_reason)
+                yield TokenDelta(text=item.text, token_ids=item.token_ids, finish_reason=item.finish_reason,
+                                 logprobs=item.logprobs)
 
     async def _submit(self, tokens: TokenIds, params: Any, priority: int, op: str) -> AsyncIterator[_Output]:
         """One vLLM request: its outputs until it finishes; leaving early aborts it."""
@@ -518,7 +527,8 @@ class VLLMEngine:
             out.append((cmd.send, EngineError(f"engine {self.name!r} refused the request: {exc}"), True))
             return
         scored = bool(getattr(cmd.params, "logprob_token_ids", None))
-        self._live[cmd.request_id] = _Live(cmd.send, cmd.op, scored)
+        top = None if scored else getattr(cmd.params, "logprobs", None)
+        self._live[cmd.request_id] = _Live(cmd.send, cmd.op, scored, top)
 
     def _step(self, engine: Any, out: list) -> None:
         start = time.monotonic()
@@ -543,7 +553,7 @@ class VLLMEngine:
             if live is None:
                 continue  # aborted meanwhile
             try:
-                item = self._convert(request_output, live.scored)
+                item = self._convert(request_output, live)
             except Exception as exc:  # this request only
                 log.exception("engine %s: reading an output failed", self.name)
                 item = EngineError(f"engine {self.name}: {type(exc).__name__}: {exc}")
@@ -559,17 +569,25 @@ class VLLMEngine:
             self._env.observe_batch(op, size, start, end)
 
     @staticmethod
-    def _convert(request_output: Any, scored: bool) -> _Output:
+    def _convert(request_output: Any, live: _Live) -> _Output:
         completion = request_output.outputs[0]
         scores: dict[int, float] = {}
-        if scored and completion.finish_reason is not None:
+        if live.scored and completion.finish_reason is not None:
             for token_id, logprob in completion.logprobs[0].items():
                 scores[int(token_id)] = float(logprob.logprob)
+        token_ids = list(completion.token_ids)
+        logprobs: tuple[TokenLogprob, ...] = ()
+        if live.top_logprobs is not None:
+            # A delta's logprobs: one {token id: Logprob(logprob, rank)} per new token, holding the top k and
+            # the sampled token whatever its rank.
+            logprobs = tuple(_token_logprob(token, step, live.top_logprobs)
+                             for token, step in zip(token_ids, completion.logprobs or (), strict=True))
         return _Output(
             text=completion.text or "",
-            token_ids=list(completion.token_ids),
+            token_ids=token_ids,
             finish_reason=completion.finish_reason if request_output.finished else None,
             scores=scores,
+            logprobs=logprobs,
         )
 
     def _deliver(self, portal: BlockingPortal, out: list) -> bool:
@@ -578,6 +596,14 @@ class VLLMEngine:
         except (RuntimeError, concurrent.futures.CancelledError):  # the event loop is shutting down
             return False
         return True
+
+
+def _token_logprob(token: int, step: dict[int, Any], k: int) -> TokenLogprob:
+    """One vLLM logprobs entry as headrace's: the sampled token's, and the k best by vLLM's rank (1 = most likely)."""
+    ranked = sorted((item.rank, int(token_id), item.logprob) for token_id, item in step.items()
+                    if item.rank is not None and item.rank <= k)
+    return TokenLogprob(token, max(float(step[token].logprob), LOGPROB_FLOOR),
+                        tuple((t, max(float(lp), LOGPROB_FLOOR)) for _, t, lp in ranked))
 
 
 class _CastNoticeToDebug(logging.Filter):

@@ -444,6 +444,9 @@ class LlamaCppCore(LLMCore):
                  "waiting": len(self._waiting) + len(self._blocked)}
         if self.prefix_cache_tokens > 0:
             stats.update(cache_stats(self._cache_stats, self.prefix_cache, self.prefix_cache_tokens))
+        # Contexts and cached prefixes share the llama context's n_ctx cells (read on the event loop: list() copies).
+        held = sum(seq.length for seq in list(self._contexts.values())) + stats.get("prefix_cache_tokens", 0)
+        stats.update(kv_cache_tokens=held, kv_cache_capacity=self._n_ctx)
         return stats
 
     # ----- one iteration -------------------------------------------------------------------
@@ -465,7 +468,7 @@ class LlamaCppCore(LLMCore):
                 seq = self._contexts[r.ctx]
                 logits, seq.next_logits = seq.next_logits, None
                 first = sample(logits.unsqueeze(0), [r.params], [r.generator])[0]
-                if not self.emit(r, first, out):
+                if not self.emit(r, first, out, logits):
                     self._rows.append(r)
             except Exception as exc:  # this row's sampling or detokenising: it fails alone
                 log.exception("engine %s: starting a decode failed", self.name)
@@ -680,13 +683,13 @@ class LlamaCppCore(LLMCore):
     def _finish_decode(self, rows: list[Row], logits: torch.Tensor, out: Outbox) -> None:
         tokens = sample_rows(rows, logits)
         ended = set()
-        for r, token in zip(rows, tokens):
+        for i, (r, token) in enumerate(zip(rows, tokens)):
             r.length += 1  # its pending token is in the KV now
             self._contexts[r.ctx].length = r.length
             try:
                 if isinstance(token, BaseException):
                     raise token
-                finished = self.emit(r, token, out)
+                finished = self.emit(r, token, out, logits[i])
             except Exception as exc:  # this row only
                 log.exception("engine %s: a decode row failed", self.name)
                 self.fail_row(r, exc, out)

@@ -65,7 +65,7 @@ import anyio
 import torch
 from anyio.from_thread import BlockingPortal
 
-from headrace.plugins.engines.sampling import Detokenizer, make_generator, sample
+from headrace.plugins.engines.sampling import Detokenizer, make_generator, sample, token_logprob
 from headrace.plugins.protocols import SamplingParams, TokenDelta
 from headrace.types import ContextId, TokenIds
 
@@ -326,9 +326,13 @@ class LLMCore(ABC):
                    generator=make_generator(cmd.params.seed), detok=Detokenizer(self.tokenizer, cmd.params.stop),
                    length=length)
 
-    def emit(self, r: Row, token: int, out: Outbox) -> bool:
-        """Record one sampled token of ``r`` (its KV holds ``r.length`` tokens); True when the row is finished."""
+    def emit(self, r: Row, token: int, out: Outbox, logits: torch.Tensor | None = None) -> bool:
+        """Record one sampled token of ``r`` (its KV holds ``r.length`` tokens); True when the row is finished.
+
+        ``logits``: the row (V,) the token was sampled from, for a request that asked for logprobs."""
         r.produced += 1
+        wanted = r.params.logprobs
+        logprobs = (token_logprob(logits, token, wanted),) if wanted is not None and logits is not None else ()
         finish = None
         if token in self.eos:
             text, finish = r.detok.flush(), "stop"
@@ -339,7 +343,8 @@ class LLMCore(ABC):
             elif r.produced >= r.params.max_tokens or r.length + 1 >= self.max_context_tokens:
                 text, finish = text + r.detok.flush(), "length"
         r.pending = token
-        out.deltas.append((r.send, TokenDelta(text=text, token_ids=[token], finish_reason=finish), finish is not None))
+        out.deltas.append((r.send, TokenDelta(text=text, token_ids=[token], finish_reason=finish,
+                                                      logprobs=logprobs), finish is not None))
         if finish is not None:
             self.row_finished(r)
         return finish is not None
@@ -440,8 +445,9 @@ class LLMFront:
     def encode(self, text: str) -> TokenIds:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def chat_tokens(self, messages: Sequence[dict[str, str]]) -> TokenIds:
-        out = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    def chat_tokens(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> TokenIds:
+        out = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                                 tokenize=True)
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
     def chat_prompt(self, messages: Sequence[dict[str, str]]) -> str:

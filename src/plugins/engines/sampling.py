@@ -7,12 +7,14 @@ from typing import Sequence
 
 import torch
 
-from headrace.plugins.protocols import SamplingParams
+from headrace.plugins.protocols import SamplingParams, TokenLogprob
 
 
 # Below this temperature a row decodes greedily, as vLLM does: dividing logits by a
 # smaller one overflows float32 to inf, and softmax of inf is NaN.
 GREEDY_TEMPERATURE = 1e-5
+# What a log-probability of -inf (or NaN) is reported as: JSON has no infinities; OpenAI and vLLM use this floor.
+LOGPROB_FLOOR = -9999.0
 
 
 def make_generator(seed: int | None) -> torch.Generator:
@@ -57,6 +59,21 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
         if bool(usable[j]):
             greedy[i] = int(torch.multinomial(probs[j], 1, generator=generators[i]).item())
     return greedy
+
+
+def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """``token``'s log-probability in one row of ``logits`` (V,), with the ``top`` most likely tokens.
+
+    Of the raw distribution (log_softmax of the logits, before temperature and top_p), as
+    vLLM reports by default and OpenAI documents.
+    """
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    logprobs = torch.nan_to_num(logprobs, nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR).clamp_(min=LOGPROB_FLOOR)
+    alternatives: tuple[tuple[int, float], ...] = ()
+    if top:
+        values, ids = torch.topk(logprobs, min(top, logprobs.numel()))
+        alternatives = tuple(zip(ids.tolist(), values.tolist()))
+    return TokenLogprob(token, float(logprobs[token]), alternatives)
 
 
 @dataclass

@@ -52,6 +52,7 @@ class SentenceTransformerEmbedder:
         self._model: Any = None
         self._counter: Any = None
         self.dimensions = 0  # known once run() has loaded the model
+        self.vocab_size = 0
 
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         if self._threads:
@@ -72,6 +73,7 @@ class SentenceTransformerEmbedder:
         model.eval()
         self._packed = self._pack_tokens > 0 and _packable(model)
         self.dimensions = int(model.get_embedding_dimension())
+        self.vocab_size = len(model.tokenizer)
         # count_tokens runs on the event loop while encode may be using the
         # model's tokenizer on a worker thread; a fast tokenizer raises
         # "Already borrowed" when shared that way, so counting gets its own copy.
@@ -91,6 +93,11 @@ class SentenceTransformerEmbedder:
         # What the model sees: special tokens included, truncated as encode truncates.
         ids = self._counter(list(texts), truncation=True, max_length=model.max_seq_length)["input_ids"]
         return sum(len(row) for row in ids)
+
+    def decode_tokens(self, ids: Sequence[Sequence[int]]) -> list[str]:
+        """Token ids as the text they spell: token arrays in, as vLLM takes them (ids of this model's tokenizer)."""
+        self._require_model()
+        return self._counter.batch_decode([list(row) for row in ids], skip_special_tokens=True)
 
     async def embed(self, texts: Sequence[str]) -> torch.Tensor:
         model = self._require_model()

@@ -154,8 +154,13 @@ class TorchCore(LLMCore):
         return bool(self._rows or self._waiting or self._scoring or self._prefills)
 
     def stats(self) -> dict[str, int]:
+        # Read on the event loop while the worker changes them: list() copies each in one step.
+        held = sum(c.length for c in list(self.contexts.values()) if c.kv is not None)  # filled, not decoding
+        held += sum(r.length for r in list(self._rows))
         stats = {"contexts": len(self.contexts), "decoding": len(self._rows),
-                 "waiting": len(self._waiting) + len(self._prefills)}
+                 "waiting": len(self._waiting) + len(self._prefills),
+                 # The KV a full decode batch holds: its rows at the context limit.
+                 "kv_cache_tokens": held, "kv_cache_capacity": self.max_batch_size * self.max_context_tokens}
         if self.prefix_cache_tokens > 0:
             stats.update(cache_stats(self._cache_stats, self.prefix_cache, self.prefix_cache_tokens))
         return stats
@@ -384,7 +389,7 @@ class TorchCore(LLMCore):
             try:
                 ctx = self.contexts[r.ctx]
                 first = sample(ctx.next_logits.unsqueeze(0), [r.params], [r.generator])[0]
-                finished = self.emit(r, first, out)
+                finished = self.emit(r, first, out, ctx.next_logits)
             except Exception as exc:  # this row's sampling or detokenising: it fails alone
                 log.exception("engine %s: starting a decode failed", self.name)
                 self.fail_row(r, exc, out)
@@ -432,7 +437,7 @@ class TorchCore(LLMCore):
             try:
                 if isinstance(token, BaseException):
                     raise token
-                finished = self.emit(r, token, out)
+                finished = self.emit(r, token, out, logits[i])
             except Exception as exc:  # this row only
                 log.exception("engine %s: a decode row failed", self.name)
                 self.fail_row(r, exc, out)
