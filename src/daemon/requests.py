@@ -16,7 +16,7 @@ from starlette.requests import Request
 
 from headrace.daemon.errors import APIError, bad_request
 from headrace.daemon.schemas import NEUTRAL, ChatCompletionRequest, CompletionRequest, Sampling
-from headrace.plugins.protocols import SamplingParams
+from headrace.plugins.protocols import OutputConstraint, SamplingParams
 from headrace.text import is_unicode
 
 # No route needs deeper JSON; deeper nesting is refused before anything walks it recursively.
@@ -142,7 +142,8 @@ def stream_spec(body: Sampling) -> StreamSpec:
     return StreamSpec(bool(body.stream), bool(body.stream_options and body.stream_options.include_usage))
 
 
-def sampling(body: ChatCompletionRequest | CompletionRequest, default_max_tokens: int) -> SamplingParams:
+def sampling(body: ChatCompletionRequest | CompletionRequest, default_max_tokens: int,
+             constraint: OutputConstraint | None = None) -> SamplingParams:
     max_tokens = body.max_tokens
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         max_tokens = body.max_completion_tokens
@@ -154,15 +155,8 @@ def sampling(body: ChatCompletionRequest | CompletionRequest, default_max_tokens
         top_p=1.0 if body.top_p is None else float(body.top_p),
         seed=body.seed,
         stop=stops,
+        constraint=constraint,
     )
-
-
-def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
-    out = []
-    for m in body.messages:
-        content = m.content if isinstance(m.content, str) else "".join(part.text for part in m.content)
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
-    return out
 
 
 def completion_prompt(body: CompletionRequest) -> str | list[int]:

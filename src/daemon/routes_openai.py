@@ -13,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from headrace.daemon import requests as rq
+from headrace.daemon import structured
 from headrace.daemon.errors import APIError, bad_request, internal
 from headrace.daemon.schemas import ChatCompletionRequest, CompletionRequest
 from headrace.plugins.protocols import SamplingParams, TokenDelta
@@ -79,20 +80,27 @@ async def _llm_request(request: Request, model: type[rq.Model], what: str) -> tu
 
 async def chat_completions(request: Request) -> Response:
     body, slot = await _llm_request(request, ChatCompletionRequest, "chat completions")
-    messages = rq.chat_messages(body)
+    messages = structured.chat_messages(body)
     spec = rq.stream_spec(body)
-    params = rq.sampling(body, DEFAULT_MAX_TOKENS)
-    size = sum(len(m["content"]) for m in messages)
-    tokens = await rq.off_loop_if_large(size, slot.engine.chat_tokens, messages)
+    tools = structured.plan_tools(body)
+    constraint = tools.constraint if tools is not None else structured.response_constraint(body)
+    params = rq.sampling(body, DEFAULT_MAX_TOKENS, constraint)
+    size = sum(len(m["content"]) for m in messages) + (len(json.dumps(tools.specs)) if tools else 0)
+    tokens = await rq.off_loop_if_large(size, _chat_tokens, slot.engine, messages, tools)
     _check_length(slot, tokens, "messages")
-    return await _respond(request, slot, tokens, params, spec, chat=True)
+    return await _respond(request, slot, tokens, params, spec, chat=True, tools=tools)
+
+
+def _chat_tokens(engine: Any, messages: list[dict[str, Any]], tools: structured.ToolPlan | None) -> list[int]:
+    # Without tools, the call every engine has always taken (a plugin's chat_tokens may predate tools).
+    return engine.chat_tokens(messages, tools.specs) if tools is not None else engine.chat_tokens(messages)
 
 
 async def completions(request: Request) -> Response:
     body, slot = await _llm_request(request, CompletionRequest, "completions")
     prompt = rq.completion_prompt(body)
     spec = rq.stream_spec(body)
-    params = rq.sampling(body, 16)  # OpenAI's default for completions
+    params = rq.sampling(body, 16, structured.response_constraint(body))  # 16: OpenAI's default for completions
     if isinstance(prompt, str):
         tokens = await rq.off_loop_if_large(len(prompt), slot.engine.encode, prompt)
     else:
@@ -133,7 +141,7 @@ async def _collect(request: Request, deltas: AsyncIterator[TokenDelta]) -> tuple
 
 
 async def _respond(request: Request, slot: Any, tokens: list[int], params: SamplingParams, spec: rq.StreamSpec,
-                   chat: bool) -> Response:
+                   chat: bool, tools: structured.ToolPlan | None = None) -> Response:
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
     # A one-request run through the graph executor: the same batching path as workflows.
@@ -143,17 +151,22 @@ async def _respond(request: Request, slot: Any, tokens: list[int], params: Sampl
         if collected is None:
             return Response(status_code=499)  # nginx's "client closed request": nobody reads it
         content, generated, finish = collected
-        choice: dict[str, Any] = (
-            {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None, "finish_reason": finish}
-            if chat
-            else {"index": 0, "text": content, "logprobs": None, "finish_reason": finish}
-        )
+        if chat:
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if tools is not None:
+                text, calls = structured.parse_tool_output(content, tools.names)
+                if calls:
+                    message = {"role": "assistant", "content": text, "tool_calls": calls}
+                    finish = "tool_calls" if finish == "stop" else finish
+            choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish}
         return JSONResponse({
             "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": slot.name, "choices": [choice], "usage": _usage(len(tokens), generated),
         })
     return StreamingResponse(
-        _sse(_chunks(rid, created, slot.name, len(tokens), deltas, spec, chat)),
+        _sse(_chunks(rid, created, slot.name, len(tokens), deltas, spec, chat, tools)),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
@@ -164,14 +177,18 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
 
 
 async def _chunks(rid: str, created: int, model: str, n_prompt: int, deltas: AsyncIterator[TokenDelta],
-                  spec: rq.StreamSpec, chat: bool) -> AsyncIterator[dict[str, Any]]:
+                  spec: rq.StreamSpec, chat: bool, tools: structured.ToolPlan | None = None
+                  ) -> AsyncIterator[dict[str, Any]]:
     base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
             "model": model}
     extra = {"usage": None} if spec.include_usage else {}
 
-    def chunk(text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+    def chunk(text: str | None, finish: str | None, role: bool = False,
+              call: tuple[int, dict[str, Any]] | None = None) -> dict[str, Any]:
         if chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            if call is not None:  # a whole call in one delta: its id, name and complete arguments
+                delta = {"tool_calls": [{"index": call[0], **call[1]}]}
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
@@ -179,12 +196,25 @@ async def _chunks(rid: str, created: int, model: str, n_prompt: int, deltas: Asy
 
     if chat:
         yield chunk(None, None, role=True)
-    generated = 0
+    parser = structured.ToolCallParser(tools.names) if tools is not None else None
+    generated = calls_sent = 0
     async with aclosing(deltas):
         async for d in deltas:
             generated += len(d.token_ids)
-            if d.text or d.finish_reason:
-                yield chunk(d.text, d.finish_reason)
+            if parser is None:
+                if d.text or d.finish_reason:
+                    yield chunk(d.text, d.finish_reason)
+                continue
+            # Tools: content as it comes, each call once its block is complete.
+            items = parser.feed(d.text) + (parser.finish() if d.finish_reason else [])
+            for kind, value in items:
+                if kind == "content":
+                    yield chunk(value, None)
+                else:
+                    yield chunk(None, None, call=(calls_sent, value))
+                    calls_sent += 1
+            if d.finish_reason:
+                yield chunk(None, "tool_calls" if parser.calls and d.finish_reason == "stop" else d.finish_reason)
     if spec.include_usage:
         yield {**base, "choices": [], "usage": _usage(n_prompt, generated)}
 

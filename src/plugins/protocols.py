@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Literal, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Literal, Mapping, Protocol, Sequence, runtime_checkable
 
 from headrace.types import BatchObserver, ContextId, Options, TokenIds
 
@@ -67,6 +67,37 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 @dataclass(frozen=True)
+class JsonSchemaConstraint:
+    """Constrained decoding: the output is one JSON value that matches ``schema``.
+
+    ``schema`` is the JSON Schema as compact JSON text (key order kept: it is the order the
+    output's properties are written in), so that an engine can cache what it compiled by it.
+    ``{"type": "object"}`` is OpenAI's ``json_object`` mode.
+    """
+
+    schema: str
+
+    def __post_init__(self) -> None:
+        if not self.schema:
+            raise ValueError("a JSON schema constraint needs a schema")
+
+
+@dataclass(frozen=True)
+class LarkConstraint:
+    """Constrained decoding by a context-free grammar in llguidance's Lark syntax (which embeds
+    JSON schemas with ``%json``): how a tool call wrapped in the chat template's tags is constrained."""
+
+    grammar: str
+
+    def __post_init__(self) -> None:
+        if not self.grammar:
+            raise ValueError("a grammar constraint needs a grammar")
+
+
+OutputConstraint = JsonSchemaConstraint | LarkConstraint
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding parameters."""
 
@@ -75,6 +106,8 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # The output must match it (every engine enforces it with a token mask); None: free text.
+    constraint: OutputConstraint | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -114,11 +147,16 @@ class LLMEngine(Engine, Protocol):
 
     def encode(self, text: str) -> TokenIds: ...
 
-    def chat_tokens(self, messages: Sequence[dict[str, str]]) -> TokenIds:
-        """Apply the model's chat template, ready for the assistant's turn."""
+    def chat_tokens(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+                    ) -> TokenIds:
+        """Apply the model's chat template, ready for the assistant's turn.
+
+        ``messages`` in Hugging Face's chat format (assistant ``tool_calls``, ``tool`` results included);
+        ``tools``: OpenAI tool objects the prompt offers (``headrace.plugins.engines.chat``)."""
         ...
 
-    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> str:
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+                    ) -> str:
         """The chat template applied as text (special tokens spelled out), ready for the assistant's turn."""
         ...
 

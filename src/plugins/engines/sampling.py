@@ -29,13 +29,32 @@ def is_greedy(params: SamplingParams) -> bool:
     return params.temperature < GREEDY_TEMPERATURE
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator]) -> list[int]:
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """``logits`` with every token whose bit is 0 in its row of ``bitmask`` (B, ceil(V/32) int32) set to -inf.
+
+    Unpacked in plain torch: llguidance's own helper is a ``torch.compile`` kernel, which
+    needs a C++ toolchain at run time on a CPU; this is a few microseconds at B x 49k.
+    """
+    rows, width = logits.shape
+    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1  # (B, W, 32), low bit first
+    allowed = bits.reshape(rows, -1)[:, :width].bool()
+    if allowed.shape[1] < width:  # ids past the mask are not in the tokenizer: never allowed
+        allowed = torch.nn.functional.pad(allowed, (0, width - allowed.shape[1]), value=False)
+    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
+           bitmask: torch.Tensor | None = None) -> list[int]:
     """One token per row of ``logits`` (B, V), each row with its own params and RNG.
 
     Every value ``SamplingParams`` admits works: tiny temperatures are greedy, a
     top_p that rounds to 0 keeps the top token, and a row whose distribution is
     not finite (NaN logits) falls back to its argmax rather than failing.
+    ``bitmask`` (rows of a constrained decode's allowed tokens, see ``apply_bitmask``)
+    is applied first, so greedy and sampled rows alike pick only allowed tokens.
     """
+    if bitmask is not None:
+        logits = apply_bitmask(logits, bitmask)
     greedy = logits.argmax(dim=-1).tolist()
     sampled_rows = [i for i, p in enumerate(params) if not is_greedy(p)]
     if not sampled_rows:
