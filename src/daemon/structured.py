@@ -103,7 +103,7 @@ def _call_schema(tools: list[Any]) -> dict[str, Any]:
     defs: dict[str, Any] = {}
     options = []
     for t in tools:
-        params = dict(t.function.parameters or NO_ARGUMENTS)
+        params = constraints.closed_objects(dict(t.function.parameters or NO_ARGUMENTS))
         for key in ("$defs", "definitions"):
             if key in params:
                 defs.update(params.pop(key))

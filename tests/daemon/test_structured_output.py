@@ -78,8 +78,9 @@ def test_json_object_mode_gives_a_json_object_even_unasked(client):
 
 def test_completions_take_a_json_schema_too(client):
     schema = {"type": "object", "properties": {"answer": {"type": "boolean"}}, "required": ["answer"]}
-    r = client.completions.create(model=LLM, prompt="Is water wet?", max_tokens=16, temperature=0,
-                                  response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    # The SDK's completions.create has no response_format argument: sent as an extra body field, as vLLM's users do.
+    r = client.completions.create(model=LLM, prompt="Is water wet?", max_tokens=16, temperature=0, extra_body={
+        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}})
     assert r.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(r.choices[0].text), schema)
 
@@ -154,7 +155,8 @@ def test_langchain_with_structured_output(chat_model, method):
 def test_langchain_json_mode(chat_model):
     schema = {"title": "Answer", "description": "an answer", "type": "object",
               "properties": {"yes": {"type": "boolean"}}, "required": ["yes"]}
-    answer = chat_model.with_structured_output(schema, method="json_mode").invoke("Is the sky blue? Answer in JSON.")
+    answer = chat_model.with_structured_output(schema, method="json_mode").invoke(
+        "Is the sky blue? Reply with a JSON object.")
     assert isinstance(answer, dict)  # json_mode promises a JSON object, not the schema
 
 

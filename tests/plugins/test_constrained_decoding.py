@@ -94,7 +94,10 @@ def test_a_lark_grammar_of_tool_calls_holds(llm):
     grammar = ('start: call\ncall: "<tool_call>\\n" body "\\n</tool_call>"\n'
                'body: %json ' + json.dumps({"type": "object", "properties": {"name": {"const": "get_weather"},
                                                                         "arguments": CITY},
-                                           "required": ["name", "arguments"], "additionalProperties": False}))
+                                           "required": ["name", "arguments"], "additionalProperties": False,
+                                           # compact, as the daemon's tool grammars ask
+                                           "x-guidance": {"whitespace_flexible": False, "item_separator": ", ",
+                                                          "key_separator": ": "}}))
     params = SamplingParams(max_tokens=48, temperature=0, constraint=LarkConstraint(grammar))
     text, finish = portal.call(generate, engine, "What is the weather in Paris?", params)
     assert finish == "stop", text

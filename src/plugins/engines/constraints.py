@@ -15,6 +15,7 @@ syntax embeds JSON schemas (``%json``), which the tool-call grammars need.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict
 from typing import Any, Iterable, Sequence
@@ -32,6 +33,42 @@ JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": 
 CACHED_GRAMMARS = 64  # compiled constraints an engine keeps (LRU)
 
 
+def closed_objects(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object that lists ``properties`` and says nothing
+    about others.
+
+    What this admits is a subset of what the schema admits, so the output still matches it; but a
+    small model left free to add keys never stops adding them (vLLM's ``disable_additional_properties``).
+    ``allOf`` members are left alone: each may list only part of the properties.
+    """
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if isinstance(out.get("properties"), dict):
+        out["properties"] = {k: closed_objects(v) for k, v in out["properties"].items()}
+        out.setdefault("additionalProperties", False)
+    for key in ("items", "additionalProperties", "not", "contains", "if", "then", "else"):
+        if isinstance(out.get(key), dict):
+            out[key] = closed_objects(out[key])
+    for key in ("anyOf", "oneOf", "prefixItems", "items"):
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(s) for s in out[key]]
+    for key in ("$defs", "definitions", "patternProperties"):
+        if isinstance(out.get(key), dict):
+            out[key] = {k: closed_objects(v) for k, v in out[key].items()}
+    return out
+
+
+def json_schema_text(constraint: JsonSchemaConstraint) -> str:
+    """The schema as every engine enforces it: objects closed (``closed_objects``), and headrace's JSON layout
+    (``JSON_OPTIONS``) as llguidance's ``x-guidance`` options, so an engine that compiles schemas itself (vLLM,
+    SGLang with llguidance) writes the same JSON as the built-in ones."""
+    schema = closed_objects(json.loads(constraint.schema))
+    if isinstance(schema, dict):
+        schema = {**schema, "x-guidance": {**JSON_OPTIONS, **schema.get("x-guidance", {})}}
+    return json.dumps(schema, ensure_ascii=False)
+
+
 class ConstraintError(ValueError):
     """A constraint llguidance cannot compile (an invalid or unsupported schema or grammar)."""
 
@@ -40,7 +77,7 @@ def grammar_of(constraint: OutputConstraint) -> str:
     """The llguidance grammar of a constraint (not yet checked)."""
     if isinstance(constraint, JsonSchemaConstraint):
         try:
-            return llguidance.LLMatcher.grammar_from_json_schema(constraint.schema, defaults=JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema(json_schema_text(constraint), defaults=JSON_OPTIONS)
         except ValueError as exc:
             raise ConstraintError(str(exc)) from None
     if isinstance(constraint, LarkConstraint):

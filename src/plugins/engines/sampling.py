@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from headrace.plugins.protocols import SamplingParams
@@ -32,12 +33,14 @@ def is_greedy(params: SamplingParams) -> bool:
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """``logits`` with every token whose bit is 0 in its row of ``bitmask`` (B, ceil(V/32) int32) set to -inf.
 
-    Unpacked in plain torch: llguidance's own helper is a ``torch.compile`` kernel, which
-    needs a C++ toolchain at run time on a CPU; this is a few microseconds at B x 49k.
+    Unpacked with numpy's ``unpackbits`` (tens of microseconds at B x 49k): llguidance's own
+    helper is a ``torch.compile`` kernel, which needs a C++ toolchain at run time on a CPU.
+    Token t is bit t % 32 of word t // 32, as llguidance writes it.
     """
     rows, width = logits.shape
-    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1  # (B, W, 32), low bit first
-    allowed = bits.reshape(rows, -1)[:, :width].bool()
+    words = bitmask.contiguous().numpy().astype("<i4", copy=False)  # little-endian: byte order = token order
+    bits = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")[:, :width]
+    allowed = torch.from_numpy(bits).bool()
     if allowed.shape[1] < width:  # ids past the mask are not in the tokenizer: never allowed
         allowed = torch.nn.functional.pad(allowed, (0, width - allowed.shape[1]), value=False)
     return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
