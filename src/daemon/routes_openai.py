@@ -82,8 +82,11 @@ async def chat_completions(request: Request) -> Response:
     body, slot = await _llm_request(request, ChatCompletionRequest, "chat completions")
     messages = structured.chat_messages(body)
     spec = rq.stream_spec(body)
-    tools = structured.plan_tools(body)
-    constraint = tools.constraint if tools is not None else structured.response_constraint(body)
+    # Compiling a large schema takes a while: off the event loop, as tokenizing a long prompt is.
+    schemas = structured.schema_chars(body)
+    tools = await rq.off_loop_if_large(schemas, structured.plan_tools, body)
+    constraint = (tools.constraint if tools is not None else
+                  await rq.off_loop_if_large(schemas, structured.response_constraint, body))
     params = rq.sampling(body, DEFAULT_MAX_TOKENS, constraint)
     size = sum(len(m["content"]) for m in messages) + (len(json.dumps(tools.specs)) if tools else 0)
     tokens = await rq.off_loop_if_large(size, _chat_tokens, slot.engine, messages, tools)
@@ -100,7 +103,8 @@ async def completions(request: Request) -> Response:
     body, slot = await _llm_request(request, CompletionRequest, "completions")
     prompt = rq.completion_prompt(body)
     spec = rq.stream_spec(body)
-    params = rq.sampling(body, 16, structured.response_constraint(body))  # 16: OpenAI's default for completions
+    constraint = await rq.off_loop_if_large(structured.schema_chars(body), structured.response_constraint, body)
+    params = rq.sampling(body, 16, constraint)  # 16: OpenAI's default for completions
     if isinstance(prompt, str):
         tokens = await rq.off_loop_if_large(len(prompt), slot.engine.encode, prompt)
     else:

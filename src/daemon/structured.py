@@ -34,6 +34,15 @@ def compact(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
+def schema_chars(body: ChatCompletionRequest | CompletionRequest) -> int:
+    """About how large the request's schemas are (what compiling them costs)."""
+    fmt = body.response_format
+    size = len(compact(fmt.json_schema.schema_)) if isinstance(fmt, JsonSchemaFormat) else 0
+    if isinstance(body, ChatCompletionRequest):
+        size += sum(len(compact(tool.function.parameters or {})) for tool in body.tools or ())
+    return size
+
+
 def _checked(constraint: OutputConstraint, param: str) -> OutputConstraint:
     try:
         constraints.check(constraint)
