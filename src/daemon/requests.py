@@ -16,7 +16,7 @@ from starlette.requests import Request
 
 from headrace.daemon.errors import APIError, bad_request
 from headrace.daemon.schemas import NEUTRAL, ChatCompletionRequest, CompletionRequest, Sampling
-from headrace.plugins.protocols import SamplingParams
+from headrace.plugins.protocols import OutputConstraint, SamplingParams
 from headrace.text import is_unicode
 
 # No route needs deeper JSON; deeper nesting is refused before anything walks it recursively.
@@ -151,7 +151,8 @@ def logprobs(body: ChatCompletionRequest | CompletionRequest) -> int | None:
     return (body.top_logprobs or 0) if body.logprobs else None
 
 
-def sampling(body: ChatCompletionRequest | CompletionRequest, default_max_tokens: int) -> SamplingParams:
+def sampling(body: ChatCompletionRequest | CompletionRequest, default_max_tokens: int,
+             constraint: OutputConstraint | None = None) -> SamplingParams:
     # max_completion_tokens is OpenAI's newer name; on /v1/completions too it is max_tokens' alias.
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     stop = body.stop
@@ -163,15 +164,8 @@ def sampling(body: ChatCompletionRequest | CompletionRequest, default_max_tokens
         seed=body.seed,
         stop=stops,
         logprobs=logprobs(body),
+        constraint=constraint,
     )
-
-
-def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
-    out = []
-    for m in body.messages:
-        content = m.content if isinstance(m.content, str) else "".join(part.text for part in m.content)
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
-    return out
 
 
 def completion_prompts(body: CompletionRequest) -> list[str | list[int]]:

@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from headrace.daemon import requests as rq
+from headrace.daemon import structured
 from headrace.daemon.errors import APIError, bad_request, internal
 from headrace.daemon.logprobs import CompletionLogprobs, TokenStrings, chat_content
 from headrace.daemon.schemas import MAX_CHOICES, ChatCompletionRequest, CompletionRequest
@@ -90,20 +91,31 @@ async def _llm_request(request: Request, model: type[rq.Model], what: str) -> tu
 
 async def chat_completions(request: Request) -> Response:
     body, slot = await _llm_request(request, ChatCompletionRequest, "chat completions")
-    messages = rq.chat_messages(body)
+    messages = structured.chat_messages(body)
     spec = rq.stream_spec(body)
-    params = rq.sampling(body, DEFAULT_MAX_TOKENS)
-    size = sum(len(m["content"]) for m in messages)
-    tokens = await rq.off_loop_if_large(size, slot.engine.chat_tokens, messages)
+    # Compiling a large schema takes a while: off the event loop, as tokenizing a long prompt is.
+    schemas = structured.schema_chars(body)
+    tools = await rq.off_loop_if_large(schemas, structured.plan_tools, body)
+    constraint = (tools.constraint if tools is not None else
+                  await rq.off_loop_if_large(schemas, structured.response_constraint, body))
+    params = rq.sampling(body, DEFAULT_MAX_TOKENS, constraint)
+    size = sum(len(m["content"]) for m in messages) + (len(json.dumps(tools.specs)) if tools else 0)
+    tokens = await rq.off_loop_if_large(size, _chat_tokens, slot.engine, messages, tools)
     _check_length(slot, tokens, "messages")
-    return await _respond(request, slot, [tokens], params, body.n or 1, spec, chat=True)
+    return await _respond(request, slot, [tokens], params, body.n or 1, spec, chat=True, tools=tools)
+
+
+def _chat_tokens(engine: Any, messages: list[dict[str, Any]], tools: structured.ToolPlan | None) -> list[int]:
+    # Without tools, the call every engine has always taken (a plugin's chat_tokens may predate tools).
+    return engine.chat_tokens(messages, tools.specs) if tools is not None else engine.chat_tokens(messages)
 
 
 async def completions(request: Request) -> Response:
     body, slot = await _llm_request(request, CompletionRequest, "completions")
     prompts = rq.completion_prompts(body)
     spec = rq.stream_spec(body)
-    params = rq.sampling(body, 16)  # OpenAI's default for completions
+    constraint = await rq.off_loop_if_large(structured.schema_chars(body), structured.response_constraint, body)
+    params = rq.sampling(body, 16, constraint)  # 16: OpenAI's default for completions
     n = body.n or 1
     if len(prompts) * n > MAX_CHOICES:
         raise bad_request(f"{len(prompts)} prompts with n={n} make {len(prompts) * n} choices; at most {MAX_CHOICES}",
@@ -173,7 +185,7 @@ async def _collect(request: Request, deltas: AsyncIterator[ChoiceDelta], count: 
 
 
 async def _respond(request: Request, slot: Any, prompts: list[list[int]], params: SamplingParams, n: int,
-                   spec: rq.StreamSpec, chat: bool) -> Response:
+                   spec: rq.StreamSpec, chat: bool, tools: structured.ToolPlan | None = None) -> Response:
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
     count = len(prompts) * n
@@ -185,25 +197,32 @@ async def _respond(request: Request, slot: Any, prompts: list[list[int]], params
         collected = await _collect(request, deltas, count)
         if collected is None:
             return Response(status_code=499)  # nginx's "client closed request": nobody reads it
-        choices = [_choice(i, c, strings, chat) for i, c in enumerate(collected)]
+        choices = [_choice(i, c, strings, chat, tools) for i, c in enumerate(collected)]
         return JSONResponse({
             "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": slot.name, "choices": choices,
             "usage": _usage(n_prompt, sum(c.generated for c in collected)),
         })
     return StreamingResponse(
-        _sse(_chunks(rid, created, slot.name, n_prompt, count, deltas, spec, chat, strings)),
+        _sse(_chunks(rid, created, slot.name, n_prompt, count, deltas, spec, chat, strings, tools)),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
 
 
-def _choice(index: int, c: _Choice, strings: TokenStrings | None, chat: bool) -> dict[str, Any]:
+def _choice(index: int, c: _Choice, strings: TokenStrings | None, chat: bool,
+            tools: structured.ToolPlan | None = None) -> dict[str, Any]:
     text = "".join(c.text)
     if chat:
         logprobs = None if strings is None else {"content": chat_content(c.logprobs, strings)}
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": c.finish}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        finish = c.finish
+        if tools is not None:
+            content, calls = structured.parse_tool_output(text, tools.names)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                finish = "tool_calls" if finish == "stop" else finish
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
     logprobs = None if strings is None else CompletionLogprobs(strings).add(c.logprobs)
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish}
 
@@ -213,18 +232,26 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
 
 
 async def _chunks(rid: str, created: int, model: str, n_prompt: int, count: int, deltas: AsyncIterator[ChoiceDelta],
-                  spec: rq.StreamSpec, chat: bool, strings: TokenStrings | None) -> AsyncIterator[dict[str, Any]]:
+                  spec: rq.StreamSpec, chat: bool, strings: TokenStrings | None,
+                  tools: structured.ToolPlan | None = None) -> AsyncIterator[dict[str, Any]]:
     base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
             "model": model}
     extra = {"usage": None} if spec.include_usage else {}
     # Completions' text_offset runs on over a choice's chunks.
     offsets = [CompletionLogprobs(strings) for _ in range(count)] if strings is not None and not chat else []
 
-    def chunk(index: int, d: TokenDelta) -> dict[str, Any]:
+    def chunk(index: int, d: TokenDelta, text: str | None = None, finish: str | None = None,
+              call: tuple[int, dict[str, Any]] | None = None) -> dict[str, Any]:
+        """One choice's chunk: the delta's text and finish (``text`` / ``finish`` given: those instead, as a tool
+        parser decides), or one whole tool call (its id, name and complete arguments)."""
+        text = d.text if text is None else text
+        finish = d.finish_reason if finish is None else finish
         if chat:
             logprobs = None if strings is None else {"content": chat_content(d.logprobs, strings)}
-            delta: dict[str, Any] = {"content": d.text} if d.text else {}
-            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": d.finish_reason}
+            delta: dict[str, Any] = {"content": text} if text else {}
+            if call is not None:
+                delta = {"tool_calls": [{"index": call[0], **call[1]}]}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
             logprobs = offsets[index].add(d.logprobs) if offsets else None
             choice = {"index": index, "text": d.text, "logprobs": logprobs, "finish_reason": d.finish_reason}
@@ -234,12 +261,29 @@ async def _chunks(rid: str, created: int, model: str, n_prompt: int, count: int,
         for index in range(count):
             yield {**base, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}], **extra}
+    # Tools: each choice's content as it comes, each call once its block is complete.
+    parsers = [structured.ToolCallParser(tools.names) for _ in range(count)] if tools is not None else []
+    calls_sent = [0] * count
     generated = 0
     async with aclosing(deltas):
         async for c in deltas:
-            generated += len(c.delta.token_ids)
-            if c.delta.text or c.delta.finish_reason or c.delta.logprobs:
-                yield chunk(c.index, c.delta)
+            d = c.delta
+            generated += len(d.token_ids)
+            if not parsers:
+                if d.text or d.finish_reason or d.logprobs:
+                    yield chunk(c.index, d)
+                continue
+            parser = parsers[c.index]
+            items = parser.feed(d.text) + (parser.finish() if d.finish_reason else [])
+            for kind, value in items:
+                if kind == "content":
+                    yield chunk(c.index, d, text=value, finish=None)
+                else:
+                    yield chunk(c.index, d, text="", finish=None, call=(calls_sent[c.index], value))
+                    calls_sent[c.index] += 1
+            if d.finish_reason:
+                done = "tool_calls" if parser.calls and d.finish_reason == "stop" else d.finish_reason
+                yield chunk(c.index, TokenDelta(text="", token_ids=[]), text="", finish=done)
     if spec.include_usage:
         yield {**base, "choices": [], "usage": _usage(n_prompt, generated)}
 

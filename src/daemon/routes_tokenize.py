@@ -25,9 +25,10 @@ async def tokenize(request: Request) -> Response:
     slot = engine_for(request, body.model, "llm", "tokenization")
     engine = slot.engine
     if isinstance(body, TokenizeChatRequest):
-        messages = rq.chat_messages(body)
-        size = sum(len(m["content"]) for m in messages)
-        tokens = await rq.off_loop_if_large(size, engine.chat_tokens, messages, body.add_generation_prompt)
+        messages = structured.chat_messages(body)
+        size = sum(len(m.get("content") or "") for m in messages)
+        tokens = await rq.off_loop_if_large(size, engine.chat_tokens, messages, None,
+                                               body.add_generation_prompt)
     elif body.add_special_tokens:
         tokens = await rq.off_loop_if_large(len(body.prompt), _with_special_tokens, engine, body.prompt)
     else:

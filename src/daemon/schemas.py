@@ -36,7 +36,7 @@ class Body(BaseModel):
 
 
 # Fields accepted only with the value that means "off" (what OpenAI's SDKs may send by default).
-NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "parallel_tool_calls": None, "echo": False, "best_of": 1}
+NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "echo": False, "best_of": 1, "logit_bias": {}}
 # Choices one request may ask for, over all its prompts (each is a decode the engine batches).
 MAX_CHOICES = 128
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
@@ -48,6 +48,7 @@ class NeutralFields(Body):
                           "prefilled once and forked")
     presence_penalty: Annotated[float, Field(ge=0, le=0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=0, le=0)] | None = None
+    logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None
 
 
 class Sampling(Body):
@@ -65,18 +66,90 @@ class StreamOptions(Body):
     include_usage: bool = False
 
 
+# Structured output (response_format) ------------------------------------------------------
+
+FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for function and schema names
+
+
+class TextFormat(Body):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(Body):
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(Body):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="a JSON Schema; absent: any JSON object")
+    strict: bool | None = Field(None, description="accepted; the output always matches the schema")
+
+
+class JsonSchemaFormat(Body):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
+
+
+class WithResponseFormat(Body):
+    response_format: ResponseFormat | None = Field(
+        None, description="text, json_object, or json_schema: enforced by constrained decoding")
+
+
+# Tools ----------------------------------------------------------------------------------
+
+
+class FunctionDefinition(Body):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON Schema of the arguments object; absent: "
+                                                                "no arguments")
+    strict: bool | None = Field(None, description="accepted; a constrained call always matches the parameters")
+
+
+class Tool(Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(Body):
+    name: NonEmptyStr
+
+
+class NamedToolChoice(Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class ToolCallFunction(Body):
+    name: NonEmptyStr
+    arguments: str = Field(description="the arguments as a JSON text")
+
+
+class ToolCall(Body):
+    id: NonEmptyStr
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
 class TextPart(Body):
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(Body):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = Field(None, description="required, except in an assistant message "
+                                                                   "that carries tool_calls")
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="assistant messages: the calls it made")
+    tool_call_id: str | None = Field(None, description="tool messages: the call this is the result of")
 
 
-class ChatCompletionRequest(Sampling, NeutralFields):
+class ChatCompletionRequest(Sampling, NeutralFields, WithResponseFormat):
     model: NonEmptyStr
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: MaxTokens | None = None
@@ -86,10 +159,13 @@ class ChatCompletionRequest(Sampling, NeutralFields):
                                                                "at each position")
     metadata: dict[str, str] | None = None
     store: bool | None = None
-    parallel_tool_calls: None = None
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="default: auto with tools, none without")
+    parallel_tool_calls: bool | None = Field(None, description="default true: the model may call several tools")
 
 
-class CompletionRequest(Sampling, NeutralFields):
+class CompletionRequest(Sampling, NeutralFields, WithResponseFormat):
     model: NonEmptyStr
     prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_CHOICES)]
              | Annotated[list[TokenId], Field(min_length=1)]
@@ -241,7 +317,8 @@ class Usage(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -262,7 +339,7 @@ class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = Field(description="with logprobs: true")
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
 
 
 class ChatCompletion(BaseModel):

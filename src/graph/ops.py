@@ -7,6 +7,7 @@ depth, task group, objective), not an anonymous request.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping
@@ -20,7 +21,7 @@ from headrace.batching.requests import EmbedRequest, RerankRequest, VectorIngest
 from headrace.graph.graph import Node, Op
 from headrace.graph.parsers import make_parser
 from headrace.graph.prompts import PromptTemplate
-from headrace.plugins.protocols import SamplingParams
+from headrace.plugins.protocols import JsonSchemaConstraint, SamplingParams
 
 SENTINEL = "\x00HEADRACE\x00"
 
@@ -200,15 +201,32 @@ async def _prefill(node, scope, ctx, key):
     return {node.outputs[0]: context}
 
 
+# A JSON item is a short text (a claim, a query): the bound makes a small model close each string,
+# so items keep coming within the decode's token budget.
+MAX_JSON_ITEM_CHARS = 160
+
+
+def json_items_constraint(max_items: int | None) -> JsonSchemaConstraint:
+    """A JSON array of non-empty strings (at most ``max_items``): what a "json" splittable decode must write."""
+    schema: dict[str, Any] = {"type": "array", "items": {"type": "string", "minLength": 1,
+                                                         "maxLength": MAX_JSON_ITEM_CHARS}, "minItems": 1}
+    if max_items is not None:
+        schema["maxItems"] = max_items
+    return JsonSchemaConstraint(json.dumps(schema, separators=(",", ":")))
+
+
 def sampling(node: Node) -> SamplingParams:
     if isinstance(node.params.get("sampling"), SamplingParams):
         return node.params["sampling"]
+    # A decode split into JSON items is constrained to a JSON list of strings, so it parses by construction.
+    constraint = json_items_constraint(node.params.get("max_pieces")) if node.splittable == "json" else None
     return SamplingParams(
         max_tokens=node.params.get("max_tokens", 128),
         temperature=node.params.get("temperature", 0.0),
         top_p=node.params.get("top_p", 1.0),
         seed=node.params.get("seed"),
         stop=tuple(node.params.get("stop", ())),
+        constraint=constraint,
     )
 
 

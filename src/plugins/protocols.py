@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Literal, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Literal, Mapping, Protocol, Sequence, runtime_checkable
 
 from headrace.types import BatchObserver, ContextId, Options, TokenIds
 
@@ -69,6 +69,37 @@ MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
+class JsonSchemaConstraint:
+    """Constrained decoding: the output is one JSON value that matches ``schema``.
+
+    ``schema`` is the JSON Schema as compact JSON text (key order kept: it is the order the
+    output's properties are written in), so that an engine can cache what it compiled by it.
+    ``{"type": "object"}`` is OpenAI's ``json_object`` mode.
+    """
+
+    schema: str
+
+    def __post_init__(self) -> None:
+        if not self.schema:
+            raise ValueError("a JSON schema constraint needs a schema")
+
+
+@dataclass(frozen=True)
+class LarkConstraint:
+    """Constrained decoding by a context-free grammar in llguidance's Lark syntax (which embeds
+    JSON schemas with ``%json``): how a tool call wrapped in the chat template's tags is constrained."""
+
+    grammar: str
+
+    def __post_init__(self) -> None:
+        if not self.grammar:
+            raise ValueError("a grammar constraint needs a grammar")
+
+
+OutputConstraint = JsonSchemaConstraint | LarkConstraint
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding parameters."""
 
@@ -79,6 +110,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     # None: no log-probabilities; k >= 0: each sampled token's, with its k most likely alternatives.
     logprobs: int | None = None
+    # The output must match it (every engine enforces it with a token mask); None: free text.
+    constraint: OutputConstraint | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -132,12 +165,17 @@ class LLMEngine(Engine, Protocol):
 
     def encode(self, text: str) -> TokenIds: ...
 
-    def chat_tokens(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> TokenIds:
+    def chat_tokens(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
+                    add_generation_prompt: bool = True) -> TokenIds:
         """Apply the model's chat template, ready for the assistant's turn (unless ``add_generation_prompt`` is
-        false: the messages alone)."""
+        false: the messages alone).
+
+        ``messages`` in Hugging Face's chat format (assistant ``tool_calls``, ``tool`` results included);
+        ``tools``: OpenAI tool objects the prompt offers (``headrace.plugins.engines.chat``)."""
         ...
 
-    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> str:
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+                    ) -> str:
         """The chat template applied as text (special tokens spelled out), ready for the assistant's turn."""
         ...
 

@@ -138,7 +138,7 @@ def test_wrong_or_missing_key_is_401(server):
 
 @pytest.mark.parametrize(
     "extra, param",
-    [({"n": 0}, "n"), ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    [({"n": 0}, "n"), ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
      ({"temperature": 5}, "temperature"), ({"max_tokens": 0}, "max_tokens"), ({"top_p": 0}, "top_p")],
 )
 def test_bad_fields_are_400_naming_the_field(client, extra, param):

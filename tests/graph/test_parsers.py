@@ -94,3 +94,22 @@ def test_make_parser(kind, cls):
 def test_make_parser_unknown_kind():
     with pytest.raises(ValueError, match="xml"):
         make_parser("xml")
+
+
+def test_a_json_splittable_decode_is_constrained_to_a_list_of_short_strings():
+    import json
+
+    import jsonschema
+
+    from headrace.graph.graph import Node, Op
+    from headrace.graph.ops import sampling
+
+    node = Node("claims", Op.DECODE, engine="lm", inputs=("ctx",), outputs=("claims",), splittable="json")
+    node.params["max_pieces"] = 3
+    schema = json.loads(sampling(node).constraint.schema)
+    jsonschema.validate(["a", "b"], schema)
+    for bad in ([], ["a", "b", "c", "d"], [1], [""]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    lines = Node("q", Op.DECODE, engine="lm", inputs=("ctx",), outputs=("q",), splittable="lines")
+    assert sampling(lines).constraint is None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from headrace.plugins.engines.sampling import make_generator, sample
+from headrace.plugins.engines.sampling import apply_bitmask, make_generator, sample
 from headrace.plugins.protocols import SEED_MAX, SEED_MIN, SamplingParams
 
 LOGITS = torch.tensor([[0.5, 3.0, 1.0, -2.0], [2.0, 0.1, 0.2, 0.3]])
@@ -48,3 +48,23 @@ def test_a_row_without_a_finite_distribution_falls_back_to_its_argmax():
 def test_sampling_params_refuse_what_no_sampler_can_take(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+def test_a_bitmask_confines_greedy_and_sampled_rows_to_allowed_tokens():
+    logits = torch.randn(2, 70)
+    mask = torch.zeros(2, 3, dtype=torch.int32)  # 96 bits for 70 tokens
+    mask[0, 1] = 1 << 5  # row 0: only token 37
+    mask[1, 2] = (1 << 1) | (1 << 3)  # row 1: tokens 65 and 67
+    greedy, hot = SamplingParams(temperature=0), SamplingParams(temperature=2.0)
+    for _ in range(20):
+        assert sample(logits, [greedy, hot], gens(2), mask)[0] == 37
+        assert sample(logits, [hot, hot], [make_generator(None), make_generator(None)], mask)[1] in (65, 67)
+
+
+def test_an_all_ones_row_leaves_its_logits_alone():
+    logits = torch.randn(3, 40)
+    mask = torch.full((3, 2), -1, dtype=torch.int32)
+    assert torch.equal(apply_bitmask(logits, mask), logits)
+    mask[1, 0] = 0  # row 1 loses tokens 0-31
+    masked = apply_bitmask(logits, mask)
+    assert torch.isinf(masked[1, :32]).all() and torch.equal(masked[1, 32:], logits[1, 32:])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -22,7 +23,7 @@ import pytest
 from headrace.daemon.app import create_app
 from headrace.daemon.config import ConfigError, load_config
 from headrace.plugins.manager import collect, make_manager
-from headrace.plugins.protocols import EngineEnv, EngineSpec, SamplingParams
+from headrace.plugins.protocols import EngineEnv, EngineSpec, JsonSchemaConstraint, LarkConstraint, SamplingParams
 
 from conftest import ROOT, Server
 
@@ -165,6 +166,22 @@ def test_options_map_onto_sglang_server_args():
     assert kwargs["incremental_streaming_output"] is True
     assert kwargs["enable_priority_scheduling"] is True and kwargs["schedule_low_priority_values_first"] is True
     assert "mem_fraction_static" not in kwargs  # unset: SGLang's own default
+
+
+def test_constraints_map_onto_sglang_sampling_params_read_by_llguidance():
+    sampling_params = headrace_sglang.sampling_params
+    assert SGLangOptions.parse("x", {}).engine_kwargs(Path("/m"))["grammar_backend"] == "llguidance"
+    with pytest.raises(ValueError, match="grammar_backend"):
+        SGLangOptions.parse("x", {"server_args": {"grammar_backend": "xgrammar"}})
+    free = sampling_params(SamplingParams(max_tokens=8, temperature=0), 8)
+    assert free == {"max_new_tokens": 8, "temperature": 0.0, "top_p": 1.0}
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+    mapped = sampling_params(SamplingParams(constraint=JsonSchemaConstraint(json.dumps(schema))), 8)
+    sent = json.loads(mapped["json_schema"])
+    assert list(sent["properties"]) == ["b", "a"] and sent["x-guidance"]["whitespace_flexible"] is False
+    assert "ebnf" not in mapped
+    grammar = 'start: "yes" | "no"'
+    assert sampling_params(SamplingParams(constraint=LarkConstraint(grammar)), 8)["ebnf"] == grammar
 
 
 def test_stop_strings_hold_back_what_could_still_become_one():

@@ -312,3 +312,28 @@ def test_logprobs_are_vllms_mapped_to_headraces(vllm_engine):
     scored = portal.call(engine.next_token_logits, [question], [ids[0]])
     assert float(scored[0, 0]) == pytest.approx(lps[0].logprob, abs=0.05)
     assert all(d.logprobs == () for d in portal.call(deltas, SamplingParams(max_tokens=2, temperature=0.0)))
+
+
+def test_constraints_reach_vllm_structured_outputs(vllm_engine):
+    import json
+
+    from headrace.plugins.engines.chat import format_tool_call
+    from headrace.plugins.protocols import JsonSchemaConstraint, LarkConstraint
+
+    portal, engine, _ = vllm_engine
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"], "additionalProperties": False}
+    params = SamplingParams(max_tokens=40, temperature=0.0, constraint=JsonSchemaConstraint(json.dumps(schema)))
+    text, _, finish = portal.call(collect, engine.generate(prompt(engine, "Write a haiku about rivers."), params))
+    data = json.loads(text)
+    assert finish == "stop" and set(data) == {"name", "age"} and 0 <= data["age"] <= 120
+    assert text.startswith('{"name": ')  # the same compact layout as the built-in engines
+    call = {"type": "object", "properties": {"name": {"const": "get_time"}, "arguments": {"type": "object",
+            "properties": {}, "additionalProperties": False}}, "required": ["name", "arguments"],
+            "additionalProperties": False,
+            "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+    grammar = 'start: call\ncall: "<tool_call>\\n" body "\\n</tool_call>"\nbody: %json ' + json.dumps(call)
+    params = SamplingParams(max_tokens=40, temperature=0.0, constraint=LarkConstraint(grammar))
+    text, _, finish = portal.call(collect, engine.generate(prompt(engine, "What time is it?"), params))
+    assert finish == "stop" and text == format_tool_call("get_time", {})

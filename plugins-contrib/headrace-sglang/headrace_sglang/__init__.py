@@ -45,15 +45,17 @@ from typing import Any, AsyncIterator, Awaitable, Sequence, TypeVar
 import anyio
 import torch
 
+from headrace.plugins.engines.constraints import json_schema_text
 from headrace.plugins.engines.llm_front import EngineError, LLMFront, check_token_ids  # the same errors as every engine
 from headrace.plugins.engines.model_paths import resolve_model
 from headrace.plugins.engines.sampling import Detokenizer, is_greedy
 from headrace.plugins.engines.torch_loading import convert_gguf
 from headrace.plugins.hookspecs import hookimpl
-from headrace.plugins.protocols import EngineEnv, EngineSpec, SamplingParams, TokenDelta
+from headrace.plugins.protocols import (EngineEnv, EngineSpec, JsonSchemaConstraint, LarkConstraint, SamplingParams,
+                                        TokenDelta)
 from headrace.types import ContextId, TokenIds
 
-__all__ = ["EngineError", "SGLangEngine", "SGLangOptions", "register_engines", "sglang_is_installed"]
+__all__ = ["EngineError", "SGLangEngine", "SGLangOptions", "register_engines", "sampling_params", "sglang_is_installed"]
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +71,11 @@ LOGGING_CONFIG = Path(__file__).with_name("sglang_logging.json")
 MANAGED_SERVER_ARGS = frozenset({
     "model_path", "tokenizer_path", "incremental_streaming_output", "enable_priority_scheduling",
     "schedule_low_priority_values_first", "skip_tokenizer_init", "tokenizer_worker_num", "log_level",
+    "grammar_backend",
 })
+# Constrained decoding through llguidance, as the built-in engines do: headrace's grammars are in
+# its Lark dialect (tool calls embed JSON schemas with %json), which SGLang's xgrammar default cannot read.
+GRAMMAR_BACKEND = "llguidance"
 FINISH_REASONS = {"stop": "stop", "length": "length"}
 
 
@@ -142,6 +148,7 @@ class SGLangOptions:
             # headrace's order, as vLLM's: lower values run first.
             enable_priority_scheduling=True,
             schedule_low_priority_values_first=True,
+            grammar_backend=GRAMMAR_BACKEND,
         )
         for attr in ("context_length", "mem_fraction_static", "max_running_requests", "page_size",
                      "chunked_prefill_size", "attention_backend"):
@@ -160,6 +167,23 @@ def sglang_is_installed() -> bool:
         return importlib.util.find_spec("sglang") is not None
     except (ImportError, ValueError):
         return False
+
+
+def sampling_params(params: SamplingParams, max_new_tokens: int) -> dict[str, Any]:
+    """SGLang's sampling parameters for a decode (stop strings are applied here, see ``_StopText``)."""
+    sampling: dict[str, Any] = {
+        "max_new_tokens": max_new_tokens,
+        "temperature": 0.0 if is_greedy(params) else params.temperature,
+        "top_p": params.top_p,
+    }
+    if params.seed is not None:
+        sampling["sampling_seed"] = _int64(params.seed)  # honoured with enable_deterministic_inference
+    constraint = params.constraint
+    if isinstance(constraint, JsonSchemaConstraint):
+        sampling["json_schema"] = json_schema_text(constraint)
+    elif isinstance(constraint, LarkConstraint):
+        sampling["ebnf"] = constraint.grammar  # the llguidance backend reads Lark as its "ebnf"
+    return sampling
 
 
 class _StopText(Detokenizer):
@@ -462,14 +486,8 @@ class SGLangEngine:
         raise EngineError(f"engine {self.name!r} stopped")
 
     async def _stream(self, tokens: TokenIds, params: SamplingParams, priority: int) -> AsyncIterator[TokenDelta]:
-        sampling: dict[str, Any] = {
-            # SGLang refuses a prompt plus max_new_tokens over the context; headrace ends it there ("length").
-            "max_new_tokens": min(params.max_tokens, self.max_context_tokens - len(tokens)),
-            "temperature": 0.0 if is_greedy(params) else params.temperature,
-            "top_p": params.top_p,
-        }
-        if params.seed is not None:
-            sampling["sampling_seed"] = _int64(params.seed)  # honoured with enable_deterministic_inference
+        # SGLang refuses a prompt plus max_new_tokens over the context; headrace ends it there ("length").
+        sampling = sampling_params(params, min(params.max_tokens, self.max_context_tokens - len(tokens)))
         stops = _StopText(tokenizer=None, stop=tuple(params.stop))
         async with aclosing(self._submit(tokens, sampling, priority, "decode")) as outputs:
             async for item in outputs:

@@ -47,12 +47,16 @@ import anyio
 import torch
 from anyio.from_thread import BlockingPortal
 
+from headrace.plugins.engines import chat
+from headrace.plugins.engines.chat import ChatMessages, ToolSpecs
+from headrace.plugins.engines.constraints import json_schema_text
 from headrace.plugins.engines.llm_front import EngineError, check_token_ids  # the same errors as every engine
 from headrace.plugins.engines.model_paths import resolve_model
 from headrace.plugins.engines.torch_loading import convert_gguf
 from headrace.plugins.hookspecs import hookimpl
 from headrace.plugins.engines.sampling import LOGPROB_FLOOR
-from headrace.plugins.protocols import EngineEnv, EngineSpec, SamplingParams, TokenDelta, TokenLogprob
+from headrace.plugins.protocols import (EngineEnv, EngineSpec, JsonSchemaConstraint, LarkConstraint, OutputConstraint,
+                                        SamplingParams, TokenDelta, TokenLogprob)
 from headrace.types import ContextId, TokenIds
 
 __all__ = ["EngineError", "VLLMEngine", "register_engines"]
@@ -64,6 +68,7 @@ DTYPES = ("bfloat16", "float16", "float32")
 # vLLM's bound on one request's logprob_token_ids (vllm.sampling_params.MAX_LOGPROB_TOKEN_IDS).
 MAX_SCORED_TOKEN_IDS = 128
 CPU_KV_CACHE_GIB = 1.0  # about 46k tokens of SmolLM2-135M's KV in bfloat16
+STRUCTURED_OUTPUTS_BACKEND = "guidance"  # vLLM's llguidance backend
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,23 @@ class VLLMOptions:
         if opts.block_size is not None and (not isinstance(opts.block_size, int) or opts.block_size < 1):
             raise ValueError(f"{key}.block_size must be an integer >= 1")
         return opts
+
+
+def structured_outputs(constraint: OutputConstraint | None) -> Any:
+    """The constraint as vLLM's ``StructuredOutputsParams`` (None: free decoding).
+
+    The engine runs vLLM's ``guidance`` backend (llguidance, as the built-in engines), so a Lark grammar is
+    read in the same dialect and a JSON schema is written with the same layout (its ``x-guidance`` options).
+    """
+    if constraint is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if isinstance(constraint, JsonSchemaConstraint):
+        return StructuredOutputsParams(json=json_schema_text(constraint))
+    if isinstance(constraint, LarkConstraint):
+        return StructuredOutputsParams(grammar=constraint.grammar)
+    raise EngineError(f"unknown output constraint {type(constraint).__name__}")
 
 
 # ----- commands to the worker, and what it sends back ----------------------------
@@ -238,6 +260,8 @@ class VLLMEngine:
             logprobs_mode="raw_logprobs",
             max_logprobs=MAX_SCORED_TOKEN_IDS,
             disable_log_stats=True,
+            # Constrained decoding with llguidance, as the built-in engines: one grammar dialect for all.
+            structured_outputs_config={"backend": STRUCTURED_OUTPUTS_BACKEND},
         )
         if opts.gpu_memory_utilization is not None:
             args["gpu_memory_utilization"] = opts.gpu_memory_utilization
@@ -255,13 +279,13 @@ class VLLMEngine:
     def encode(self, text: str) -> TokenIds:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def chat_tokens(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> TokenIds:
-        out = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
-                                                 tokenize=True)
-        return list(out["input_ids"] if hasattr(out, "keys") else out)
+    def chat_tokens(self, messages: ChatMessages, tools: ToolSpecs | None = None,
+                    add_generation_prompt: bool = True) -> TokenIds:
+        return chat.apply_template(self.tokenizer, messages, tools, tokenize=True,
+                                   add_generation_prompt=add_generation_prompt)
 
-    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> str:
-        return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    def chat_prompt(self, messages: ChatMessages, tools: ToolSpecs | None = None) -> str:
+        return chat.apply_template(self.tokenizer, messages, tools, tokenize=False)
 
     def new_context_id(self) -> ContextId:
         return f"{self.name}-ctx-{next(self._ids)}"
@@ -399,6 +423,7 @@ class VLLMEngine:
         vparams = self._vllm_params(
             output_kind="delta", max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
             seed=params.seed, stop=list(params.stop) or None, logprobs=params.logprobs,
+            structured_outputs=structured_outputs(params.constraint),
         )
         async with aclosing(self._submit(tokens, vparams, priority, "decode")) as outputs:
             async for item in outputs:

@@ -1,6 +1,6 @@
 """fact_verify: FacTool-style verification (ALTO Figure 1).
 
-answer -> claims (one per line) -> per claim: search queries (one per line) ->
+answer -> claims (a JSON list, constrained) -> per claim: search queries (one per line) ->
 per query: full-text search -> evidence per claim -> a verdict per claim.
 Without passes, each claim's work starts once all claims are written; with
 decode pipelining, a claim's queries start as soon as its line is complete,
@@ -19,8 +19,9 @@ from headrace.graph.workflows.common import CHUNK_CONFIG, DOCUMENTS, QUESTION
 answer = Component("answer", "llm", prompt=(
     "Answer the question in two or three short factual sentences.\n"
     "Question: {{input:question}}\nAnswer: {{output:draft}}"))
-claims = Component("claims", "llm", splittable="lines", prompt=(
-    "List the factual claims made in the text, one short claim per line, with nothing else.\n"
+# The claims decode is constrained to a JSON list of strings, so each claim parses by construction.
+claims = Component("claims", "llm", splittable="json", prompt=(
+    "List the factual claims made in the text as a JSON array of strings, one short claim per item.\n"
     "Text: {{input:draft}}\nClaims:\n{{output:claims}}"))
 queries = Component("queries", "llm", splittable="lines", batchable=True, prompt=(
     "Write {{input:n_queries}} short web search queries that would check the claim, one per line, with nothing else.\n"

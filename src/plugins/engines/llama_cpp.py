@@ -43,12 +43,12 @@ from headrace.plugins.engines.llm_front import (
     Outbox,
     Prefill,
     Row,
+    sample_row,
     sample_rows,
 )
 from headrace.plugins.engines.llama_cpp_files import QUANT_TYPES, llama, load_tokenizer, quantized_model
 from headrace.plugins.engines.model_paths import resolve_model
 from headrace.plugins.engines.prefix_cache import PrefixCache, PrefixCacheStats, cache_stats, common_prefix
-from headrace.plugins.engines.sampling import sample
 from headrace.plugins.hookspecs import hookimpl
 from headrace.plugins.protocols import EngineEnv, EngineSpec
 from headrace.types import ContextId, TokenIds
@@ -467,7 +467,7 @@ class LlamaCppCore(LLMCore):
             try:
                 seq = self._contexts[r.ctx]
                 logits, seq.next_logits = seq.next_logits, None
-                first = sample(logits.unsqueeze(0), [r.params], [r.generator])[0]
+                first = sample_row(r, logits)
                 if not self.emit(r, first, out, logits):
                     self._rows.append(r)
             except Exception as exc:  # this row's sampling or detokenising: it fails alone

@@ -65,6 +65,8 @@ import anyio
 import torch
 from anyio.from_thread import BlockingPortal
 
+from headrace.plugins.engines import chat, constraints
+from headrace.plugins.engines.chat import ChatMessages, ToolSpecs
 from headrace.plugins.engines.sampling import Detokenizer, make_generator, sample, token_logprob
 from headrace.plugins.protocols import SamplingParams, TokenDelta
 from headrace.types import ContextId, TokenIds
@@ -198,6 +200,7 @@ class Row:
     length: int  # tokens in this row's KV
     pending: int = -1  # sampled token not yet in the KV
     produced: int = 0
+    matcher: Any = None  # a constrained decode's llguidance matcher, advanced with each sampled token
 
 
 class LLMCore(ABC):
@@ -210,6 +213,7 @@ class LLMCore(ABC):
         self.tokenizer: Any = None  # an HF tokenizer: encode, apply_chat_template, decode
         self.vocab_size = 0
         self.eos: set[int] = set()
+        self._constrainer: constraints.Constrainer | None = None  # made on the first constrained decode
 
     # ----- what a core implements --------------------------------------------------------
 
@@ -322,9 +326,18 @@ class LLMCore(ABC):
         return None
 
     def new_row(self, cmd: Decode, length: int) -> Row:
+        """A decoding row; a constrained one gets its matcher (compiled here, on the worker, cached per constraint)."""
+        matcher = None
+        if cmd.params.constraint is not None:
+            if self._constrainer is None:
+                self._constrainer = constraints.Constrainer(self.tokenizer, self.vocab_size, self.eos)
+            try:
+                matcher = self._constrainer.matcher(cmd.params.constraint)
+            except constraints.ConstraintError as exc:
+                raise EngineError(f"the output constraint does not compile: {exc}") from None
         return Row(ctx=cmd.ctx, params=cmd.params, send=cmd.send, free_after=cmd.free_after, priority=cmd.priority,
                    generator=make_generator(cmd.params.seed), detok=Detokenizer(self.tokenizer, cmd.params.stop),
-                   length=length)
+                   length=length, matcher=matcher)
 
     def emit(self, r: Row, token: int, out: Outbox, logits: torch.Tensor | None = None) -> bool:
         """Record one sampled token of ``r`` (its KV holds ``r.length`` tokens); True when the row is finished.
@@ -337,9 +350,15 @@ class LLMCore(ABC):
         if token in self.eos:
             text, finish = r.detok.flush(), "stop"
         else:
+            if r.matcher is not None:
+                try:
+                    constraints.advance(r.matcher, token)
+                except constraints.ConstraintError as exc:
+                    raise EngineError(str(exc)) from None
             text, hit_stop = r.detok.add(token)
-            if hit_stop:
-                finish = "stop"
+            if hit_stop or (r.matcher is not None and r.matcher.is_stopped()):
+                # A stop string, or a grammar with nothing left to add: the row is done.
+                text, finish = text + ("" if hit_stop else r.detok.flush()), "stop"
             elif r.produced >= r.params.max_tokens or r.length + 1 >= self.max_context_tokens:
                 text, finish = text + r.detok.flush(), "length"
         r.pending = token
@@ -360,17 +379,25 @@ class LLMCore(ABC):
 
 
 def sample_rows(rows: Sequence[Row], logits: torch.Tensor) -> list[int | BaseException]:
-    """One token per row of ``logits``; should sampling the batch fail, each row on its own, failing alone."""
+    """One token per row of ``logits`` (constrained rows masked to what their grammar allows); should sampling
+    the batch fail, each row on its own, failing alone."""
     try:
-        return list(sample(logits, [r.params for r in rows], [r.generator for r in rows]))
+        mask = constraints.bitmask([r.matcher for r in rows], logits.shape[-1])
+        return list(sample(logits, [r.params for r in rows], [r.generator for r in rows], mask))
     except Exception:
         tokens: list[int | BaseException] = []
         for i, r in enumerate(rows):
             try:
-                tokens.append(sample(logits[i : i + 1], [r.params], [r.generator])[0])
+                tokens.append(sample_row(r, logits[i]))
             except Exception as exc:
                 tokens.append(exc)
         return tokens
+
+
+def sample_row(r: Row, logits: torch.Tensor) -> int:
+    """One token for one row from its logits (V,): a decode's first token, from its prefill."""
+    mask = constraints.bitmask([r.matcher], logits.shape[-1])
+    return sample(logits.unsqueeze(0), [r.params], [r.generator], mask)[0]
 
 
 # ----- the front: event-loop side ----------------------------------------------------------
@@ -445,13 +472,13 @@ class LLMFront:
     def encode(self, text: str) -> TokenIds:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def chat_tokens(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> TokenIds:
-        out = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
-                                                 tokenize=True)
-        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+    def chat_tokens(self, messages: ChatMessages, tools: ToolSpecs | None = None,
+                    add_generation_prompt: bool = True) -> TokenIds:
+        return chat.apply_template(self.tokenizer, messages, tools, tokenize=True,
+                                   add_generation_prompt=add_generation_prompt)
 
-    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> str:
-        return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    def chat_prompt(self, messages: ChatMessages, tools: ToolSpecs | None = None) -> str:
+        return chat.apply_template(self.tokenizer, messages, tools, tokenize=False)
 
     # ----- requests --------------------------------------------------------------------------
 

@@ -37,6 +37,7 @@ from headrace.plugins.engines.llm_front import (
     Outbox,
     Prefill,
     Row,
+    sample_row,
     sample_rows,
 )
 from headrace.plugins.engines.model_paths import resolve_model
@@ -47,7 +48,6 @@ from headrace.plugins.engines.prefix_cache import (
     cache_stats,
     common_prefix,
 )
-from headrace.plugins.engines.sampling import sample
 from headrace.plugins.engines.torch_loading import load_causal_lm, parse_dtype
 from headrace.plugins.hookspecs import hookimpl
 from headrace.plugins.protocols import EngineEnv, EngineSpec
@@ -388,7 +388,7 @@ class TorchCore(LLMCore):
         for r in joining:
             try:
                 ctx = self.contexts[r.ctx]
-                first = sample(ctx.next_logits.unsqueeze(0), [r.params], [r.generator])[0]
+                first = sample_row(r, ctx.next_logits)
                 finished = self.emit(r, first, out, ctx.next_logits)
             except Exception as exc:  # this row's sampling or detokenising: it fails alone
                 log.exception("engine %s: starting a decode failed", self.name)

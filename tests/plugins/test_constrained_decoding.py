@@ -1,0 +1,117 @@
+"""Constrained decoding on both built-in engines with the real SmolLM2: whatever the model prefers, the
+output matches the constraint, and a finished grammar ends the decode with "stop"."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+from anyio.from_thread import start_blocking_portal
+
+from headrace.plugins.engines.chat import format_tool_call
+from headrace.plugins.engines.llm_front import EngineError
+from headrace.plugins.protocols import EngineEnv, EngineSpec, JsonSchemaConstraint, LarkConstraint, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+CACHE = Path.home() / ".cache" / "headrace"  # share the converted model with the other engine tests
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}}, "required": ["city"],
+        "additionalProperties": False}
+
+
+def make_engine(kind: str, tmp: Path):
+    env = EngineEnv(data_dir=tmp, cache_dir=CACHE, lookup=lambda name: None)
+    if kind == "torch":
+        from headrace.plugins.engines.torch_llm import TorchLLM
+
+        return TorchLLM(EngineSpec(name="smollm2", plugin="torch", options={"threads": 2, "dtype": "float32"}), env)
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/setup builds it)")
+    from headrace.plugins.engines.llama_cpp import LlamaCppLLM
+
+    return LlamaCppLLM(EngineSpec(name="smollm2", plugin="llama-cpp", options={"threads": 2}), env)
+
+
+@pytest.fixture(scope="module", params=["torch", "llama-cpp"])
+def llm(request, tmp_path_factory):
+    engine = make_engine(request.param, tmp_path_factory.mktemp("data"))
+    with start_blocking_portal() as portal:
+        future, _ = portal.start_task(engine.run)
+        yield portal, engine
+        future.cancel()
+
+
+async def generate(engine, prompt: str, params: SamplingParams) -> tuple[str, str | None]:
+    tokens = engine.chat_tokens([{"role": "user", "content": prompt}])
+    parts, finish = [], None
+    async for d in engine.generate(tokens, params):
+        parts.append(d.text)
+        finish = d.finish_reason
+    return "".join(parts), finish
+
+
+def test_a_json_schema_holds_greedy_and_sampled(llm):
+    portal, engine = llm
+    constraint = JsonSchemaConstraint(json.dumps(PERSON))
+    for params in (SamplingParams(max_tokens=48, temperature=0, constraint=constraint),
+                   SamplingParams(max_tokens=48, temperature=1.0, seed=7, constraint=constraint)):
+        # A prompt that asks for something else: the constraint, not the prompt, makes it JSON.
+        text, finish = portal.call(generate, engine, "Write a haiku about rivers.", params)
+        assert finish == "stop", text
+        jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_constrained_and_free_rows_share_a_batch(llm):
+    portal, engine = llm
+    constraint = JsonSchemaConstraint(json.dumps({"type": "array", "items": {"type": "integer", "maximum": 99},
+                                                  "minItems": 2, "maxItems": 3}))
+
+    async def both():
+        import anyio
+
+        results: dict[str, tuple[str, str | None]] = {}
+
+        async def one(key, params):
+            results[key] = await generate(engine, "List some numbers.", params)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(one, "json", SamplingParams(max_tokens=32, temperature=0, constraint=constraint))
+            tg.start_soon(one, "free", SamplingParams(max_tokens=8, temperature=0))
+        return results
+
+    results = portal.call(both)
+    items = json.loads(results["json"][0])
+    assert results["json"][1] == "stop" and 2 <= len(items) <= 3 and all(isinstance(i, int) for i in items)
+    assert results["free"][0] and not results["free"][0].startswith("[")  # the free row is not masked
+
+
+def test_a_lark_grammar_of_tool_calls_holds(llm):
+    portal, engine = llm
+    grammar = ('start: call\ncall: "<tool_call>\\n" body "\\n</tool_call>"\n'
+               'body: %json ' + json.dumps({"type": "object", "properties": {"name": {"const": "get_weather"},
+                                                                        "arguments": CITY},
+                                           "required": ["name", "arguments"], "additionalProperties": False,
+                                           # compact, as the daemon's tool grammars ask
+                                           "x-guidance": {"whitespace_flexible": False, "item_separator": ", ",
+                                                          "key_separator": ": "}}))
+    params = SamplingParams(max_tokens=48, temperature=0, constraint=LarkConstraint(grammar))
+    text, finish = portal.call(generate, engine, "What is the weather in Paris?", params)
+    assert finish == "stop", text
+    assert text.startswith("<tool_call>\n") and text.endswith("\n</tool_call>")
+    call = json.loads(text[len("<tool_call>\n"): -len("\n</tool_call>")])
+    assert call["name"] == "get_weather"
+    jsonschema.validate(call["arguments"], CITY)
+    assert format_tool_call(call["name"], call["arguments"]) == text  # the format the daemon parses
+
+
+def test_a_constraint_that_does_not_compile_fails_its_request_alone(llm):
+    portal, engine = llm
+    bad = SamplingParams(max_tokens=8, temperature=0, constraint=LarkConstraint("start: undefined_rule"))
+    with pytest.raises(EngineError, match="constraint"):
+        portal.call(generate, engine, "Hi", bad)
+    text, finish = portal.call(generate, engine, "Hi", SamplingParams(max_tokens=4, temperature=0))
+    assert text and finish in ("stop", "length")
