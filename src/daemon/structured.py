@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from headrace.daemon.errors import bad_request
-from headrace.daemon.schemas import ChatCompletionRequest, CompletionRequest, JsonObjectFormat, JsonSchemaFormat
+from headrace.daemon.schemas import (ChatCompletionRequest, CompletionRequest, JsonObjectFormat, JsonSchemaFormat,
+                                     TokenizeChatRequest)
 from headrace.plugins.engines import constraints
 from headrace.plugins.engines.chat import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from headrace.plugins.protocols import JsonSchemaConstraint, LarkConstraint, OutputConstraint
@@ -215,7 +216,7 @@ def parse_tool_output(text: str, names: frozenset[str]) -> tuple[str | None, lis
     return (content or None) if parser.calls else content, parser.calls
 
 
-def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+def chat_messages(body: ChatCompletionRequest | TokenizeChatRequest) -> list[dict[str, Any]]:
     """The messages in Hugging Face's chat format (what the engines' chat templates take)."""
     out: list[dict[str, Any]] = []
     for j, m in enumerate(body.messages):
