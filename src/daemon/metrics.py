@@ -122,7 +122,16 @@ class Metrics:
                 for model, s in stats.items():
                     if "kv_cache_capacity" in s:
                         kv.add_metric([model], min(1.0, s["kv_cache_tokens"] / max(1, s["kv_cache_capacity"])))
-                yield from (queries, hits, usage, kv)
+                # Tensors handed between co-hosted engines (the vector store reads the embedder's memory).
+                received = CounterMetricFamily("headrace_handoff_received_bytes", "Tensor bytes an engine received "
+                                               "from another engine.", labels=["engine"])
+                copied = CounterMetricFamily("headrace_handoff_copied_bytes", "Of those, bytes it had to copy "
+                                             "(0 when the handoff is by reference).", labels=["engine"])
+                for model, s in stats.items():
+                    if "handoff_received_bytes" in s:
+                        received.add_metric([model], s["handoff_received_bytes"])
+                        copied.add_metric([model], s["handoff_copied_bytes"])
+                yield from (queries, hits, usage, kv, received, copied)
 
         r.register(_Live())
 
@@ -131,8 +140,9 @@ class Metrics:
               engine_stats: Callable[[], Mapping[str, int]] | None = None) -> None:
         """Read these gauges live at scrape time rather than mirror them.
 
-        ``engine_stats``: an LLM engine's ``stats()``; its ``prefix_cache_*`` keys become the
-        prefix-cache metrics (vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``, in tokens).
+        ``engine_stats``: an engine's ``stats()``; an LLM's ``prefix_cache_*`` keys become the
+        prefix-cache metrics (vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``, in tokens), a vector
+        store's ``handoff_*`` keys the handoff metrics.
         """
         self._running[model], self._waiting[model] = running, waiting
         if contexts is not None:

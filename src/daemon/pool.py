@@ -299,6 +299,7 @@ class EnginePool:
             observer=self.metrics,
             policies={name: factory() for name, factory in self.registry.batch_policies.items()},
         )
-        self.metrics.watch(slot.name, running=lambda: 0, waiting=lambda: scheduler.waiting)
+        self.metrics.watch(slot.name, running=lambda: 0, waiting=lambda: scheduler.waiting,
+                           engine_stats=getattr(engine, "stats", None))
         return scheduler
 
