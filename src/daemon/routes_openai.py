@@ -19,7 +19,7 @@ from headrace.daemon.errors import APIError, bad_request, internal
 from headrace.daemon.logprobs import CompletionLogprobs, TokenStrings, chat_content
 from headrace.daemon.schemas import MAX_CHOICES, ChatCompletionRequest, CompletionRequest
 from headrace.graph.service import ChoiceDelta
-from headrace.plugins.protocols import SamplingParams, TokenDelta, TokenLogprob
+from headrace.plugins.protocols import ReportsLogprobs, SamplingParams, TokenDelta, TokenLogprob
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -54,6 +54,12 @@ async def get_model(request: Request) -> Response:
     if slot is None:
         raise APIError(404, f"the model '{model}' does not exist", param="model", code="model_not_found")
     return JSONResponse(_model_card(slot))
+
+
+def _check_logprobs(slot: Any, params: SamplingParams, param: str) -> None:
+    if params.logprobs is not None and not (isinstance(slot.engine, ReportsLogprobs) and slot.engine.reports_logprobs):
+        raise bad_request(f"the model '{slot.name}' does not report log-probabilities", param=param,
+                          code="unsupported_parameter")
 
 
 def _check_length(slot: Any, tokens: list[int], param: str) -> None:
@@ -99,6 +105,7 @@ async def chat_completions(request: Request) -> Response:
     constraint = (tools.constraint if tools is not None else
                   await rq.off_loop_if_large(schemas, structured.response_constraint, body))
     params = rq.sampling(body, DEFAULT_MAX_TOKENS, constraint)
+    _check_logprobs(slot, params, "logprobs")
     size = sum(len(m["content"]) for m in messages) + (len(json.dumps(tools.specs)) if tools else 0)
     tokens = await rq.off_loop_if_large(size, _chat_tokens, slot.engine, messages, tools)
     _check_length(slot, tokens, "messages")
@@ -116,6 +123,7 @@ async def completions(request: Request) -> Response:
     spec = rq.stream_spec(body)
     constraint = await rq.off_loop_if_large(structured.schema_chars(body), structured.response_constraint, body)
     params = rq.sampling(body, 16, constraint)  # 16: OpenAI's default for completions
+    _check_logprobs(slot, params, "logprobs")
     n = body.n or 1
     if len(prompts) * n > MAX_CHOICES:
         raise bad_request(f"{len(prompts)} prompts with n={n} make {len(prompts) * n} choices; at most {MAX_CHOICES}",

@@ -206,6 +206,14 @@ class LLMEngine(Engine, Protocol):
 
 
 @runtime_checkable
+class ReportsLogprobs(Protocol):
+    """An LLM engine whose decodes honour ``SamplingParams.logprobs`` (``TokenDelta.logprobs``); the API refuses
+    logprobs for one that does not, rather than answer none."""
+
+    reports_logprobs: bool
+
+
+@runtime_checkable
 class ScheduledScoring(Protocol):
     """An LLM's scheduler, as an engine that scores with that LLM sees it."""
 

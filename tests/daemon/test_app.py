@@ -59,8 +59,11 @@ def test_ready_after_load_and_no_key_needed_without_one(tmp_path):
         assert client.get("/ready").json()["engines"]["emb"]["state"] == "ready"
         r = client.post("/v1/embeddings", json={"model": "emb", "input": ["a", "b"]})
         assert r.status_code == 200 and len(r.json()["data"]) == 2
-        r = client.post("/v1/embeddings", json={"model": "emb", "input": [1, 2]})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "input[0]"
+        # Token ids are the embedder's own (vLLM's reading): one list is one input; one out of its vocabulary is a 400.
+        r = client.post("/v1/embeddings", json={"model": "emb", "input": [7592, 2088]})
+        assert r.status_code == 200 and len(r.json()["data"]) == 1
+        r = client.post("/v1/embeddings", json={"model": "emb", "input": [7592, 10**6]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input[1]"
         r = client.post("/v1/embeddings", json={"model": "emb", "input": "a", "dimensions": 8})
         assert r.status_code == 400 and r.json()["error"]["param"] == "dimensions"
 

@@ -178,6 +178,7 @@ class _Live:
 
 class VLLMEngine:
     kind = "llm"
+    reports_logprobs = True  # vLLM's own, mapped in _convert
 
     def __init__(self, spec: EngineSpec, env: EngineEnv) -> None:
         self.name = spec.name

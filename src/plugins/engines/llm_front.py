@@ -415,6 +415,7 @@ class LLMFront:
     """The ``LLMEngine`` protocol over one core and its worker thread."""
 
     kind = "llm"
+    reports_logprobs = True  # every core samples through emit(), which computes them
 
     def __init__(self, name: str, core: LLMCore) -> None:
         self.name = name
