@@ -154,3 +154,33 @@ def prompts_on_a_shared_prefix(engine, n: int) -> tuple[list[int], list[int]]:
     prefix = engine.encode(" ".join(f"Rule {i}: the mill wheel turns when water flows." for i in range(60)))[:n]
     ask = lambda q: engine.chat_tokens([{"role": "user", "content": q}])  # noqa: E731
     return prefix + ask("Which way does the wheel turn?"), prefix + ask("What carries the water to the wheel?")
+
+
+def check_logprobs_are_log_softmax(portal, engine, prompt: list[int], tolerance: float) -> None:
+    """Greedy logprobs on a built-in engine: one per sampled token, the k best by rank, each the log-softmax
+    of the prompt's next-token logits scored on their own (within ``tolerance``: batch shapes differ)."""
+    import pytest
+    import torch
+
+    from headrace.plugins.protocols import SamplingParams
+
+    async def deltas(params):
+        return [d async for d in engine.generate(prompt, params)]
+
+    got = portal.call(deltas, SamplingParams(max_tokens=4, temperature=0, logprobs=3))
+    ids = [t for d in got for t in d.token_ids]
+    lps = [lp for d in got for lp in d.logprobs]
+    assert [lp.token_id for lp in lps] == ids  # one per token, in order
+    for lp in lps:
+        assert len(lp.top) == 3 and lp.top[0][0] == lp.token_id  # greedy: the sampled token is the best
+        assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+        assert lp.logprob == lp.top[0][1] <= 0
+    row = portal.call(engine.next_token_logits, [prompt], list(range(engine.vocab_size)))[0]
+    expected = torch.log_softmax(row.float(), dim=-1)
+    assert lps[0].logprob == pytest.approx(expected[ids[0]].item(), abs=tolerance)
+    assert [t for t, _ in lps[0].top] == expected.topk(3).indices.tolist()
+    # Sampled (not greedy), the logprobs are still the raw distribution's, whatever the temperature.
+    hot = portal.call(deltas, SamplingParams(max_tokens=1, temperature=1.5, seed=3, logprobs=0))
+    first = hot[0].logprobs[0]
+    assert first.top == () and first.logprob == pytest.approx(expected[first.token_id].item(), abs=tolerance)
+    assert all(d.logprobs == () for d in portal.call(deltas, SamplingParams(max_tokens=2, temperature=0)))

@@ -10,7 +10,7 @@ import pytest
 import torch
 from anyio.from_thread import start_blocking_portal
 
-from conftest import idle, prompts_on_a_shared_prefix
+from conftest import check_logprobs_are_log_softmax, idle, prompts_on_a_shared_prefix
 from headrace.plugins.engines.torch_llm import EngineError, TorchLLM
 from headrace.plugins.protocols import EngineEnv, EngineSpec, SamplingParams
 
@@ -433,26 +433,4 @@ def test_prompts_queued_together_on_a_shared_prefix_compute_it_once(llm):
 
 def test_logprobs_are_the_models_log_softmax(llm):
     portal, engine = llm
-    prompt = chat(engine, "Name a colour.")
-
-    async def deltas(params):
-        return [d async for d in engine.generate(prompt, params)]
-
-    got = portal.call(deltas, SamplingParams(max_tokens=4, temperature=0, logprobs=3))
-    ids = [t for d in got for t in d.token_ids]
-    lps = [lp for d in got for lp in d.logprobs]
-    assert [lp.token_id for lp in lps] == ids  # one per token, in order
-    for lp in lps:
-        assert len(lp.top) == 3 and lp.top[0][0] == lp.token_id  # greedy: the sampled token is the best
-        assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
-        assert lp.logprob == lp.top[0][1] <= 0
-    # The first token's, against the prompt's next-token distribution scored on its own.
-    row = portal.call(engine.next_token_logits, [prompt], list(range(engine.vocab_size)))[0]
-    expected = torch.log_softmax(row.float(), dim=-1)
-    assert lps[0].logprob == pytest.approx(expected[ids[0]].item(), abs=1e-3)
-    assert [t for t, _ in lps[0].top] == expected.topk(3).indices.tolist()
-    # Sampled (not greedy), the logprobs are still the raw distribution's, whatever the temperature.
-    hot = portal.call(deltas, SamplingParams(max_tokens=1, temperature=1.5, seed=3, logprobs=0))
-    first = hot[0].logprobs[0]
-    assert first.top == () and first.logprob == pytest.approx(expected[first.token_id].item(), abs=1e-3)
-    assert all(d.logprobs == () for d in portal.call(deltas, SamplingParams(max_tokens=2, temperature=0)))
+    check_logprobs_are_log_softmax(portal, engine, chat(engine, "Name a colour."), tolerance=1e-3)
