@@ -249,13 +249,16 @@ async def _chunks(rid: str, created: int, model: str, n_prompt: int, count: int,
     offsets = [CompletionLogprobs(strings) for _ in range(count)] if strings is not None and not chat else []
 
     def chunk(index: int, d: TokenDelta, text: str | None = None, finish: str | None = None,
-              call: tuple[int, dict[str, Any]] | None = None) -> dict[str, Any]:
+              call: tuple[int, dict[str, Any]] | None = None,
+              token_logprobs: tuple[TokenLogprob, ...] | None = None) -> dict[str, Any]:
         """One choice's chunk: the delta's text and finish (``text`` / ``finish`` given: those instead, as a tool
-        parser decides), or one whole tool call (its id, name and complete arguments)."""
+        parser decides), or one whole tool call (its id, name and complete arguments). ``token_logprobs`` given:
+        those instead of the delta's (a tool parser's chunks carry each token's logprob once)."""
         text = d.text if text is None else text
         finish = d.finish_reason if finish is None else finish
         if chat:
-            logprobs = None if strings is None else {"content": chat_content(d.logprobs, strings)}
+            items = d.logprobs if token_logprobs is None else token_logprobs
+            logprobs = None if strings is None else {"content": chat_content(items, strings)}
             delta: dict[str, Any] = {"content": text} if text else {}
             if call is not None:
                 delta = {"tool_calls": [{"index": call[0], **call[1]}]}
@@ -272,6 +275,7 @@ async def _chunks(rid: str, created: int, model: str, n_prompt: int, count: int,
     # Tools: each choice's content as it comes, each call once its block is complete.
     parsers = [structured.ToolCallParser(tools.names) for _ in range(count)] if tools is not None else []
     calls_sent = [0] * count
+    unsent: list[tuple[TokenLogprob, ...]] = [()] * count
     generated = 0
     async with aclosing(deltas):
         async for c in deltas:
@@ -283,15 +287,21 @@ async def _chunks(rid: str, created: int, model: str, n_prompt: int, count: int,
                 continue
             parser = parsers[c.index]
             items = parser.feed(d.text) + (parser.finish() if d.finish_reason else [])
+            # The parser may split a delta into several chunks or hold its text back: its tokens'
+            # logprobs go out once, on the next chunk this choice sends.
+            unsent[c.index] += d.logprobs
             for kind, value in items:
+                sent, unsent[c.index] = unsent[c.index], ()
                 if kind == "content":
-                    yield chunk(c.index, d, text=value, finish=None)
+                    yield chunk(c.index, d, text=value, finish=None, token_logprobs=sent)
                 else:
-                    yield chunk(c.index, d, text="", finish=None, call=(calls_sent[c.index], value))
+                    yield chunk(c.index, d, text="", finish=None, call=(calls_sent[c.index], value),
+                                token_logprobs=sent)
                     calls_sent[c.index] += 1
             if d.finish_reason:
                 done = "tool_calls" if parser.calls and d.finish_reason == "stop" else d.finish_reason
-                yield chunk(c.index, TokenDelta(text="", token_ids=[]), text="", finish=done)
+                sent, unsent[c.index] = unsent[c.index], ()
+                yield chunk(c.index, TokenDelta(text="", token_ids=[]), text="", finish=done, token_logprobs=sent)
     if spec.include_usage:
         yield {**base, "choices": [], "usage": _usage(n_prompt, generated)}
 

@@ -106,10 +106,16 @@ def test_a_required_tool_call_matches_the_tool(client):
 def test_tool_calls_stream_as_openai_does(client):
     stream = client.chat.completions.create(
         model=LLM, messages=ask("Weather in Oslo?"), temperature=0, max_tokens=64, stream=True,
-        tools=[WEATHER_TOOL, TIME_TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        tools=[WEATHER_TOOL, TIME_TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        logprobs=True, stream_options={"include_usage": True})
     calls: dict[int, dict] = {}
     finish = None
+    logprobs = 0
     for chunk in stream:
+        if not chunk.choices:  # the usage chunk
+            usage = chunk.usage
+            continue
+        logprobs += len(chunk.choices[0].logprobs.content or []) if chunk.choices[0].logprobs else 0
         delta = chunk.choices[0].delta
         for tc in delta.tool_calls or []:  # accumulated by index, as clients do
             call = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
@@ -120,6 +126,8 @@ def test_tool_calls_stream_as_openai_does(client):
     assert finish == "tool_calls" and len(calls) == 1  # named: exactly one call
     assert calls[0]["name"] == "get_weather" and calls[0]["id"]
     jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER_TOOL["function"]["parameters"])
+    # Each generated token's logprob is sent once, however the tool parser split or held back its text.
+    assert logprobs == usage.completion_tokens > 0
 
 
 def test_auto_and_none_and_a_tool_history_are_served(server, client):
