@@ -102,7 +102,7 @@ def dispatch(args: argparse.Namespace) -> int:
 def _local(args: argparse.Namespace) -> int:
     import anyio
 
-    from headrace.daemon import local
+    from headrace.daemon import local, profiling
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     quiet_libraries()
@@ -112,7 +112,7 @@ def _local(args: argparse.Namespace) -> int:
     if args.command == "profile":
         if args.engine not in {e.name for e in config.engines}:
             raise ConfigError("engine", f"no engine named {args.engine!r} in {args.config}")
-        return anyio.run(local.profile, config, args.engine, args.max_batch)
+        return anyio.run(profiling.profile, config, args.engine, args.max_batch)
     return anyio.run(local.run_workflow, config, args.workflow, args.input, _run_config(args))
 
 
