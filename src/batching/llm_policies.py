@@ -84,6 +84,24 @@ class ObjectiveLLMPolicy(TopologyLLMPolicy):
         return int(throughput) * CLASS_SPAN + super().run_rank(meta, arrival_ms)
 
 
+class DeadlineLLMPolicy(TopologyLLMPolicy):
+    """Goodput under overload: earliest deadline first over runs (``meta.deadline``, the run's SLO), and a
+    run already past its deadline behind every run that can still make it. Under ``topology`` the oldest
+    run goes first even when it is already late, so in overload every run it delays turns late too; here a
+    late run yields to the runs that still count toward goodput, and still finishes, oldest first, in
+    the capacity they leave. Within a run, deepest node first (as ``topology``). A request with no
+    deadline (no SLO, or no run) is due at its arrival: a plain chat goes ahead of runs that have time."""
+
+    name = "deadline"
+
+    def run_rank(self, meta: PrimitiveMeta | None, arrival_ms: int) -> int:
+        if meta is None or meta.deadline is None:
+            return super().run_rank(meta, arrival_ms)
+        deadline_ms = int(meta.deadline * 1000)
+        late = arrival_ms > deadline_ms
+        return int(late) * CLASS_SPAN + deadline_ms
+
+
 # The scheduler's clock starts at the monotonic clock's zero: ranks of different schedulers agree.
 def meta_arrival_ms(meta: PrimitiveMeta) -> int:
     return int(meta.arrival * 1000)
@@ -102,3 +120,4 @@ def register_llm_policies(register):
     register("fifo", FifoLLMPolicy)
     register("topology", TopologyLLMPolicy)
     register("objective", ObjectiveLLMPolicy)
+    register("deadline", DeadlineLLMPolicy)

@@ -276,8 +276,10 @@ async def load_phase(systems: Systems, workload: Workload, modes: list[str], cor
             await systems.use_policy(llm_policy_of(mode))
             before = await systems.daemon.metrics()
 
-            async def request(i: int, mode: str = mode) -> None:
-                await systems.call(mode, workload, workload.inputs(corpus, i), config)
+            run_config = with_slo(mode, config, slo_s)
+
+            async def request(i: int, mode: str = mode, run_config: dict[str, Any] = run_config) -> None:
+                await systems.call(mode, workload, workload.inputs(corpus, i), run_config)
 
             res = await poisson({workload.name: request}, rate, opts.duration, slo_s, opts.seed,
                                 opts.drain if opts.drain is not None else 2 * slo_s, count=opts.arrivals)
@@ -287,6 +289,12 @@ async def load_phase(systems: Systems, workload: Workload, modes: list[str], cor
             opts.log(f"    load {rate:g} req/s, {mode}: {summary['completed']}/{summary['offered']} done, "
                      f"p50 {_fmt(summary['p50_s'])} p95 {_fmt(summary['p95_s'])}, goodput {summary['goodput']:.3f}/s")
     return out
+
+
+def with_slo(mode: str, config: dict[str, Any], slo_s: float) -> dict[str, Any]:
+    """A server-side run states its latency objective (``slo_seconds``), as a client of a workflow server
+    would; the schedulers may use it (the ``deadline`` policy does). A baseline's requests cannot carry it."""
+    return config if mode in BASELINE_MODES else {**config, "slo_seconds": round(slo_s, 3)}
 
 
 CHAT = "chat"
@@ -357,7 +365,7 @@ async def mixed_phase(systems: Systems, corpus: Corpus, opts: Options, slos: dic
         await systems.use_policy(llm_policy_of(per_workload[MIXED[0]]))
         requests = {}
         for w in workloads:
-            config = workload_config(w, opts)
+            config = with_slo(per_workload[w.name], workload_config(w, opts), slos[w.name])
 
             async def request(i: int, w: Workload = w, config: dict = config) -> None:
                 await systems.call(per_workload[w.name], w, w.inputs(corpus, i), config)

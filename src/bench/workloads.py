@@ -31,7 +31,7 @@ from headrace.bench.corpus import Corpus
 PASSES = ("prune_dependencies", "stage_decomposition", "prefill_split", "decode_pipelining")
 HEADRACE = "headrace"
 SEQUENTIAL = "sequential"
-LLM_POLICIES = ("fifo", "topology", "objective")
+LLM_POLICIES = ("fifo", "topology", "objective", "deadline")
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from anyio.from_thread import start_blocking_portal
 
 from headrace.batching.llm import LLMScheduler, PriorityGate
 from headrace.batching.llm_policies import (
+    DeadlineLLMPolicy,
     FifoLLMPolicy,
     ObjectiveLLMPolicy,
     TopologyLLMPolicy,
@@ -30,14 +31,15 @@ from headrace.plugins.engines.torch_llm import TorchLLM
 from headrace.plugins.protocols import EngineEnv, EngineSpec, SamplingParams, TokenDelta
 
 PROMPT_TOKENS = 96  # each queued prompt; one fits an iteration, two do not
-POLICIES = {"fifo": FifoLLMPolicy(), "topology": TopologyLLMPolicy(), "objective": ObjectiveLLMPolicy()}
+POLICIES = {"fifo": FifoLLMPolicy(), "topology": TopologyLLMPolicy(), "objective": ObjectiveLLMPolicy(),
+            "deadline": DeadlineLLMPolicy()}
 
 
 def test_the_builtin_llm_policies_register():
     registered = {}
     register_llm_policies(register=lambda name, factory: registered.setdefault(name, factory))
     assert {name: factory().name for name, factory in registered.items()} == {
-        "fifo": "fifo", "topology": "topology", "objective": "objective"}
+        "fifo": "fifo", "topology": "topology", "objective": "objective", "deadline": "deadline"}
 
 
 def test_policy_ranks():
@@ -60,6 +62,24 @@ def test_policy_ranks():
     bulk = PrimitiveMeta(run="a", node="w", depth=5, arrival=10.0, objective="throughput")
     assert priority(objective, None, critical, 0) < priority(objective, None, bulk, 0)
     assert priority(topology, None, critical, 0) > priority(topology, None, bulk, 0)
+
+
+def test_deadline_ranks_by_deadline_and_puts_late_runs_last():
+    deadline = POLICIES["deadline"]
+    # Run a arrived first but has the looser SLO; run c is already past its deadline at 12 s.
+    a = PrimitiveMeta(run="a", node="x", arrival=10.0, deadline=40.0)
+    b = PrimitiveMeta(run="b", node="x", arrival=11.0, deadline=20.0)
+    c = PrimitiveMeta(run="c", node="x", arrival=1.0, deadline=11.0)
+    ranks = {m.run: priority(deadline, None, m, 12_000) for m in (a, b, c)}
+    assert ranks["b"] < ranks["a"] < ranks["c"]
+    # Before c's deadline it is the most urgent of the three.
+    assert priority(deadline, None, c, 10_000) < priority(deadline, None, b, 10_000)
+    # No SLO, or no run: due at arrival (a chat at 12 s goes ahead of runs due later).
+    assert priority(deadline, None, None, 12_000) < ranks["b"]
+    assert priority(deadline, None, PrimitiveMeta(run="d", arrival=12.0), 0) < ranks["b"]
+    # Within a run, the deepest node first, as topology.
+    deep = PrimitiveMeta(run="b", node="y", depth=2, arrival=11.0, deadline=20.0)
+    assert priority(deadline, None, deep, 12_000) < ranks["b"]
 
 
 @pytest.mark.anyio
@@ -185,6 +205,17 @@ def test_objective_serves_latency_critical_requests_before_older_throughput_work
     requests = [*maps, answer]
     assert portal.call(prefill_order, engine, "topology", requests) == ["map0", "map1", "answer"]
     assert portal.call(prefill_order, engine, "objective", requests) == ["answer", "map0", "map1"]
+
+
+@pytest.mark.slow
+def test_deadline_lets_a_late_run_yield_to_one_that_can_still_make_its_slo(busy_llm):
+    portal, engine = busy_llm
+    now = time.monotonic()
+    late = [(f"late{i}", PrimitiveMeta(run="old", node=f"n{i}", arrival=now - 30, deadline=now - 10)) for i in range(2)]
+    on_time = ("on_time", PrimitiveMeta(run="new", node="n", arrival=now, deadline=now + 60))
+    requests = [*late, on_time]
+    assert portal.call(prefill_order, engine, "topology", requests) == ["late0", "late1", "on_time"]
+    assert portal.call(prefill_order, engine, "deadline", requests) == ["on_time", "late0", "late1"]
 
 
 @pytest.mark.slow
