@@ -140,7 +140,10 @@ async def create_call(request: Request) -> Response:
                                     _sampling(None), engine, body.system)
         except SessionError as exc:
             raise _error(exc) from None
-        await session.submit(call)
+        try:
+            await session.submit(call)
+        except SessionClosed as exc:
+            raise APIError(404, str(exc), param="session_id", code="session_not_found") from None
         return JSONResponse(call_json(session, call))
 
 

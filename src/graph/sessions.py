@@ -237,8 +237,11 @@ class Session:
 
     async def submit(self, call: Call) -> None:
         """Hand the call's nodes to the session's run, which starts them at once."""
-        with anyio.CancelScope(shield=True):  # the call is in the graph: it must run, even if its client left
-            await self.additions.send(frozenset(call.nodes))
+        try:
+            with anyio.CancelScope(shield=True):  # the call is in the graph: it must run, even if its client left
+                await self.additions.send(frozenset(call.nodes))
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            raise SessionClosed(f"session {self.id!r} closed while the call was submitted") from None
 
     def _deduce(self) -> None:
         """Depths, objectives and task groups of the whole graph, as it is now (Parrot §5.2)."""
