@@ -124,7 +124,7 @@ class Session:
 
     # variables ------------------------------------------------------------------
 
-    def create_variable(self, name: str, value: str | None) -> Variable:
+    def create_variable(self, name: str, value: str | None = None) -> Variable:
         if name in self.variables:
             raise SessionError("name", f"the session already has a variable {name!r}", "variable_exists", 409)
         variable = self.variables[name] = Variable(name)
@@ -260,9 +260,10 @@ def _call_nodes(call_id: str, template: str, outputs: list[str], sampling: Mappi
                 default: SamplingParams, engine: str, system: str | None) -> list[Node]:
     """One prefill and one decode per output; the prompt of each is the text before its output.
 
-    Calls of one template share a component name, so parallel ones at one depth form a task group.
+    Calls of one template (the same text, whatever variables it binds) share a component name, so
+    parallel ones at one depth form a task group: the maps of a map-reduce.
     """
-    shape = hashlib.sha1(template.encode()).hexdigest()[:8]
+    shape = hashlib.sha1(PLACEHOLDER.sub(r"{{\1}}", template).encode()).hexdigest()[:8]
     nodes: list[Node] = []
     seen = 0
     for m in PLACEHOLDER.finditer(template):
@@ -275,7 +276,8 @@ def _call_nodes(call_id: str, template: str, outputs: list[str], sampling: Mappi
         ctx = f"{call_id}.{seen}.ctx"
         nodes.append(Node(f"{call_id}.{seen}.prefill", Op.PREFILL, engine=engine, inputs=prompt.inputs,
                           outputs=(ctx,), params={"prompt": text, "system": system},
-                          component=f"call:{shape}.{seen}", prefix_hash=prompt.prefix_hash(), size=len(text)))
+                          component=f"call:{shape}.{seen}", prefix_hash=prompt.prefix_hash(),
+                          size=max(1, len(text) // 4)))  # about 4 characters a token, as the graph builder guesses
         nodes.append(Node(f"{call_id}.{seen}.decode", Op.DECODE, engine=engine, inputs=(ctx,),
                           outputs=(m.group(2),), params={"sampling": params}, component=f"call:{shape}.{seen}",
                           size=params.max_tokens))
