@@ -50,7 +50,7 @@ from headrace.bench.workloads import (
 
 ISOLATED = {**server_modes()[HEADRACE], "isolate": True}
 RUN_TIMEOUT_S = 900  # a run that never ends is a bug to report, not a reason to wait forever
-BASELINE_MODES = ("llamaindex", "chaining")
+BASELINE_MODES = ("llamaindex", "chaining", "semantic")  # client-side modes
 
 
 @dataclass
@@ -127,6 +127,10 @@ class Systems:
                 from headrace.bench.baselines.chaining import ClientChaining
 
                 self._baselines[mode] = ClientChaining(f"{d.base_url}/v1", d.api_key or "none", self.models["llm"])
+            elif mode == "semantic":
+                from headrace.bench.baselines.semantic import SemanticCalls
+
+                self._baselines[mode] = SemanticCalls(d.base_url, d.api_key or "none", self.models["llm"])
             else:
                 raise BenchError(f"unknown mode {mode!r}")
         return self._baselines[mode]
@@ -160,7 +164,7 @@ def _answer(result: dict[str, Any]) -> str:
 
 
 def check_modes(workload: Workload, modes: list[str]) -> None:
-    allowed = set(server_modes()) | ({workload.baseline} if workload.baseline else set())
+    allowed = set(server_modes()) | ({workload.baseline} if workload.baseline else set()) | set(workload.client_modes)
     bad = [m for m in modes if m not in allowed]
     if bad:
         raise BenchError(f"{workload.name} has no mode(s) {bad}; choose from {sorted(allowed)}")
@@ -414,7 +418,7 @@ async def run_all(systems: Systems, corpus: Corpus, opts: Options) -> dict[str, 
                 raise BenchError(f"{name}: a load run needs the single-query phase (reps > 0) to set its SLO")
             # A baseline named for the load is run by the workloads it belongs to (llamaindex: RAG).
             load_modes = [m for m in opts.load_modes or [workload.baseline, HEADRACE]
-                          if m and (m not in BASELINE_MODES or m == workload.baseline)]
+                          if m and (m not in BASELINE_MODES or m == workload.baseline or m in workload.client_modes)]
             check_modes(workload, load_modes)
             capacity = capacity_for(workload, section.get("single"))
             section["load"] = await load_phase(systems, workload, load_modes, corpus, opts, slo,

@@ -11,7 +11,9 @@ mode is a way to run it against the daemon under test:
   the daemon (the internal baseline);
 - ``+<pass>``: the ablation ladder from ``sequential``, switching each pass on in
   turn (``+topology`` last would equal ``headrace``);
-- ``llamaindex`` (RAG) / ``chaining`` (summaries): the peer baselines as clients.
+- ``llamaindex`` (RAG) / ``chaining`` (summaries): the peer baselines as clients;
+- ``semantic`` (summaries): the same work submitted by a client as Parrot's semantic
+  calls (one session; the daemon chains the calls), under the daemon's own LLM policy.
 
 The baselines, ``sequential`` and the ladder run under the ``fifo`` LLM policy,
 as a plain server serves requests.
@@ -31,6 +33,7 @@ from headrace.bench.corpus import Corpus
 PASSES = ("prune_dependencies", "stage_decomposition", "prefill_split", "decode_pipelining")
 HEADRACE = "headrace"
 SEQUENTIAL = "sequential"
+SEMANTIC = "semantic"
 LLM_POLICIES = ("fifo", "topology", "objective", "deadline")
 
 
@@ -40,6 +43,7 @@ class Workload:
     workflow: str
     baseline: str | None  # the peer baseline's mode, if the workflow has one
     config: dict[str, Any] = field(default_factory=dict)  # shortened outputs; everything else default
+    client_modes: tuple[str, ...] = ()  # other client-side modes it runs in (semantic calls)
     slo_factor: float = 3.0  # SLO = factor x the baseline's single-query latency
 
     def inputs(self, corpus: Corpus, i: int) -> dict[str, Any]:
@@ -55,8 +59,8 @@ WORKLOADS = {
     w.name: w for w in (
         Workload("naive_rag", "naive_rag", "llamaindex", {"max_tokens": 24}),
         Workload("advanced_rag", "advanced_rag", "llamaindex", {"max_tokens": 24}),
-        Workload("map_reduce_summary", "map_reduce_summary", "chaining", {"max_tokens": 24}),
-        Workload("chain_summary", "chain_summary", "chaining", {"max_tokens": 24}),
+        Workload("map_reduce_summary", "map_reduce_summary", "chaining", {"max_tokens": 24}, (SEMANTIC,)),
+        Workload("chain_summary", "chain_summary", "chaining", {"max_tokens": 24}, (SEMANTIC,)),
         Workload("fact_verify", "fact_verify", None, {"max_tokens": 24}),
     )
 }
@@ -80,7 +84,7 @@ def llm_policy_of(mode: str) -> str | None:
     """The LLM policy a mode runs under; None: whatever the daemon is configured with."""
     if mode.startswith(f"{HEADRACE}-"):
         return mode.removeprefix(f"{HEADRACE}-")
-    return None if mode == HEADRACE else "fifo"
+    return None if mode in (HEADRACE, SEMANTIC) else "fifo"
 
 
 def is_headrace(mode: str) -> bool:
@@ -89,6 +93,6 @@ def is_headrace(mode: str) -> bool:
 
 def default_modes(workload: Workload, ladder: bool) -> list[str]:
     """The baseline, sequential and headrace; with ``ladder``, every pass switched on in turn too."""
-    modes = [workload.baseline] if workload.baseline else []
+    modes = ([workload.baseline] if workload.baseline else []) + list(workload.client_modes)
     ladder_modes = [m for m in server_modes() if m == SEQUENTIAL or m.startswith("+") or m == HEADRACE]
     return modes + (ladder_modes if ladder else [SEQUENTIAL, HEADRACE])

@@ -28,9 +28,12 @@ from headrace.daemon.routes_collections import (add_documents, create_collection
                                                  delete_document, get_collection, list_collections)
 from headrace.daemon.routes_engines import update_engine
 from headrace.daemon.routes_retrieval import embeddings, rerank
+from headrace.daemon.routes_sessions import (create_call, create_session, create_variable, delete_session,
+                                              get_session, get_variable, set_variable)
 from headrace.daemon.routes_workflows import (cancel_run, create_run, get_run, get_timeline, get_timeline_png,
                                                list_runs, list_workflows, run_graph)
 from headrace.graph.service import WorkflowService
+from headrace.graph.sessions import SessionManager
 from headrace.plugins.manager import Registry, collect
 
 
@@ -118,6 +121,7 @@ def create_app(config: Config, registry: Registry | None = None) -> Starlette:
                                 pool.max_efficient_batch, policies=[*registry.batch_policies, *registry.llm_policies],
                                 collections=collections.lookup, observer=metrics_)
     metrics_.watch_optimizer(workflows.optimizer.stats)
+    sessions = SessionManager(workflows.executor, pool.resolve, pool.engines_by_kind, config.sessions.idle_seconds)
 
     lifecycle = Lifecycle(pool, workflows, config.server.drain_seconds)
 
@@ -129,6 +133,7 @@ def create_app(config: Config, registry: Registry | None = None) -> Starlette:
                 await tg.start(pool.run)
                 async with anyio.create_task_group() as runs:  # every workflow run is a task of this group
                     workflows.task_group = runs
+                    await runs.start(sessions.run)  # the sessions' runs, and their expiry
                     # On SIGTERM the lifecycle lets runs finish (the server stops only once it has
                     # drained); at this point only what outlived the drain, or a host that does not
                     # drain (the test client), leaves runs to cancel.
@@ -165,6 +170,13 @@ def create_app(config: Config, registry: Registry | None = None) -> Starlette:
             # :path, because an id may hold '/' (headrace ingest names documents by relative path)
             Route("/v1/collections/{collection}/documents/{document_id:path}", delete_document, methods=["DELETE"]),
             Route("/v1/engines/{engine}", update_engine, methods=["PATCH"]),
+            Route("/v1/sessions", create_session, methods=["POST"]),
+            Route("/v1/sessions/{session_id}", get_session),
+            Route("/v1/sessions/{session_id}", delete_session, methods=["DELETE"]),
+            Route("/v1/sessions/{session_id}/variables", create_variable, methods=["POST"]),
+            Route("/v1/sessions/{session_id}/variables/{variable}", get_variable),
+            Route("/v1/sessions/{session_id}/variables/{variable}", set_variable, methods=["PUT"]),
+            Route("/v1/sessions/{session_id}/calls", create_call, methods=["POST"]),
             Route("/v1/workflows", list_workflows),
             Route("/v1/workflows/{name}/runs", create_run, methods=["POST"]),
             Route("/v1/runs", list_runs),
@@ -180,6 +192,7 @@ def create_app(config: Config, registry: Registry | None = None) -> Starlette:
     )
     app.state.config, app.state.pool, app.state.metrics, app.state.registry = config, pool, metrics_, registry
     app.state.workflows, app.state.lifecycle, app.state.collections = workflows, lifecycle, collections
+    app.state.sessions = sessions
     app.add_middleware(APIKeyMiddleware, api_keys=config.server.keys())
     app.add_middleware(DrainMiddleware, lifecycle=lifecycle)  # outermost: a drain refuses before anything
     return app

@@ -131,6 +131,17 @@ class CollectionsConfig:
         _check(self.ann_index_rows >= 0, "ann_index_rows", f"must be >= 0, got {self.ann_index_rows}")
 
 
+@dataclass(frozen=True)
+class SessionsConfig:
+    """``[sessions]``: the semantic-variable sessions (``/v1/sessions``)."""
+
+    # A session no request has touched for this long is closed, its work cancelled.
+    idle_seconds: float = 600.0
+
+    def __post_init__(self) -> None:
+        _check(self.idle_seconds > 0, "idle_seconds", f"must be > 0, got {self.idle_seconds}")
+
+
 def _check_batching(b: BatchingConfig | BatchingOverride) -> None:
     if b.policy is not None:
         _check(bool(b.policy), "policy", "must not be empty")
@@ -205,6 +216,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     collections: CollectionsConfig = field(default_factory=CollectionsConfig)
+    sessions: SessionsConfig = field(default_factory=SessionsConfig)
     engines: list[EngineConfig] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -318,7 +330,7 @@ def _from_string(tp: Any, text: str) -> Any:
 
 # The sections whose scalar fields env vars and dotted overrides may set.
 _SECTIONS: dict[str, type] = {"server": ServerConfig, "data": DataConfig, "batching": BatchingConfig,
-                              "collections": CollectionsConfig}
+                              "collections": CollectionsConfig, "sessions": SessionsConfig}
 
 
 def _read_file(path: Path) -> dict[str, Any]:

@@ -53,6 +53,9 @@ ENGINE_NAME = {"name": "engine", "in": "path", "required": True, "schema": {"typ
 MODEL_ID = {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
 ASSET = {"name": "file", "in": "path", "required": True, "schema": {"type": "string"},
          "description": "a file of the swagger-ui-bundle package"}
+SESSION_ID = {"name": "session_id", "in": "path", "required": True, "schema": {"type": "string"}}
+VARIABLE = {"name": "variable", "in": "path", "required": True,
+            "schema": {"type": "string", "pattern": s.VARIABLE_NAME}}
 DOCUMENT_ID = {"name": "document_id", "in": "path", "required": True, "schema": {"type": "string"},
                "description": "may hold '/' (an ingested file's relative path)"}
 
@@ -73,11 +76,12 @@ def _op(summary: str, ok: dict[str, dict[str, Any]], body: dict[str, Any] | None
 def document(workflows: Mapping[str, Workflow]) -> dict[str, Any]:
     requests = [s.ChatCompletionRequest, s.CompletionRequest, s.EmbeddingRequest, s.RerankRequest, s.RunRequest,
                 s.CreateCollectionRequest, s.AddDocumentsRequest, s.EngineSettingsRequest, s.TokenizeRequest,
-                s.TokenizeChatRequest, s.DetokenizeRequest]
+                s.TokenizeChatRequest, s.DetokenizeRequest, s.CreateSessionRequest, s.CreateVariableRequest,
+                s.SetVariableRequest, s.SemanticCallRequest]
     responses = [s.ErrorResponse, s.Health, s.Readiness, s.ModelCard, s.ModelList, s.ChatCompletion, s.Completion,
                  s.EmbeddingList, s.RerankResponse, s.WorkflowList, s.RunRecord, s.RunList, s.RunGraph, s.RunTimeline,
                  s.CollectionCard, s.CollectionList, s.DocumentsAdded, s.Deleted, s.EngineSettings, s.Tokenized,
-                 s.Detokenized]
+                 s.Detokenized, s.SessionCard, s.SessionVariable, s.SessionCall]
     _, defs = models_json_schema([(m, "validation") for m in requests + responses], ref_template=REF)
     components = dict(defs.get("$defs", {}))
     text = {"description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}}
@@ -127,6 +131,27 @@ def document(workflows: Mapping[str, Workflow]) -> dict[str, Any]:
         "/v1/engines/{engine}": {"patch": _op(
             "change a live engine's settings: an LLM's scheduling policy, its prefix caching",
             {"200": _json(_ref(s.EngineSettings))}, _ref(s.EngineSettingsRequest), params=[ENGINE_NAME])},
+        "/v1/sessions": {"post": _op("open a semantic-variable session, owned by the caller's API key",
+                                     {"200": _json(_ref(s.SessionCard))}, _ref(s.CreateSessionRequest))},
+        "/v1/sessions/{session_id}": {
+            "get": _op("a session: its variables and calls", {"200": _json(_ref(s.SessionCard))},
+                       params=[SESSION_ID]),
+            "delete": _op("close a session, cancelling its work", {"200": _json(_ref(s.Deleted))},
+                          params=[SESSION_ID]),
+        },
+        "/v1/sessions/{session_id}/variables": {"post": _op(
+            "create a semantic variable (409 if the name is taken)", {"200": _json(_ref(s.SessionVariable))},
+            _ref(s.CreateVariableRequest), params=[SESSION_ID])},
+        "/v1/sessions/{session_id}/variables/{variable}": {
+            "get": _op("a variable's value, waiting until it is ready (408 after timeout; 424 if its producer "
+                       "failed)", {"200": _json(_ref(s.SessionVariable))},
+                       params=[SESSION_ID, VARIABLE, *_query(s.VariableQuery)]),
+            "put": _op("set a variable's content (once; 409 after)", {"200": _json(_ref(s.SessionVariable))},
+                       _ref(s.SetVariableRequest), params=[SESSION_ID, VARIABLE]),
+        },
+        "/v1/sessions/{session_id}/calls": {"post": _op(
+            "submit a semantic call: it runs server-side once its inputs are set", {"200": _json(_ref(s.SessionCall))},
+            _ref(s.SemanticCallRequest), params=[SESSION_ID])},
         "/v1/workflows": {"get": _op("the workflows and their schemas", {"200": _json(_ref(s.WorkflowList))})},
         "/v1/runs": {"get": _op("the caller's own runs, newest first, a page at a time",
                                 {"200": _json(_ref(s.RunList))}, params=_query(s.RunListQuery))},

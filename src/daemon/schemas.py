@@ -264,6 +264,45 @@ class AddDocumentsRequest(Body):
     documents: Annotated[list[CollectionDocument], Field(min_length=1, max_length=1000)]
 
 
+# Semantic-variable sessions (Parrot) ------------------------------------------------------
+
+VARIABLE_NAME = r"^[A-Za-z_][A-Za-z0-9_]{0,63}$"  # what a {{input:x}} / {{output:y}} placeholder can name
+CALL_MAX_TOKENS = 128  # an output's default length
+VariableName = Annotated[str, Field(pattern=VARIABLE_NAME)]
+
+
+class CreateSessionRequest(Body):
+    """A new session (no settings yet: the body may be empty); it expires after sessions.idle_seconds idle."""
+
+
+class CreateVariableRequest(Body):
+    name: VariableName = Field(description="letters, digits and '_', not starting with a digit")
+    value: str | None = Field(None, description="its content now; else set it later (once) with PUT, or bind it "
+                                                "as a call's output")
+
+
+class SetVariableRequest(Body):
+    value: str = Field(description="the variable's content; a variable is set once")
+
+
+class OutputSampling(Body):
+    max_tokens: MaxTokens = Field(CALL_MAX_TOKENS, description="tokens this output may generate")
+    temperature: Annotated[float, Field(ge=0, le=2)] = Field(0.0, description="0 (the default) means greedy")
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
+    stop: Annotated[list[NonEmptyStr], Field(max_length=4)] = Field([], description="at most 4 stop strings")
+
+
+class SemanticCallRequest(Body):
+    template: NonEmptyStr = Field(description="a prompt with {{input:x}} and {{output:y}} placeholders anywhere; "
+                                              "each output is generated from the text before it, earlier outputs "
+                                              "filled in")
+    outputs: dict[VariableName, OutputSampling] = Field(
+        {}, description="sampling per output variable; an output not named here gets the defaults")
+    model: NonEmptyStr | None = Field(None, description="an LLM engine; default: the first ready one")
+    system: str | None = Field(None, description="a system message framing every output's prompt")
+
+
 Sampling.model_rebuild()
 ChatCompletionRequest.model_rebuild()
 CompletionRequest.model_rebuild()
@@ -515,3 +554,42 @@ class RunTimeline(BaseModel):
     seconds: float
     nodes: list[dict[str, Any]]
     engines: list[dict[str, Any]]
+
+
+class VariableQuery(Query):
+    criteria: Literal["latency", "throughput"] | None = Field(
+        None, description="what the client waits for: latency marks the variable's producer (and the calls "
+                          "right before it) latency-critical; throughput lets its producers batch")
+    timeout: Annotated[float, Field(ge=0, le=600)] = Field(60.0, description="seconds to wait for the value; "
+                                                                             "then 408")
+
+
+class SessionVariable(BaseModel):
+    object: Literal["session.variable"]
+    name: str
+    state: Literal["pending", "ready", "failed"]
+    value: str | None = Field(description="the content, once ready")
+    error: str | None = Field(description="why its producer failed")
+    producer: str | None = Field(description="the call that writes it; null: the client sets it")
+    criteria: Literal["latency", "throughput"] | None
+
+
+class SessionCall(BaseModel):
+    id: str
+    object: Literal["session.call"]
+    status: Literal["waiting", "running", "succeeded", "failed", "cancelled"]
+    inputs: list[str]
+    outputs: list[str]
+    objective: Literal["latency", "throughput"] = Field(description="the deduced objective its primitives are "
+                                                                    "scheduled for, as of now")
+    error: str | None
+    created: int
+
+
+class SessionCard(BaseModel):
+    id: str
+    object: Literal["session"]
+    created: int
+    idle_seconds: float = Field(description="closed after this long with no request on it")
+    variables: list[SessionVariable]
+    calls: list[SessionCall]

@@ -9,6 +9,12 @@ aggregate waits for every piece of that key. A condition picks a branch; the
 nodes of the other branches are never dispatched (their outputs take their
 defaults). Cancelling the run cancels everything in flight and frees its KV
 contexts.
+
+A growing run (a session's semantic calls) has no fixed graph: whoever grows it
+adds nodes to its graph and sends their ids down the run's ``Growth``; each set
+runs as its own scope as soon as it arrives, reading the values other sets
+produce from the one store they share. A set that fails leaves ``Failed`` in
+its unset outputs, so the sets that read them fail too rather than wait.
 """
 
 from __future__ import annotations
@@ -18,16 +24,18 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, MutableMapping
 
 import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream
 
+from headrace.batching.meta import Objective
 from headrace.batching.protocols import ResolvedEngine
 from headrace.batching.requests import VectorDrop
 from headrace.graph.graph import Graph, Node, Op
 from headrace.graph.objectives import objectives, task_groups
 from headrace.graph.ops import NodeError, OpContext, aggregate, run_op
-from headrace.graph.store import Store
+from headrace.graph.store import Failed, Store
 
 Emit = Callable[[dict[str, Any]], None]
 log = logging.getLogger(__name__)
@@ -57,6 +65,18 @@ class NodeRecord:
 
 
 @dataclass
+class Growth:
+    """What a growing run shares with whoever grows its graph (a session)."""
+
+    additions: MemoryObjectReceiveStream[frozenset[str]]  # node sets added to the graph, in order; closed: no more
+    store: Store  # the run's store: the grower sets and reads variables in it too
+    # Kept current by the grower as the graph and what its outputs are awaited for change; a
+    # primitive's scheduler sees the values as of its submission.
+    objectives: MutableMapping[str, Objective] = field(default_factory=dict)
+    task_groups: MutableMapping[str, str] = field(default_factory=dict)
+
+
+@dataclass
 class Run:
     workflow: str
     graph: Graph
@@ -81,6 +101,7 @@ class Run:
     applied: list[tuple[str, list[str]]] = field(default_factory=list)  # what each pass changed
     isolate: bool = False  # one engine at a time: each node's duration is its batched compute alone
     owner: str | None = None  # the principal (API key digest) that created it; None: no auth
+    growth: Growth | None = None  # set: a growing run, whose node sets arrive while it runs
 
 
 def _output_deltas(run: Run) -> Callable[[Node, tuple, Any], Awaitable[None]]:
@@ -104,18 +125,25 @@ class Executor:
 
     async def execute(self, run: Run) -> Any:
         """Run to completion; sets the run's status, result or error. Cancellation propagates."""
-        graph = run.graph
-        store = Store(run.inputs, declares={v for n in graph.nodes.values() for v in n.outputs})
+        graph, growth = run.graph, run.growth
+        if growth is None:
+            store = Store(run.inputs, declares={v for n in graph.nodes.values() for v in n.outputs})
+            deduced, groups = objectives(graph, run.outputs), task_groups(graph)
+        else:
+            store, deduced, groups = growth.store, growth.objectives, growth.task_groups
         ctx = OpContext(run.id, self.resolve, on_delta=run.on_delta or _output_deltas(run), policy=run.policy,
                         alone=EngineTurns() if run.isolate else None, arrival=run.arrival,
                         deadline=None if run.slo_seconds is None else run.arrival + run.slo_seconds,
-                        objectives=objectives(graph, run.outputs), task_groups=task_groups(graph))
+                        objectives=deduced, task_groups=groups)
         run.status, run.started = "running", time.monotonic()
         run.emit({"event": "run.started", "run": run.id, "workflow": run.workflow})
         try:
             with run.cancel_scope:
-                top = {n for n, node in graph.nodes.items() if node.region is None}
-                await self._run_set(run, top, store, ctx, ())
+                if growth is None:
+                    top = {n for n, node in graph.nodes.items() if node.region is None}
+                    await self._run_set(run, top, store, ctx, ())
+                else:
+                    await self._grow(run, growth, ctx)
                 run.result = {var: store.peek(var) for var in run.outputs}
                 run.status = "succeeded"
             if run.status != "succeeded":
@@ -155,6 +183,24 @@ class Executor:
             except Exception:  # the run's result stands; a leftover table is only disk
                 log.exception("run %s: could not drop its collection %r on %s", run.id, collection, engine)
         ctx.collections.clear()
+
+    async def _grow(self, run: Run, growth: Growth, ctx: OpContext) -> None:
+        """Run each node set added to a growing run as its own scope, until no more can come."""
+        async with anyio.create_task_group() as tg, growth.additions:
+            async for members in growth.additions:
+                tg.start_soon(self._run_added, run, members, growth.store, ctx)
+
+    async def _run_added(self, run: Run, members: frozenset[str], store: Store, ctx: OpContext) -> None:
+        """One added set; its failure is its own: its unset outputs become ``Failed``, the run goes on."""
+        try:
+            await self._run_set(run, set(members), store, ctx, ())
+        except Exception as exc:
+            cause = first_error(exc)
+            failure = Failed(str(cause) if isinstance(cause, NodeError) else f"{type(cause).__name__}: {cause}")
+            for node_id in members:
+                for var in run.graph.nodes[node_id].outputs:
+                    if not store.has(var):
+                        store.set(var, failure)
 
     async def _run_set(self, run: Run, members: set[str], store: Store, ctx: OpContext, key: tuple) -> None:
         """Dispatch ``members`` (one scope: the run, or one piece of a region) by in-degree."""
@@ -202,6 +248,9 @@ class Executor:
                 scope = {var: await store.get(var) for var in node.inputs}
                 for var in node.params.get("reads", ()):
                     scope[var] = await store.get(var)
+                for var, value in scope.items():
+                    if isinstance(value, Failed):
+                        raise NodeError(f"node {node.id!r}: its input {var!r} failed: {value.error}")
                 if any(m.region == node.id for m in run.graph.nodes.values()):
                     outputs = await self._map(run, node, record, scope, store, ctx, key)
                 else:

@@ -35,6 +35,36 @@ def objectives(graph: Graph, outputs: Iterable[str] = ()) -> dict[str, Objective
     return {n: "latency" if n in critical else "throughput" for n in graph.nodes}
 
 
+def awaited_objectives(graph: Graph, latency: Iterable[str], throughput: Iterable[str]) -> dict[str, Objective]:
+    """Each node's objective from how a client awaits variables (a session's ``criteria``, Parrot §5.2).
+
+    Variables awaited for latency are the outputs ``objectives`` deduces from. With none, the
+    graph's sinks are (as for a template run), except that every primitive a variable awaited
+    for throughput depends on, directly or not, is throughput-preferred.
+    """
+    latency = [v for v in latency if graph.producer(v) is not None]
+    if latency:
+        return objectives(graph, latency)
+    deduced = objectives(graph)
+    for var in throughput:
+        producer = graph.producer(var)
+        if producer is not None:
+            for node in _ancestors(graph, producer) | {producer}:
+                deduced[node] = "throughput"
+    return deduced
+
+
+def _ancestors(graph: Graph, node_id: str) -> set[str]:
+    seen: set[str] = set()
+    stack = [node_id]
+    while stack:
+        for parent in graph.parents(stack.pop()):
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return seen
+
+
 def task_groups(graph: Graph) -> dict[str, str]:
     """The task group of each engine primitive that has one.
 

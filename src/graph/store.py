@@ -8,9 +8,17 @@ overlays one piece's values on the run's store.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The value of a variable whose producer failed: its readers fail with ``error`` instead of waiting forever."""
+
+    error: str
 
 
 class Store:

@@ -196,3 +196,28 @@ async def test_client_chaining_summaries(server):
     assert prompts[n].startswith(summary.REDUCE_HEAD) and f"Part {n}: " in prompts[n]
     assert prompts[n + 1] == PromptTemplate(summary.FIRST).render({"chunk": chunks[0]})
     assert prompts[n + 2].startswith("Here is a summary of a document so far")
+
+
+def test_semantic_calls_render_the_workflows_prompts():
+    from headrace.bench.baselines.semantic import renamed
+
+    text = "Water flows down the headrace."
+    names = {"chunk": "chunk_3", "summary": "map_3"}
+    assert PromptTemplate(renamed(summary.MAP, names)).render({"chunk_3": text}) == \
+        PromptTemplate(summary.MAP).render({"chunk": text})
+    names = {"previous": "step_1", "chunk": "chunk_2", "summary": "step_2"}
+    update = PromptTemplate(renamed(summary.UPDATE, names))
+    assert update.inputs == ("step_1", "chunk_2") and update.output == "step_2"
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_semantic_calls_summaries(server):
+    from headrace.bench.baselines.semantic import SemanticCalls
+
+    config = {"chunk_size": 128, "max_tokens": 8}
+    async with SemanticCalls(server.base_url, API_KEY, LLM) as semantic:
+        mr = await semantic.run("map_reduce_summary", {"document": DOCUMENT}, config)
+        ch = await semantic.run("chain_summary", {"document": DOCUMENT}, config)
+    assert isinstance(mr["summary"], str) and mr["summary"].strip()
+    assert isinstance(ch["summary"], str) and ch["summary"].strip()

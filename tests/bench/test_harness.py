@@ -120,3 +120,16 @@ def test_llm_policy_modes_load_from_capacity_and_the_chat_phase(server, tmp_path
     settings = httpx.patch(f"{server.base_url}/v1/engines/smollm2", json={},
                            headers={"Authorization": f"Bearer {API_KEY}"}).json()
     assert settings["llm_policy"] == "fifo" and settings["prefix_caching"] is True  # the daemon's own, restored
+
+
+def test_the_summaries_run_as_semantic_calls_against_client_chaining(server, tmp_path):
+    code = main(["bench", "chain_summary", "map_reduce_summary", "--modes", "chaining", "semantic", *TINY,
+                 "--url", server.base_url, "--api-key", API_KEY, "--out", str(tmp_path)])
+    assert code == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    for name in ("chain_summary", "map_reduce_summary"):
+        modes = results["workloads"][name]["single"]["modes"]
+        assert set(modes) == {"chaining", "semantic"}
+        assert modes["semantic"]["speedup_vs_chaining"] > 0
+        runs = results["workloads"][name]["single"]["runs"]
+        assert all(r["answer"].strip() for r in runs if r["mode"] == "semantic")

@@ -542,3 +542,43 @@ def test_dot_labels_break_lines_as_graphviz_reads_them():
     assert "\\\\n" not in dot
     assert dot.startswith('digraph "say \\"hi\\"" {')
     assert '"prefill" -> "decode" [label="ctx", style=solid];' in dot
+
+
+# growing runs (a session's calls) ----------------------------------------------------
+
+
+async def test_a_growing_run_runs_each_added_set_as_it_arrives_and_isolates_failures():
+    from headrace.graph.executor import Growth
+    from headrace.graph.store import Failed
+
+    g = Graph("session")
+    send, receive = anyio.create_memory_object_stream[frozenset[str]](8)
+    store = Store(declares={"x", "y", "z", "bad", "after_bad"})
+    run = Run(workflow="session", graph=g, inputs={}, outputs=(), growth=Growth(receive, store))
+
+    def add(*nodes: Node) -> frozenset[str]:
+        for node in nodes:
+            g.add(node)
+        g.rewire()
+        return frozenset(n.id for n in nodes)
+
+    executor = Executor(no_engines)
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(executor.execute, run)
+            # Added before its input's producer: it waits on the shared store, not on its own set.
+            await send.send(add(fn("double", ["y"], ["z"], lambda y: y * 2)))
+            await send.send(add(fn("inc", ["x"], ["y"], lambda x: x + 1)))
+            await send.send(add(fn("explode", ["x"], ["bad"], boom)))
+            await send.send(add(fn("reader", ["bad"], ["after_bad"], lambda b: b)))
+            store.set("x", 20)
+            assert await store.get("z") == 42
+            failed = await store.get("after_bad")
+            assert isinstance(failed, Failed) and "'bad' failed" in failed.error and "boom" in failed.error
+            assert isinstance(store.peek("bad"), Failed)
+            assert run.status == "running"  # one set's failure is not the run's
+            await send.send(add(fn("late", ["z"], ["w"], lambda z: z + 1)))
+            await send.aclose()  # nothing more can come: the run ends once the sets in flight do
+    assert run.status == "succeeded"
+    assert {r.node: r.state for r in run.records} == {"double": "done", "inc": "done", "explode": "failed",
+                                                       "reader": "failed", "late": "done"}

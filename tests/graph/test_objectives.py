@@ -152,3 +152,24 @@ async def test_the_executor_hands_each_request_its_primitive_meta():
         assert (meta.run, meta.node, meta.depth) == (run.id, "embed", g.nodes["embed"].depth)
         assert meta.task_group == task_groups(g)["embed"] and meta.objective == objectives(g, ["n"])["embed"]
         assert meta.arrival == run.arrival and meta.deadline == run.arrival + 5.0 and meta.policy == "topology"
+
+
+def test_variables_awaited_for_latency_or_throughput_set_a_sessions_objectives():
+    from headrace.graph.objectives import awaited_objectives
+
+    g = Graph("session")
+    llm_call(g, "first", ("doc",), "summary")
+    llm_call(g, "second", ("summary",), "title")
+    llm_call(g, "third", ("title",), "question")
+    llm_call(g, "side", ("doc",), "keywords")
+    finish(g)
+    critical = lambda d: {n for n, o in d.items() if o == "latency"}  # noqa: E731
+    # Awaited for latency: its producer and the call right before it (Parrot §5.2), nothing else.
+    assert critical(awaited_objectives(g, ["question"], ["keywords"])) == {
+        "second.prefill", "second", "third.prefill", "third"}
+    # None awaited for latency: the sinks are, except what a throughput variable depends on.
+    assert critical(awaited_objectives(g, [], ["keywords"])) == critical(awaited_objectives(g, [], [])) - {
+        "side.prefill", "side"}
+    assert {"side", "third"} <= critical(awaited_objectives(g, [], []))
+    # A variable no call produces (the client sets it) changes nothing.
+    assert awaited_objectives(g, ["doc"], []) == awaited_objectives(g, [], [])
