@@ -116,7 +116,8 @@ def create_app(config: Config, registry: Registry | None = None) -> Starlette:
     collections = CollectionRegistry(config.data.data_path())
     workflows = WorkflowService(registry.workflows, registry.passes, pool.resolve, pool.engines_by_kind,
                                 pool.max_efficient_batch, policies=[*registry.batch_policies, *registry.llm_policies],
-                                collections=collections.lookup, observer=metrics_)
+                                collections=collections.lookup, observer=metrics_,
+                                calls=Preloader(pool, metrics_, config.residency))
     metrics_.watch_optimizer(workflows.optimizer.stats)
 
     lifecycle = Lifecycle(pool, workflows, config.server.drain_seconds)
