@@ -39,7 +39,7 @@ async def engines(config: Config, only: set[str] | None = None) -> AsyncIterator
     service = WorkflowService(registry.workflows, registry.passes, pool.resolve, pool.engines_by_kind,
                               pool.max_efficient_batch, policies=[*registry.batch_policies, *registry.llm_policies],
                               collections=collections.lookup, observer=pool.metrics,
-                              calls=Preloader(pool, pool.metrics, config.residency))
+                              calls=Preloader(pool, pool.metrics, config.residency, registry.workflows))
     async with anyio.create_task_group() as tg:
         await tg.start(pool.run)
         while not pool.ready:

@@ -12,6 +12,7 @@ next state against the one that came, counted per workflow in ``/metrics``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterable
 
 from headrace.daemon.config import ResidencyConfig
 from headrace.daemon.metrics import Metrics
@@ -27,13 +28,17 @@ class _RunCalls:
 
 
 class Preloader:
-    def __init__(self, pool: EnginePool, metrics: Metrics, config: ResidencyConfig) -> None:
+    def __init__(self, pool: EnginePool, metrics: Metrics, config: ResidencyConfig,
+                 workflows: Iterable[str] = ()) -> None:
         self.pool = pool
         self.metrics = metrics
         self.model = MarkovModel()
         self.min_probability = config.preload_min_probability
         self.enabled = config.preload and config.budget_bytes > 0
         self._runs: dict[str, _RunCalls] = {}
+        for workflow in workflows:  # exposed at 0 from the start
+            metrics.markov_predictions.labels(workflow)
+            metrics.markov_predictions_correct.labels(workflow)
 
     def run_started(self, run: str, workflow: str) -> None:
         calls = self._runs[run] = _RunCalls(workflow)
