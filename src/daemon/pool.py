@@ -75,7 +75,7 @@ class ResidencyEvent:
     at: float
     engine: str
     event: Literal["loaded", "unloaded"]
-    reason: str  # loaded: startup | demand | preload; unloaded: evicted | shutdown
+    reason: str  # loaded: startup | demand | preload; unloaded: evicted | released (``unload_idle``)
     resident_bytes: int  # the loaded engines' footprints together, right after it
 
 
@@ -471,6 +471,15 @@ class EnginePool:
             self._fail(slot, f"its preload failed: {type(exc).__name__}: {exc}", exc)
         finally:
             slot.preloading = False
+
+    async def unload_idle(self) -> list[str]:
+        """Unload every evictable engine that has nothing in flight (the load-per-request baseline of the
+        residency benchmark); returns their names."""
+        async with self._residency_lock:
+            idle = [s for s in self.slots.values() if not s.pinned and s.residency == "resident" and self._idle(s)]
+            for slot in idle:
+                await self._unload(slot, "released")
+        return [s.name for s in idle]
 
     async def _fill_budget(self) -> None:
         """After startup measured every engine (each unmeasured one loaded with the evictable engines
