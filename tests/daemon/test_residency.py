@@ -7,6 +7,7 @@ about 87 MiB. The budgets below are chosen against those: each test checks the s
 
 from __future__ import annotations
 
+import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -161,3 +162,32 @@ async def test_preloading_loads_the_llm_while_the_run_is_still_retrieving(tmp_pa
         assert metric_value(text, "headrace_preloads_total", engine=llm) == 1
         assert metric_value(text, "headrace_preload_hits_total", engine=llm) == 1
         assert metric_value(text, "headrace_markov_predictions_correct_total", workflow="naive_rag") >= 1
+
+
+def test_models_show_residency_and_a_request_to_an_unloaded_model_waits_for_it(tmp_path):
+    from starlette.testclient import TestClient
+
+    from headrace.daemon.app import create_app
+
+    # 360 MiB: one LLM at a time beside the pinned embedder (87 + 131 fits, 87 + 257 too, not all three).
+    app = create_app(config(tmp_path, 360, pinned=["minilm"]))
+    with TestClient(app) as client:
+        deadline = time.monotonic() + 300
+        while client.get("/ready").status_code != 200:  # the engines load in the background
+            assert time.monotonic() < deadline, "not ready in 300 s"
+            time.sleep(0.2)
+        cards = {card["id"]: card["residency"] for card in client.get("/v1/models").json()["data"]}
+        assert cards["minilm"]["state"] == "resident" and cards["minilm"]["pinned"] is True
+        assert {cards["smol-torch"]["state"], cards["smol-llama"]["state"]} == {"resident", "unloaded"}
+        cold = "smol-torch" if cards["smol-torch"]["state"] == "unloaded" else "smol-llama"
+        assert cards[cold]["footprint_source"] == "engine" and cards[cold]["footprint_bytes"] > 100 * MiB
+        r = client.post("/v1/chat/completions", json={"model": cold, "max_tokens": 3, "temperature": 0,
+                                                       "messages": [{"role": "user", "content": "Hi"}]})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"]
+        cards = {card["id"]: card["residency"] for card in client.get("/v1/models").json()["data"]}
+        assert cards[cold]["state"] == "resident" and cards[cold]["loads"] == 2  # measured at startup, then this
+        metrics = client.get("/metrics").text
+        assert metric_value(metrics, "headrace_engine_loads_total", engine=cold, reason="demand") == 1
+        assert metric_value(metrics, "headrace_engine_load_wait_seconds_count", engine=cold) >= 1
+        assert metric_value(metrics, "headrace_resident_bytes") <= 360 * MiB
