@@ -129,6 +129,33 @@ async def test_a_queued_request_survives_its_engines_eviction(tmp_path):
         assert events(pool, mark)[-1] == ("minilm", "loaded", "demand")  # reloaded for the queued request
 
 
+async def test_a_preload_never_evicts_an_engine_a_queued_request_needs(tmp_path):
+    # 400 MiB as in the LRU test: smol-torch and the embedder loaded; the embedder's request waits 20 s
+    # to fill its batch: queued, nothing in flight, and the least recently used engine.
+    async with pool_of(config(tmp_path, 400, pinned=[], embed_wait_ms=20000)) as (pool, _):
+        assert resident(pool) == {"smol-torch", "minilm"}
+        await generate(pool, "smol-torch")
+        expected = await pool.resolve("minilm").engine.embed(DOCS)
+        mark = len(pool.history)
+        result: list[torch.Tensor] = []
+
+        async def queued_embed() -> None:
+            result.append(await embed(pool, DOCS))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(queued_embed)
+            await anyio.sleep(0.3)
+            assert pool.slots["minilm"].scheduler.waiting == 1
+            assert pool.preload(["smol-llama"]) == ["smol-llama"]
+            with anyio.fail_after(120):
+                while pool.slots["smol-llama"].residency != "resident":
+                    await anyio.sleep(0.05)
+            # Room came from smol-torch, used more recently but needed by nobody; the embedder stayed.
+            assert events(pool, mark) == [("smol-torch", "unloaded", "evicted"), ("smol-llama", "loaded", "preload")]
+            assert "minilm" in resident(pool)
+        assert torch.allclose(result[0], expected)
+
+
 async def test_a_model_that_does_not_fit_beside_the_pinned_ones_is_refused(tmp_path):
     # 300 MiB: smol-torch (257) would fit alone, not beside the pinned embedder (87), loaded first.
     cfg = config(tmp_path, 300, pinned=["minilm"])
