@@ -64,7 +64,7 @@ LOAD_PROGRESS_EVERY = 5.0
 ROOM_RECHECK_SECONDS = 0.5
 RESIDENCY_HISTORY = 1000  # residency events kept for /v1/models readers and tests
 
-Residency = Literal["unloaded", "loading", "resident", "unloading"]
+ResidencyState = Literal["unloaded", "loading", "resident", "unloading"]
 LoadReason = Literal["startup", "demand", "preload"]
 
 
@@ -111,7 +111,7 @@ class EngineSlot:
     restarting: str | None = None  # the scheduler loop's last crash, while it waits to restart
     # Residency (``state`` stays "ready" while an engine that loaded once is unloaded: requests wait for it).
     pinned: bool = True  # never unloaded (no budget, configured so, or the engine cannot unload)
-    residency: Residency = "unloaded"
+    residency: ResidencyState = "unloaded"
     footprint: int | None = None  # bytes, measured at its last load; None before the first
     footprint_source: Literal["engine", "rss"] | None = None
     holders: int = 0  # batches or LLM requests running on it now
