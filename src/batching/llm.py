@@ -29,6 +29,7 @@ import torch
 from headrace.batching.llm_policies import FifoLLMPolicy, LLMPolicy, priority
 from headrace.batching.meta import PrimitiveMeta
 from headrace.batching.observer import NullObserver, SchedulerObserver
+from headrace.batching.residency import AlwaysResident, Residency
 from headrace.plugins.protocols import LLMEngine, SamplingParams, TokenDelta
 
 
@@ -86,8 +87,12 @@ class PriorityGate:
 
 class LLMScheduler:
     def __init__(self, engine: LLMEngine, *, max_running: int, observer: SchedulerObserver | None = None,
-                 policy: LLMPolicy | None = None, policies: Mapping[str, LLMPolicy] | None = None) -> None:
+                 policy: LLMPolicy | None = None, policies: Mapping[str, LLMPolicy] | None = None,
+                 residency: Residency | None = None) -> None:
         self.engine = engine
+        # Keeps the engine loaded while an admitted request runs (the daemon's memory budget may unload it
+        # when nothing runs and no context is live: see ``contexts``).
+        self.residency = residency or AlwaysResident()
         self.name = engine.name
         self.policy: LLMPolicy = policy or FifoLLMPolicy()
         # Policies a run may name for its own requests (``PrimitiveMeta.policy``).
@@ -116,9 +121,10 @@ class LLMScheduler:
     async def _admitted(self, arrival: float, rank: int):
         self._observer.queued(self.name)
         await self._slots.acquire(rank)
-        self._observer.started(self.name, time.monotonic() - arrival)
         try:
-            yield
+            async with self.residency.hold():
+                self._observer.started(self.name, time.monotonic() - arrival)
+                yield
         finally:
             self._slots.release()
 
@@ -129,7 +135,8 @@ class LLMScheduler:
         rank = self.priority(meta, arrival)
         async with self._admitted(arrival, rank):
             await self.engine.prefill(ctx, tokens, parent, priority=rank)
-        self.contexts[ctx] = ContextState(arrival, len(tokens), meta)
+            # Recorded before the engine is let go: a live context keeps it loaded until freed.
+            self.contexts[ctx] = ContextState(arrival, len(tokens), meta)
 
     async def decode(self, ctx: str, params: SamplingParams,
                      meta: PrimitiveMeta | None = None) -> AsyncIterator[TokenDelta]:

@@ -27,6 +27,7 @@ from headrace.batching.meta import PrimitiveMeta
 from headrace.batching.observer import NullObserver, SchedulerObserver
 from headrace.batching.policies import BatchPolicy, run_of
 from headrace.batching.queue import Pending
+from headrace.batching.residency import AlwaysResident, EngineUnavailable, Residency
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,11 @@ class BatchScheduler:
         max_wait_ms: float,
         observer: SchedulerObserver | None = None,
         policies: Mapping[str, BatchPolicy] | None = None,
+        residency: Residency | None = None,
     ) -> None:
+        # Keeps the engine loaded while a batch runs; under a memory budget it may be unloaded between
+        # batches, and the queue waits here for its reload.
+        self.residency = residency or AlwaysResident()
         # Policies a request may ask for by name (a run's override of the engine's policy).
         self.policies = dict(policies or {})
         self.name = name
@@ -89,22 +94,35 @@ class BatchScheduler:
             await self._fill()
             if not self._queue:  # everyone waiting left inside the max_wait window
                 continue
-            batch = self._select()
-            for item in batch:
-                self._queue.remove(item)
-            self.busy_since = time.monotonic()
             try:
-                await self._run_batch(batch, first_try=True)
-            except BaseException:
-                # The loop is stopping (cancelled, or a bug its supervisor restarts it from):
-                # these requests left the queue, so nobody else would ever answer them.
-                for item in batch:
-                    if not item.done.is_set():
-                        item.resolve(error=RuntimeError(f"engine {self.name!r}: its scheduler stopped "
-                                                        "while running the request"))
-                raise
-            finally:
-                self.busy_since = None
+                # The batch is picked once the engine is loaded: what arrives during a load joins it.
+                async with self.residency.hold():
+                    await self._run_next()
+            except EngineUnavailable as exc:  # what waits for it gets the error; later requests try again
+                log.error("scheduler %s: %s", self.name, exc)
+                failed, self._queue = self._queue, []
+                for item in failed:
+                    item.resolve(error=exc)
+
+    async def _run_next(self) -> None:
+        if not self._queue:  # everyone waiting left during the load
+            return
+        batch = self._select()
+        for item in batch:
+            self._queue.remove(item)
+        self.busy_since = time.monotonic()
+        try:
+            await self._run_batch(batch, first_try=True)
+        except BaseException:
+            # The loop is stopping (cancelled, or a bug its supervisor restarts it from):
+            # these requests left the queue, so nobody else would ever answer them.
+            for item in batch:
+                if not item.done.is_set():
+                    item.resolve(error=RuntimeError(f"engine {self.name!r}: its scheduler stopped "
+                                                    "while running the request"))
+            raise
+        finally:
+            self.busy_since = None
 
     async def _fill(self) -> None:
         """Wait for a request, then up to max_wait past the oldest's arrival for a full batch.

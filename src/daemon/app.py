@@ -21,6 +21,7 @@ from headrace.daemon.lifecycle import DrainMiddleware, Lifecycle
 from headrace.daemon.metrics import Metrics
 from headrace.daemon.openapi import openapi_json
 from headrace.daemon.pool import EnginePool
+from headrace.daemon.preload import Preloader
 from headrace.daemon.docs import docs_asset, docs_page
 from headrace.daemon.routes_openai import chat_completions, completions, get_model, list_models
 from headrace.daemon.routes_tokenize import detokenize, tokenize
@@ -119,7 +120,8 @@ def create_app(config: Config, registry: Registry | None = None) -> Starlette:
     collections = CollectionRegistry(config.data.data_path())
     workflows = WorkflowService(registry.workflows, registry.passes, pool.resolve, pool.engines_by_kind,
                                 pool.max_efficient_batch, policies=[*registry.batch_policies, *registry.llm_policies],
-                                collections=collections.lookup, observer=metrics_)
+                                collections=collections.lookup, observer=metrics_,
+                                calls=Preloader(pool, metrics_, config.residency, registry.workflows))
     metrics_.watch_optimizer(workflows.optimizer.stats)
     sessions = SessionManager(workflows.executor, pool.resolve, pool.engines_by_kind, config.sessions.idle_seconds)
 

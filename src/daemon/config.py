@@ -5,7 +5,7 @@ each ``[[engines]]`` entry is an ``EngineConfig``, ...). ``load_config`` layers 
 sources, highest first: overrides (CLI flags) > ``HEADRACE_*`` env > file > defaults.
 
 Environment variables are ``HEADRACE_<SECTION>_<FIELD>`` for the scalar fields of
-``server``, ``data``, ``batching`` and ``collections`` (``HEADRACE_SERVER_PORT``, ``HEADRACE_DATA_DIR``,
+``server``, ``data``, ``batching``, ``collections`` and ``residency`` (``HEADRACE_SERVER_PORT``, ``HEADRACE_DATA_DIR``,
 ``HEADRACE_DATA_CACHE_DIR``, ``HEADRACE_BATCHING_MAX_WAIT_MS``...) and for lists of
 scalars, comma-separated (``HEADRACE_SERVER_API_KEYS=key1,key2``). ``HEADRACE_API_KEY``
 is a short alias for ``server.api_key``; when both are set, the full name
@@ -191,6 +191,33 @@ class BatchingOverride:
 
 
 @dataclass(frozen=True)
+class ResidencyConfig:
+    """``[residency]``: which engines are loaded, under a memory budget for the device.
+
+    With a budget, an engine that is not loaded loads when a request needs it, first unloading the
+    least recently used evictable engines that have nothing in flight until it fits; and each
+    workflow's learned call sequence (a first-order Markov model) loads the engines its runs are
+    likely to call next ahead of the call.
+    """
+
+    # Bytes the loaded engines may hold together (CPU RAM here, GPU memory on a GPU), by each engine's
+    # measured footprint; 0: no budget, every engine stays loaded.
+    budget_bytes: int = 0
+    pinned: list[str] = field(default_factory=list)  # engines never unloaded (those that cannot unload never are)
+    preload: bool = True  # Markov preloading of the predicted next engines (with a budget)
+    # A predicted next engine is preloaded when at least this share of the workflow's past calls went to it.
+    preload_min_probability: float = 0.3
+    # How long a request may wait for room (engines in flight to finish) before its load fails.
+    load_wait_seconds: float = 300.0
+
+    def __post_init__(self) -> None:
+        _check(self.budget_bytes >= 0, "budget_bytes", f"must be >= 0, got {self.budget_bytes}")
+        _check(0 < self.preload_min_probability <= 1, "preload_min_probability",
+               f"must be in (0, 1], got {self.preload_min_probability}")
+        _check(self.load_wait_seconds > 0, "load_wait_seconds", f"must be > 0, got {self.load_wait_seconds}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """One ``[[engines]]`` entry: a named model or tool served by an engine plugin."""
 
@@ -217,6 +244,7 @@ class Config:
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     collections: CollectionsConfig = field(default_factory=CollectionsConfig)
     sessions: SessionsConfig = field(default_factory=SessionsConfig)
+    residency: ResidencyConfig = field(default_factory=ResidencyConfig)
     engines: list[EngineConfig] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -224,6 +252,8 @@ class Config:
         for i, engine in enumerate(self.engines):
             _check(engine.name not in seen, f"engines[{i}].name", f"duplicate engine name {engine.name!r}")
             seen.add(engine.name)
+        for i, name in enumerate(self.residency.pinned):
+            _check(name in seen, f"residency.pinned[{i}]", f"no engine named {name!r} is configured")
 
     def engine(self, name: str) -> EngineConfig:
         for engine in self.engines:
@@ -330,7 +360,8 @@ def _from_string(tp: Any, text: str) -> Any:
 
 # The sections whose scalar fields env vars and dotted overrides may set.
 _SECTIONS: dict[str, type] = {"server": ServerConfig, "data": DataConfig, "batching": BatchingConfig,
-                              "collections": CollectionsConfig, "sessions": SessionsConfig}
+                              "collections": CollectionsConfig, "sessions": SessionsConfig,
+                              "residency": ResidencyConfig}
 
 
 def _read_file(path: Path) -> dict[str, Any]:

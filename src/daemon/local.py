@@ -7,6 +7,7 @@ import json
 import re
 import time
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -17,6 +18,7 @@ from headrace.daemon.collections import CollectionRegistry
 from headrace.daemon.config import Config, ConfigError
 from headrace.daemon.metrics import Metrics
 from headrace.daemon.pool import EnginePool
+from headrace.daemon.preload import Preloader
 from headrace.graph.service import UnknownWorkflow, WorkflowService, timeline
 from headrace.graph.workflow import WorkflowInputError
 from headrace.plugins.manager import collect
@@ -28,13 +30,16 @@ async def engines(config: Config, only: set[str] | None = None) -> AsyncIterator
     """The config's engines loaded in this process, with a workflow service over them."""
     registry = collect()
     if only is not None:
+        pinned = [name for name in config.residency.pinned if name in only]
         config = Config(server=config.server, data=config.data, batching=config.batching,
-                        collections=config.collections, engines=[e for e in config.engines if e.name in only])
+                        collections=config.collections, residency=replace(config.residency, pinned=pinned),
+                        engines=[e for e in config.engines if e.name in only])
     pool = EnginePool(config, registry, Metrics())
     collections = CollectionRegistry(config.data.data_path())  # `headrace run` may search a collection too
     service = WorkflowService(registry.workflows, registry.passes, pool.resolve, pool.engines_by_kind,
                               pool.max_efficient_batch, policies=[*registry.batch_policies, *registry.llm_policies],
-                              collections=collections.lookup, observer=pool.metrics)
+                              collections=collections.lookup, observer=pool.metrics,
+                              calls=Preloader(pool, pool.metrics, config.residency, registry.workflows))
     async with anyio.create_task_group() as tg:
         await tg.start(pool.run)
         while not pool.ready:

@@ -87,6 +87,38 @@ class Metrics:
         self.engine_failures = Counter(
             "headrace_engine_failures", "Engines marked failed after they were serving.", ["engine"], registry=r
         )
+        # Residency under a memory budget ([residency]): loads, unloads, what they cost and who waited.
+        self.engine_loads = Counter(
+            "headrace_engine_loads", "Engine (model) loads, by why: startup, demand (a request waited) or "
+            "preload (predicted).", ["engine", "reason"], registry=r,
+        )
+        self.engine_evictions = Counter(
+            "headrace_engine_evictions", "Engines unloaded to make room for another.", ["engine"], registry=r
+        )
+        self.engine_load_seconds = Histogram(
+            "headrace_engine_load_seconds", "Time one engine load took.", ["engine"], registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.engine_load_wait_seconds = Histogram(
+            "headrace_engine_load_wait_seconds", "Time a request (or batch) waited for its engine to load: the cold "
+            "start it saw.", ["engine"], registry=r, buckets=LATENCY_BUCKETS,
+        )
+        self.preloads = Counter(
+            "headrace_preloads", "Engines loaded ahead of a call the workflow's Markov model predicted.", ["engine"],
+            registry=r,
+        )
+        self.preload_hits = Counter(
+            "headrace_preload_hits", "Preloaded engines a request used before they were unloaded again.", ["engine"],
+            registry=r,
+        )
+        self.markov_predictions = Counter(
+            "headrace_markov_predictions", "Next-engine predictions checked against the engine a run called next.",
+            ["workflow"], registry=r,
+        )
+        self.markov_predictions_correct = Counter(
+            "headrace_markov_predictions_correct", "Of those, the ones whose most likely engine was the one called.",
+            ["workflow"], registry=r,
+        )
         self.activity: deque[Busy] = deque(maxlen=ACTIVITY_KEEP)
         self._running: dict[str, Callable[[], int]] = {}
         self._waiting: dict[str, Callable[[], int]] = {}
@@ -149,6 +181,31 @@ class Metrics:
             self._contexts[model] = contexts
         if engine_stats is not None:
             self._engine_stats[model] = engine_stats
+
+    def watch_residency(self, engines: Callable[[], Mapping[str, tuple[bool, int]]], budget_bytes: int) -> None:
+        """Which engines are loaded and their measured footprints, read at scrape time.
+
+        ``engines``: engine name -> (loaded now, footprint in bytes as last measured; 0 before the first load).
+        """
+
+        class _Residency:
+            def collect(self):
+                now = engines()
+                resident = GaugeMetricFamily("headrace_engine_resident", "1 while the engine is loaded.",
+                                             labels=["model"])
+                footprint = GaugeMetricFamily("headrace_engine_footprint_bytes", "The engine's footprint as measured "
+                                              "at its last load.", labels=["model"])
+                for model, (loaded, size) in now.items():
+                    resident.add_metric([model], 1 if loaded else 0)
+                    footprint.add_metric([model], size)
+                yield resident
+                yield footprint
+                yield GaugeMetricFamily("headrace_resident_bytes", "Footprints of the loaded engines together.",
+                                        value=sum(size for loaded, size in now.values() if loaded))
+                yield GaugeMetricFamily("headrace_residency_budget_bytes", "The memory budget the loaded engines "
+                                        "stay within (0: none).", value=budget_bytes)
+
+        self.registry.register(_Residency())
 
     def watch_optimizer(self, stats: Any) -> None:
         """The e-graph cache's hit rate and graph-building time, read at scrape time."""

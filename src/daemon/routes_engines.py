@@ -47,7 +47,8 @@ async def update_engine(request: Request) -> Response:
         pool.set_llm_policy(name, body.llm_policy)
     if body.prefix_caching is not None:
         try:
-            await slot.engine.set_prefix_caching(body.prefix_caching)
+            async with slot.scheduler.residency.hold():  # an engine unloaded under the budget loads first
+                await slot.engine.set_prefix_caching(body.prefix_caching)
         except EngineError as exc:
             raise bad_request(str(exc), param="prefix_caching", code="model_not_supported") from None
     return JSONResponse(settings_of(slot, is_llm))

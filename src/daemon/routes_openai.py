@@ -40,7 +40,11 @@ def engine_for(request: Request, model: str, kind: str, what: str) -> Any:
 
 def _model_card(slot: Any) -> dict[str, Any]:
     return {"id": slot.name, "object": "model", "created": slot.created, "owned_by": "headrace",
-            "kind": slot.engine.kind, "plugin": slot.plugin, "ready": slot.state == "ready"}
+            "kind": slot.engine.kind, "plugin": slot.plugin, "ready": slot.state == "ready",
+            # Under a memory budget a ready model may be unloaded: a request to it waits while it loads.
+            "residency": {"state": slot.residency, "pinned": slot.pinned, "footprint_bytes": slot.footprint,
+                          "footprint_source": slot.footprint_source, "loads": slot.loads,
+                          "load_seconds": None if slot.load_seconds is None else round(slot.load_seconds, 3)}}
 
 
 async def list_models(request: Request) -> Response:

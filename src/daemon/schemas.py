@@ -333,6 +333,17 @@ class Readiness(BaseModel):
     engines: dict[str, dict[str, Any]]
 
 
+class ModelResidency(BaseModel):
+    """Whether the model is loaded now, under the ``[residency]`` memory budget."""
+
+    state: Literal["unloaded", "loading", "resident", "unloading"]
+    pinned: bool  # never unloaded
+    footprint_bytes: int | None  # measured at its last load; null before the first
+    footprint_source: Literal["engine", "rss"] | None  # the engine's tensor bytes, or the process's RSS growth
+    loads: int
+    load_seconds: float | None  # its last load's
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"]
@@ -341,6 +352,7 @@ class ModelCard(BaseModel):
     kind: str
     plugin: str
     ready: bool
+    residency: ModelResidency
 
 
 class ModelList(BaseModel):

@@ -24,7 +24,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator, Awaitable, Callable, MutableMapping
+from typing import Any, AsyncIterator, Awaitable, Callable, MutableMapping, Protocol
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
@@ -119,9 +119,35 @@ def _output_deltas(run: Run) -> Callable[[Node, tuple, Any], Awaitable[None]]:
     return forward
 
 
+class CallObserver(Protocol):
+    """Told which engines each run calls, in order (the daemon's Markov preloader learns from it)."""
+
+    def run_started(self, run: str, workflow: str) -> None: ...
+
+    def engine_called(self, run: str, engine: str) -> None:
+        """A primitive of ``run`` is about to call ``engine``."""
+        ...
+
+    def run_ended(self, run: str, status: str) -> None: ...
+
+
 class Executor:
-    def __init__(self, resolve: Callable[[str], ResolvedEngine]) -> None:
+    def __init__(self, resolve: Callable[[str], ResolvedEngine], calls: CallObserver | None = None) -> None:
         self.resolve = resolve
+        self.calls = calls
+
+    def _resolver(self, run: Run) -> Callable[[str], ResolvedEngine]:
+        """How the run's primitives reach their engines: each call is also told to ``calls``."""
+        calls, resolve = self.calls, self.resolve
+        if calls is None:
+            return resolve
+
+        def resolve_and_tell(engine: str) -> ResolvedEngine:
+            resolved = resolve(engine)
+            calls.engine_called(run.id, engine)
+            return resolved
+
+        return resolve_and_tell
 
     async def execute(self, run: Run) -> Any:
         """Run to completion; sets the run's status, result or error. Cancellation propagates."""
@@ -131,12 +157,14 @@ class Executor:
             deduced, groups = objectives(graph, run.outputs), task_groups(graph)
         else:
             store, deduced, groups = growth.store, growth.objectives, growth.task_groups
-        ctx = OpContext(run.id, self.resolve, on_delta=run.on_delta or _output_deltas(run), policy=run.policy,
+        ctx = OpContext(run.id, self._resolver(run), on_delta=run.on_delta or _output_deltas(run), policy=run.policy,
                         alone=EngineTurns() if run.isolate else None, arrival=run.arrival,
                         deadline=None if run.slo_seconds is None else run.arrival + run.slo_seconds,
                         objectives=deduced, task_groups=groups)
         run.status, run.started = "running", time.monotonic()
         run.emit({"event": "run.started", "run": run.id, "workflow": run.workflow})
+        if self.calls is not None:
+            self.calls.run_started(run.id, run.workflow)
         try:
             with run.cancel_scope:
                 if growth is None:
@@ -167,6 +195,8 @@ class Executor:
                         log.exception("run %s: could not free context %r on %s", run.id, context, engine)
                 await self._drop_collections(run, ctx)
             store.clear()
+            if self.calls is not None:
+                self.calls.run_ended(run.id, run.status)
             if run.status == "succeeded":
                 run.emit({"event": "run.finished", "run": run.id, "result": run.result})
             else:

@@ -17,7 +17,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 from headrace.batching.protocols import ResolvedEngine
 from headrace.graph import collections
 from headrace.graph.collections import CollectionLookup, UnknownCollection
-from headrace.graph.executor import Executor, Run
+from headrace.graph.executor import CallObserver, Executor, Run
 from headrace.graph.graph import Graph, Node, Op
 from headrace.graph.optimizer import Optimized, Optimizer
 from headrace.graph.passes import GraphPass, PassEnv
@@ -83,13 +83,14 @@ class WorkflowService:
         policies: Iterable[str] = (),
         collections: CollectionLookup | None = None,
         observer: RunObserver | None = None,
+        calls: CallObserver | None = None,
     ) -> None:
         self.observer = observer
         self.policies = set(policies)
         self._collections = collections
         self.workflows = dict(workflows)
         self.optimizer = Optimizer(passes)
-        self.executor = Executor(resolve)
+        self.executor = Executor(resolve, calls)
         self._resolve = resolve
         self._plan_limiter: anyio.CapacityLimiter | None = None
         self._engines_by_kind = engines_by_kind

@@ -59,6 +59,24 @@ class Engine(Protocol):
     async def run(self, *, task_status: Any) -> None: ...
 
 
+@runtime_checkable
+class Reloadable(Protocol):
+    """An engine that can be unloaded and loaded again: the daemon may evict it under a memory budget.
+
+    Unloading is cancelling ``run``: on the way out the engine releases its model's memory but keeps
+    what is cheap and needed to check requests (tokenizer, vocabulary size, context limit), and a
+    later ``run`` on the same object loads the model again. An engine that is not ``Reloadable``
+    cannot be unloaded and stays pinned, as does one whose ``reloadable`` is False (an LLM front over a
+    core that cannot drop its model).
+    """
+
+    reloadable: bool
+
+    def footprint_bytes(self) -> int:
+        """Bytes the loaded model holds by the engine's own count (weights, preallocated caches); 0 unloaded."""
+        ...
+
+
 # ----- LLM -------------------------------------------------------------------
 
 

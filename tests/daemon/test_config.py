@@ -13,6 +13,7 @@ from headrace.daemon.config import (
     DataConfig,
     EngineConfig,
     ServerConfig,
+    from_dict,
     load_config,
 )
 
@@ -65,6 +66,30 @@ def test_default_toml_loads() -> None:
     assert config.engine("smollm2-rerank").options == {"llm": "smollm2"}
     assert config.batching_for("all-minilm-l6-v2").max_batch_size == 64
     assert config.server.port == 8000
+
+
+def test_residency_toml_loads() -> None:
+    config = load_config(CONFIGS / "residency.toml", env={})
+    assert [(e.name, e.plugin) for e in config.engines] == [
+        ("smollm2", "torch"), ("smollm2-llama", "llama-cpp"), ("all-minilm-l6-v2", "sentence-transformers"),
+        ("lancedb", "lancedb"),
+    ]
+    assert config.residency.budget_bytes == 384 * 2**20
+    assert config.residency.pinned == ["all-minilm-l6-v2"]
+
+
+def test_residency_defaults_to_no_budget() -> None:
+    residency = load_config(CONFIGS / "default.toml", env={}).residency
+    assert (residency.budget_bytes, residency.pinned) == (0, [])
+
+
+def test_residency_keys_are_checked() -> None:
+    with pytest.raises(ConfigError, match=r"residency.pinned\[0\]: no engine named 'nope'"):
+        from_dict(Config, {"residency": {"pinned": ["nope"]}})
+    with pytest.raises(ConfigError, match="residency.budget_bytes: must be >= 0"):
+        from_dict(Config, {"residency": {"budget_bytes": -1}})
+    config = load_config(CONFIGS / "default.toml", env={"HEADRACE_RESIDENCY_BUDGET_BYTES": "1000000"})
+    assert config.residency.budget_bytes == 1000000
 
 
 def test_gpu_toml_loads() -> None:

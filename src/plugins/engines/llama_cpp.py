@@ -244,6 +244,22 @@ class LlamaCppCore(LLMCore):
             self._close()
             raise
 
+    # unload(): serving() already freed every llama.cpp object when the worker stopped, and abandon()
+    # dropped the prefix cache; load() opens them again.
+    reloadable = True
+
+    def footprint_bytes(self) -> int:
+        """llama.cpp's count of the weights (``llama_model_size``) plus the KV cache it preallocates:
+        ``n_ctx`` cells x layers x K and V x the KV width (f16, llama.cpp's default cache type)."""
+        model = self._model
+        if model is None:
+            return 0
+        lc = llama()
+        heads = lc.llama_model_n_head(model)
+        kv_width = lc.llama_model_n_embd(model) // max(1, heads) * lc.llama_model_n_head_kv(model)
+        kv = self._n_ctx * lc.llama_model_n_layer(model) * 2 * kv_width * 2
+        return int(lc.llama_model_size(model)) + kv
+
     @contextlib.contextmanager
     def serving(self) -> Iterator[None]:
         """The worker thread uses what ``load`` made, and frees it when it stops."""

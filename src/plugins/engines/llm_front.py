@@ -206,6 +206,8 @@ class Row:
 class LLMCore(ABC):
     """One engine's worker-thread half: model, KV state, batching. See the module docstring."""
 
+    reloadable = False  # True once ``unload`` drops the model and ``load`` may run again
+
     def __init__(self, name: str, max_context_tokens: int) -> None:
         self.name = name
         self.max_context_tokens = max_context_tokens
@@ -268,6 +270,15 @@ class LLMCore(ABC):
     @abstractmethod
     def stats(self) -> dict[str, int]:
         """At least ``contexts`` (live KV contexts), ``decoding`` and ``waiting`` (rows)."""
+
+    def unload(self) -> None:
+        """Drop the model's memory once the worker has stopped (after ``abandon``), keeping the tokenizer,
+        ``vocab_size``, ``eos`` and ``max_context_tokens``, so that requests are still checked and a later
+        ``load`` serves again. The default keeps everything: such a core's engine stays pinned."""
+
+    def footprint_bytes(self) -> int:
+        """Bytes the loaded model holds (weights, preallocated caches); 0 when not loaded."""
+        return 0
 
     def wake_after(self) -> float | None:
         """Seconds until the core wants an iteration though no command comes (a wait to time out); None: never."""
@@ -462,6 +473,9 @@ class LLMFront:
                     await anyio.to_thread.run_sync(worker.join)
                 self._portal = None
                 self._fail_outstanding()
+                # Cancelled (shutdown, or the daemon evicting us) or failed: the model's memory goes;
+                # the next run() loads it again.
+                self.core.unload()
         # Only a bug ends the worker while serving: say so (outside the portal's task group, so
         # unwrapped), and let the pool mark us failed.
         raise EngineError(f"engine {self.name!r}: its worker thread stopped")
@@ -550,6 +564,14 @@ class LLMFront:
 
     def stats(self) -> dict[str, int]:
         return self.core.stats()
+
+    @property
+    def reloadable(self) -> bool:
+        """``Reloadable``: whether the core drops its model when ``run`` ends and loads it again on the next."""
+        return self.core.reloadable
+
+    def footprint_bytes(self) -> int:
+        return self.core.footprint_bytes()
 
     def prefix_caching_enabled(self) -> bool:
         return self.core.prefix_caching_enabled()

@@ -53,6 +53,7 @@ class SentenceTransformerEmbedder:
         self._limiter = anyio.CapacityLimiter(1)
         self._model: Any = None
         self._counter: Any = None
+        self._max_seq_length = 0
         self.dimensions = 0  # known once run() has loaded the model
         self.vocab_size = 0
 
@@ -64,7 +65,19 @@ class SentenceTransformerEmbedder:
             task_status.started()
             await anyio.sleep_forever()
         finally:
-            self._model = self._counter = None
+            # Unloaded (shutdown, or evicted under the memory budget): the weights go; the token
+            # counter stays, so requests are still checked while it is not loaded.
+            self._model = None
+
+    reloadable = True
+
+    def footprint_bytes(self) -> int:
+        """The model's parameter and buffer bytes (tied weights once); 0 when not loaded."""
+        model = self._model
+        if model is None:
+            return 0
+        tensors = {t.data_ptr(): t for t in (*model.parameters(), *model.buffers())}
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def _load(self) -> None:
         from sentence_transformers import SentenceTransformer
@@ -80,6 +93,7 @@ class SentenceTransformerEmbedder:
         # model's tokenizer on a worker thread; a fast tokenizer raises
         # "Already borrowed" when shared that way, so counting gets its own copy.
         self._counter = copy.deepcopy(model.tokenizer)
+        self._max_seq_length = model.max_seq_length
         self._model = model
 
     def _require_model(self) -> Any:
@@ -87,19 +101,23 @@ class SentenceTransformerEmbedder:
             raise RuntimeError(f"embed engine {self.name!r} is not running")
         return self._model
 
+    def _require_counter(self) -> Any:
+        if self._counter is None:
+            raise RuntimeError(f"embed engine {self.name!r} has not loaded yet")
+        return self._counter
+
     def count_tokens(self, texts: Sequence[str]) -> int:
-        model = self._require_model()
+        counter = self._require_counter()
         if not texts:
             return 0
         check_texts(texts, "text")
         # What the model sees: special tokens included, truncated as encode truncates.
-        ids = self._counter(list(texts), truncation=True, max_length=model.max_seq_length)["input_ids"]
+        ids = counter(list(texts), truncation=True, max_length=self._max_seq_length)["input_ids"]
         return sum(len(row) for row in ids)
 
     def decode_tokens(self, ids: Sequence[Sequence[int]]) -> list[str]:
         """Token ids as the text they spell: token arrays in, as vLLM takes them (ids of this model's tokenizer)."""
-        self._require_model()
-        return self._counter.batch_decode([list(row) for row in ids], skip_special_tokens=True)
+        return self._require_counter().batch_decode([list(row) for row in ids], skip_special_tokens=True)
 
     async def embed(self, texts: Sequence[str]) -> torch.Tensor:
         model = self._require_model()

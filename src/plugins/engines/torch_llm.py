@@ -139,6 +139,21 @@ class TorchCore(LLMCore):
     def serving(self) -> ContextManager[Any]:
         return torch.inference_mode()
 
+    reloadable = True
+
+    def unload(self) -> None:
+        self.model = None  # the weights go; the tokenizer and the limits load() set stay
+        if self.prefix_cache is not None:  # cached KV is model memory too
+            self.prefix_cache = PrefixCache(self.prefix_cache_tokens, stats=self._cache_stats)
+
+    def footprint_bytes(self) -> int:
+        """The weights' bytes (parameters and buffers; tied weights once). KV grows with the contexts and is not
+        counted: it is bounded by ``max_batch_size`` x ``max_context_tokens``."""
+        if self.model is None:
+            return 0
+        tensors = {t.data_ptr(): t for t in (*self.model.parameters(), *self.model.buffers())}
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
     def prefix_caching_enabled(self) -> bool:
         return self.prefix_cache is not None
 

@@ -1,0 +1,32 @@
+"""scripts/bench/residency.py runs end to end (--tiny) and writes every figure, so it cannot rot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "bench" / "residency.py"
+
+
+def test_tiny_run_writes_every_mode(tmp_path):
+    out = tmp_path / "residency.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--out", str(out), "--data-dir", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    res = json.loads(out.read_text())
+    assert res["tiny"] is True and len(res["stream"]) == res["requests"] == 6
+    assert list(res["modes"]) == ["all-resident", "lru", "lru-markov", "load-per-request"]
+    for mode, figures in res["modes"].items():
+        assert figures["e2e_s"]["all"]["n"] == 6, mode
+        assert figures["peak_resident_bytes"] <= figures["budget_bytes"] or figures["budget_bytes"] == 0, mode
+    resident = res["modes"]["all-resident"]
+    assert resident["loads"] == resident["evictions"] == resident["cold_start_waits"]["count"] == 0
+    # Every request of load-per-request finds its evictable engines unloaded (the embedder is pinned).
+    assert res["modes"]["load-per-request"]["loads"] >= sum(kind != "embed" for kind in res["stream"])
