@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 import anyio
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[2]
 MODES = ("all-resident", "lru", "lru-markov", "load-per-request")
@@ -61,15 +62,9 @@ def summary(xs: list[float]) -> dict[str, float]:
 
 
 def sample(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith("#"):
-            continue
-        key, _, value = line.rpartition(" ")
-        metric, _, rest = key.partition("{")
-        if metric == name and all(f'{k}="{v}"' in rest for k, v in labels.items()):
-            total += float(value)
-    return total
+    """The sum of ``name``'s samples whose labels include ``labels``, read with prometheus_client's parser."""
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == name and labels.items() <= s.labels.items())
 
 
 def mode_config(config, mode: str, budget: int | None):

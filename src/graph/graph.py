@@ -12,7 +12,7 @@ import copy
 import json
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, Callable, Iterable
 
 
 class Op(StrEnum):
@@ -160,13 +160,20 @@ class Graph:
                 self.nodes[p].depth = max(self.nodes[p].depth, self.nodes[n].depth + 1)
 
     def descendants(self, node_id: str) -> set[str]:
+        return self._reachable(node_id, self.children)
+
+    def ancestors(self, node_id: str) -> set[str]:
+        return self._reachable(node_id, self.parents)
+
+    @staticmethod
+    def _reachable(node_id: str, step: Callable[[str], Iterable[str]]) -> set[str]:
         seen: set[str] = set()
         stack = [node_id]
         while stack:
-            for child in self.children(stack.pop()):
-                if child not in seen:
-                    seen.add(child)
-                    stack.append(child)
+            for other in step(stack.pop()):
+                if other not in seen:
+                    seen.add(other)
+                    stack.append(other)
         return seen
 
     # export ---------------------------------------------------------------------

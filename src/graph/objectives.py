@@ -49,20 +49,9 @@ def awaited_objectives(graph: Graph, latency: Iterable[str], throughput: Iterabl
     for var in throughput:
         producer = graph.producer(var)
         if producer is not None:
-            for node in _ancestors(graph, producer) | {producer}:
+            for node in graph.ancestors(producer) | {producer}:
                 deduced[node] = "throughput"
     return deduced
-
-
-def _ancestors(graph: Graph, node_id: str) -> set[str]:
-    seen: set[str] = set()
-    stack = [node_id]
-    while stack:
-        for parent in graph.parents(stack.pop()):
-            if parent not in seen:
-                seen.add(parent)
-                stack.append(parent)
-    return seen
 
 
 def task_groups(graph: Graph) -> dict[str, str]:
