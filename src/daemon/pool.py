@@ -548,8 +548,9 @@ class EnginePool:
         assert self._tg is not None
         slot.residency = "loading"
         slot.loads += 1
-        log.info("loading %s (%s, %s) ...", slot.name, slot.plugin,
-                 reason if slot.footprint is None else f"{reason}, {_mib(slot.footprint)}")
+        why = "" if reason == "startup" else f" ({reason} load" + (
+            ")" if slot.footprint is None else f", {_mib(slot.footprint)})")
+        log.info("loading %s (%s) ...%s", slot.name, slot.plugin, why)
         rss = _rss()
         start = time.monotonic()
         self._tg.start_soon(self._log_progress, slot, slot.loads, start)
@@ -569,9 +570,9 @@ class EnginePool:
         self.history.append(ResidencyEvent(time.monotonic(), slot.name, "loaded", reason, resident))
         self.metrics.engine_loads.labels(slot.name, reason).inc()
         self.metrics.engine_load_seconds.labels(slot.name).observe(slot.load_seconds)
-        log.info("loaded %s in %.1f s (%s by %s; %s of %s loaded)", slot.name, slot.load_seconds,
+        log.info("loaded %s in %.1f s (%s by %s%s)", slot.name, slot.load_seconds,
                  _mib(slot.footprint), "its tensors" if slot.footprint_source == "engine" else "RSS growth",
-                 _mib(resident), _mib(self.budget) if self.budget else "no budget")
+                 f"; {_mib(resident)} of the {_mib(self.budget)} budget resident" if self.budget else "")
         if self.budget and resident > self.budget:
             # Measured larger than it was known to be: unload what is idle, or it cannot stay.
             while resident > self.budget:
