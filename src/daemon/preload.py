@@ -36,11 +36,16 @@ class Preloader:
         self.min_probability = config.preload_min_probability
         self.enabled = config.preload and config.budget_bytes > 0
         self._runs: dict[str, _RunCalls] = {}
-        for workflow in workflows:  # exposed at 0 from the start
+        # Only registered workflows are learned: a plain OpenAI request and a semantic-call session run
+        # as runs too, but they are not workflows (one engine, or a client's own chain) and are not counted.
+        self.workflows = frozenset(workflows)
+        for workflow in self.workflows:  # exposed at 0 from the start
             metrics.markov_predictions.labels(workflow)
             metrics.markov_predictions_correct.labels(workflow)
 
     def run_started(self, run: str, workflow: str) -> None:
+        if workflow not in self.workflows:
+            return
         calls = self._runs[run] = _RunCalls(workflow)
         self.metrics.markov_predictions.labels(workflow)  # exposed at 0 once the workflow has run
         self.metrics.markov_predictions_correct.labels(workflow)

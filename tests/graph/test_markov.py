@@ -33,7 +33,8 @@ def test_equally_likely_states_rank_by_name():
 
 def test_the_preloader_learns_from_ended_runs_and_counts_its_hits():
     metrics = Metrics()
-    preloader = Preloader(EnginePool(Config(), registry=_no_plugins(), metrics=metrics), metrics, ResidencyConfig())
+    preloader = Preloader(EnginePool(Config(), registry=_no_plugins(), metrics=metrics), metrics, ResidencyConfig(),
+                          workflows=["rag"])
     script = ["embed", "store", "store", "llm"]
 
     def run(run_id: str, calls: list[str], status: str = "succeeded") -> None:
@@ -56,6 +57,12 @@ def test_the_preloader_learns_from_ended_runs_and_counts_its_hits():
     run("r4", ["embed", "store"], status="cancelled")  # not learned: a cancelled run stops anywhere
     assert [(p.state, p.probability) for p in preloader.model.predict("rag", "embed")] == [
         ("store", pytest.approx(2 / 3)), ("llm", pytest.approx(1 / 3))]
+    # A plain request runs as a run too, but is no workflow: neither learned nor counted.
+    preloader.run_started("chat", "request")
+    preloader.engine_called("chat", "llm")
+    preloader.run_ended("chat", "succeeded")
+    assert preloader.model.predict("request", START) == []
+    assert 'workflow="request"' not in metrics.render().decode()
 
 
 def _no_plugins():
