@@ -84,24 +84,23 @@ async def delete_session(request: Request) -> Response:
 
 
 async def create_variable(request: Request) -> Response:
-    session = _session(request)
-    async with session.in_use():
-        raw = await rq.read_json(request, request.app.state.config.server.max_body_bytes)
-        body = rq.validate(CreateVariableRequest, raw)
-        try:
-            variable = session.create_variable(body.name, body.value)
-        except SessionError as exc:
-            raise _error(exc) from None
-        return JSONResponse(variable_json(session, variable.name))
+    return await _write_variable(request, CreateVariableRequest,
+                                 lambda session, body: session.create_variable(body.name, body.value))
 
 
 async def set_variable(request: Request) -> Response:
+    return await _write_variable(request, SetVariableRequest, lambda session, body: session.set_variable(
+        request.path_params["variable"], body.value))
+
+
+async def _write_variable(request: Request, model: Any, write: Any) -> Response:
+    """Read and validate the body, apply ``write(session, body)``, answer with the variable."""
     session = _session(request)
     async with session.in_use():
         raw = await rq.read_json(request, request.app.state.config.server.max_body_bytes)
-        body = rq.validate(SetVariableRequest, raw)
+        body = rq.validate(model, raw)
         try:
-            variable = session.set_variable(request.path_params["variable"], body.value)
+            variable = write(session, body)
         except SessionError as exc:
             raise _error(exc) from None
         return JSONResponse(variable_json(session, variable.name))
