@@ -442,6 +442,36 @@ def test_a_shared_prefix_is_prefilled_once_and_decodes_as_uncached(llm):
     assert engine.prefix_caching_enabled()
 
 
+def test_a_prompt_deferred_behind_a_shared_prefix_starts_when_that_fill_ends(tmp_path):
+    """Two prompts on one 200-token prefix arrive together: the second waits for the first's fill so
+    the prefix is computed once, and starts as soon as that fill ends, on an otherwise idle engine
+    (it once slept until its context wait ran out: 120 s by default)."""
+    engine = LlamaCppLLM(engine_spec(context_wait_seconds=600), make_env(tmp_path))
+
+    async def scenario():
+        async with anyio.create_task_group() as tg:
+            await tg.start(engine.run)
+            first, second = prompts_on_a_shared_prefix(engine, 200)
+            hits = engine.core.stats()["prefix_cache_hits"]
+            async with anyio.create_task_group() as both:
+                both.start_soon(engine.prefill, "a", first)
+                both.start_soon(engine.prefill, "b", second)
+            reused = engine.core.stats()["prefix_cache_hits"] - hits
+            for ctx in ("a", "b"):
+                await engine.free(ctx)
+            stats = await wait_for_no_contexts(engine)
+            tg.cancel_scope.cancel()
+        return reused, stats
+
+    async def run():
+        with anyio.fail_after(300):  # a hang guard, far below the 600 s wait it once sat out
+            return await scenario()
+
+    reused, stats = anyio.run(run)
+    assert reused >= 200 - 16  # the second forked the first's prefix: it was deferred, not filled alongside
+    assert stats["contexts"] == 0
+
+
 def test_cached_prefixes_give_their_cells_back_when_the_kv_is_full(tmp_path):
     engine = LlamaCppLLM(engine_spec(n_seq_max=2, n_ctx=512, max_batch_tokens=256), make_env(tmp_path))
 

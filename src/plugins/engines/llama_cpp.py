@@ -306,7 +306,10 @@ class LlamaCppCore(LLMCore):
     # ----- commands ------------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return bool(self._rows or self._waiting or self._prefills or self._scoring)
+        # A blocked prefill with a sequence free was deferred behind a shared-prefix fill: once that
+        # fill ends it is admissible now, not when its context wait times out.
+        blocked_admissible = bool(self._blocked and self._free_seqs)
+        return bool(self._rows or self._waiting or self._prefills or self._scoring or blocked_admissible)
 
     def add_prefills(self, jobs: list[Prefill], out: Outbox) -> None:
         now = time.monotonic()
