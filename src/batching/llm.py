@@ -19,6 +19,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from collections import Counter
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Mapping, Sequence
@@ -100,6 +101,8 @@ class LLMScheduler:
         self._slots = PriorityGate(max_running)
         self._observer = observer or NullObserver()
         self.contexts: dict[str, ContextState] = {}
+        # Requests waiting or admitted, by run (None: outside any run): who else the engine serves now.
+        self._requests_by_run: Counter[str | None] = Counter()
 
     @property
     def running(self) -> int:
@@ -117,23 +120,37 @@ class LLMScheduler:
         run_policy = self.policies.get(meta.policy) if meta is not None and meta.policy else None
         return priority(self.policy, run_policy, meta, int(arrival * 1000))
 
+    def busy_with_other_runs(self, run: str) -> bool:
+        """Whether requests or live contexts of anything but ``run`` are on the engine now."""
+        if any(n and owner != run for owner, n in self._requests_by_run.items()):
+            return True
+        return any(state.meta is None or state.meta.run != run for state in self.contexts.values())
+
     @asynccontextmanager
-    async def _admitted(self, arrival: float, rank: int):
-        self._observer.queued(self.name)
-        await self._slots.acquire(rank)
+    async def _admitted(self, arrival: float, rank: int, metas: Sequence[PrimitiveMeta | None]):
+        owners = {meta.run if meta is not None else None for meta in metas} or {None}
+        self._requests_by_run.update(owners)
         try:
-            async with self.residency.hold():
-                self._observer.started(self.name, time.monotonic() - arrival)
-                yield
+            self._observer.queued(self.name)
+            await self._slots.acquire(rank)
+            try:
+                async with self.residency.hold():
+                    self._observer.started(self.name, time.monotonic() - arrival)
+                    yield
+            finally:
+                self._slots.release()
         finally:
-            self._slots.release()
+            self._requests_by_run.subtract(owners)
+            for owner in owners:
+                if not self._requests_by_run[owner]:
+                    del self._requests_by_run[owner]
 
     async def prefill(self, ctx: str, tokens: Sequence[int], parent: str | None = None,
                       meta: PrimitiveMeta | None = None) -> None:
         """A prefill primitive: fills a context (a fork when ``parent`` is given)."""
         arrival = time.monotonic()
         rank = self.priority(meta, arrival)
-        async with self._admitted(arrival, rank):
+        async with self._admitted(arrival, rank, (meta,)):
             await self.engine.prefill(ctx, tokens, parent, priority=rank)
             # Recorded before the engine is let go: a live context keeps it loaded until freed.
             self.contexts[ctx] = ContextState(arrival, len(tokens), meta)
@@ -146,7 +163,7 @@ class LLMScheduler:
         arrival = time.monotonic()
         rank = self.priority(state.meta, arrival)
         try:
-            async with self._admitted(arrival, rank):
+            async with self._admitted(arrival, rank, (state.meta,)):
                 deltas = self.engine.decode(ctx, params, priority=rank)
                 async for delta in self._timed(deltas, state.arrival, state.prompt_tokens):
                     yield delta
@@ -164,7 +181,7 @@ class LLMScheduler:
         """Prefill, decode and free in one request. Close the iterator to abort it."""
         arrival = time.monotonic()
         rank = self.priority(meta, arrival)
-        async with self._admitted(arrival, rank):
+        async with self._admitted(arrival, rank, (meta,)):
             async for delta in self._timed(self.engine.generate(tokens, params, priority=rank), arrival, len(tokens)):
                 yield delta
 
@@ -176,7 +193,7 @@ class LLMScheduler:
         most urgent of ``metas``."""
         arrival = time.monotonic()
         rank = min((self.priority(m, arrival) for m in metas), default=self.priority(None, arrival))
-        async with self._admitted(arrival, rank):
+        async with self._admitted(arrival, rank, metas):
             return await self.engine.next_token_logits(prompts, token_ids, priority=rank)
 
     async def _timed(self, deltas: AsyncIterator[TokenDelta], arrival: float, prompt_tokens: int):

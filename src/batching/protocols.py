@@ -37,6 +37,10 @@ class LLMSchedulerProtocol(Protocol):
 
     async def free(self, ctx: str) -> None: ...
 
+    def busy_with_other_runs(self, run: str) -> bool:
+        """Whether requests or live contexts of anything but ``run`` are on the engine now."""
+        ...
+
     def generate(self, tokens: Sequence[int], params: SamplingParams,
                  meta: PrimitiveMeta | None = None) -> AsyncIterator[TokenDelta]: ...
 

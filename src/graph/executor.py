@@ -34,7 +34,7 @@ from headrace.batching.protocols import ResolvedEngine
 from headrace.batching.requests import VectorDrop
 from headrace.graph.graph import Graph, Node, Op
 from headrace.graph.objectives import objectives, task_groups
-from headrace.graph.ops import NodeError, OpContext, aggregate, run_op
+from headrace.graph.ops import NodeError, NotRun, OpContext, aggregate, run_op
 from headrace.graph.store import Failed, Store
 
 Emit = Callable[[dict[str, Any]], None]
@@ -286,6 +286,15 @@ class Executor:
                 else:
                     async with self._alone(ctx, node, record):
                         outputs = await run_op(node, scope, ctx, key)
+        except NotRun as skipped:
+            outputs = dict.fromkeys(node.outputs)
+            record.state, record.finished = "skipped", time.monotonic()
+            log.debug("run %s: %s did not run: %s", run.id, node.id, skipped.reason)
+            for var in outputs:
+                store.set(var, None)
+            run.emit({"event": "node.skipped", "run": run.id, "node": node.id, "key": list(key),
+                      "reason": skipped.reason})
+            return None
         except anyio.get_cancelled_exc_class():
             record.state, record.finished = "cancelled", time.monotonic()
             raise

@@ -30,6 +30,14 @@ class NodeError(RuntimeError):
     """A primitive failed; the message names the node and the cause."""
 
 
+class NotRun(Exception):
+    """A primitive chose not to run (an optional one, as an early prefill): its outputs are ``None``."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 @dataclass
 class OpContext:
     run_id: str
@@ -177,7 +185,10 @@ async def _rerank(node, scope, ctx, key):
 def _prompt_tokens(engine: Any, node: Node, scope: Mapping[str, Any], part: str) -> list[int]:
     """Tokens of a prompt, or of its split-off prefix or rest (see the prefill-split pass)."""
     head, tail = chat_frame(engine, node.params.get("system"))
-    text = PromptTemplate(node.params["prompt"]).render(scope)
+    prompt = node.params["prompt"]
+    if part == "whole":  # the split-off prefix and the rest, as one prompt
+        prompt, part = node.params["split_prefix"] + prompt, "all"
+    text = PromptTemplate(prompt).render(scope)
     if part == "prefix":
         return engine.encode(head + text)
     if part == "rest":
@@ -188,13 +199,19 @@ def _prompt_tokens(engine: Any, node: Node, scope: Mapping[str, Any], part: str)
 async def _prefill(node, scope, ctx, key):
     resolved = _engine(node, ctx)
     engine, sched = resolved.engine, resolved.llm()
+    if node.op == Op.PARTIAL_PREFILL and sched.busy_with_other_runs(ctx.run_id):
+        # An early prefill only pays with an idle engine: on one busy with other runs it would take
+        # their turn for work this run's own prefill does later anyway (the prefill-split pass).
+        raise NotRun("its engine is busy with other runs")
     part = {Op.PARTIAL_PREFILL: "prefix", Op.FULL_PREFILL: "rest"}.get(node.op, "all")
+    parent = scope[node.params["parent"]] if node.op == Op.FULL_PREFILL else None
+    if node.op == Op.FULL_PREFILL and parent is None:  # its early prefill did not run: the whole prompt
+        part = "whole"
     # A request that arrives already tokenized (an OpenAI chat) carries its tokens.
     if "tokens" in node.params:
         tokens = node.params["tokens"]
     else:  # tokenizing a long prompt takes a while: off the event loop
         tokens = await anyio.to_thread.run_sync(_prompt_tokens, engine, node, scope, part)
-    parent = scope[node.params["parent"]] if node.op == Op.FULL_PREFILL else None
     context = engine.new_context_id()
     ctx.contexts.add((node.engine, context))
     await sched.prefill(context, tokens, parent, ctx.meta(node, key))

@@ -151,7 +151,10 @@ class PrefillSplit:
             )
             graph.add(head)
             node.op = Op.FULL_PREFILL
-            node.params = {**node.params, "prompt": rest, "parent": head.outputs[0]}
+            # The prefix and what it reads stay with the rest: should the early prefill not run (its
+            # engine busy with other runs), this prefill fills the whole prompt itself.
+            node.params = {**node.params, "prompt": rest, "parent": head.outputs[0], "split_prefix": prefix,
+                           "reads": (*node.params.get("reads", ()), *head.inputs)}
             node.inputs = (*PromptTemplate(rest).inputs, head.outputs[0])
             changes.append(f"{node.id}: prefix of {len(prefix)} chars prefilled early as {head.id}")
         if changes:

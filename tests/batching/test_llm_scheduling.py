@@ -275,3 +275,33 @@ async def test_a_scoring_call_for_several_runs_ranks_as_the_most_urgent():
     await sched.next_token_logits([[1, 2]], [3], [new, old])
     await sched.next_token_logits([[1, 2]], [3], [new])
     assert engine.priorities[0] == sched.priority(old, 0) < engine.priorities[1] == sched.priority(new, 0)
+
+
+@pytest.mark.slow
+def test_the_scheduler_sees_other_runs_requests_and_live_contexts(busy_llm):
+    """What the prefill split asks before an early prefill: is anything but this run on the engine?"""
+    portal, engine = busy_llm
+
+    async def scenario() -> list[tuple[bool, bool]]:
+        sched = LLMScheduler(engine, max_running=64, policy=FifoLLMPolicy())
+        seen = [(sched.busy_with_other_runs("a"), sched.busy_with_other_runs("b"))]
+        ctx = engine.new_context_id()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sched.prefill, ctx, prompt(engine, 0, 1500), None, PrimitiveMeta(run="a", node="n"))
+            await anyio.wait_all_tasks_blocked()
+            seen.append((sched.busy_with_other_runs("a"), sched.busy_with_other_runs("b")))  # a's request
+        seen.append((sched.busy_with_other_runs("a"), sched.busy_with_other_runs("b")))  # a's live context
+        await sched.free(ctx)
+        seen.append((sched.busy_with_other_runs("a"), sched.busy_with_other_runs("b")))
+        # A request from outside any run (a plain chat) is another run to every run.
+        async with anyio.create_task_group() as tg:
+            async def chat() -> None:
+                async for _ in sched.generate(prompt(engine, 1, 1500), SamplingParams(max_tokens=1, temperature=0)):
+                    pass
+
+            tg.start_soon(chat)
+            await anyio.wait_all_tasks_blocked()
+            seen.append((sched.busy_with_other_runs("a"), sched.busy_with_other_runs("b")))
+        return seen
+
+    assert portal.call(scenario) == [(False, False), (False, True), (False, True), (False, False), (True, True)]

@@ -8,6 +8,7 @@ import anyio
 import pytest
 
 from conftest import idle
+from headrace.batching.meta import PrimitiveMeta
 from headrace.graph.graph import Op
 
 pytestmark = pytest.mark.slow
@@ -85,6 +86,33 @@ def test_fact_verify_reports_a_verdict_per_claim(live):
     # nested keys: claim i -> query j
     assert all(len(r.key) == 2 for r in nodes["search"])
     assert len(nodes["verdict"]) == len(report)
+
+
+def test_an_early_prefill_is_skipped_while_the_engine_serves_another_run(live):
+    """The prefill split's early prefill only runs on an engine idle of other runs; skipped, the full
+    prefills fill the whole prompt (tokenized whole, so the text may differ at the split's seam)."""
+    portal, svc, pool = live
+    sched = pool.resolve("smollm2").llm()
+    inputs, config = {"question": QUESTION, "documents": DOCS}, {"max_tokens": 16}
+    alone = portal.call(svc.run, "naive_rag", inputs, config)
+    assert alone.status == "succeeded", alone.error
+
+    async def beside_another_run():
+        ctx = pool.slots["smollm2"].engine.new_context_id()
+        other = PrimitiveMeta(run="another", node="held")
+        await sched.prefill(ctx, pool.slots["smollm2"].engine.encode("The mill wheel turns."), None, other)
+        try:
+            return await svc.run("naive_rag", inputs, config)
+        finally:
+            await sched.free(ctx)
+
+    busy = portal.call(beside_another_run)
+    assert busy.status == "succeeded", busy.error
+    early = [r for r in alone.records if r.op == "partial_prefill"]
+    assert early and {r.state for r in early} == {"done"}
+    skipped = [r for r in busy.records if r.op == "partial_prefill"]
+    assert len(skipped) == len(early) and {r.state for r in skipped} == {"skipped"}
+    assert busy.result["answer"].strip()
 
 
 def test_cancel_frees_contexts(live):
