@@ -1,0 +1,54 @@
+"""``headrace-ray serve``: deploy the application on a Ray cluster (or a local one) and block."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from typing import Sequence
+
+from headrace_ray.app import ServeRayArgs
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="headrace-ray", description="Serve headrace on Ray Serve.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="deploy N headrace replicas behind the affinity router, and wait")
+    serve.add_argument("--address", default=None,
+                       help="the Ray cluster to join (e.g. auto, or ray://head:10001); default: start a local one")
+    serve.add_argument("--host", default="127.0.0.1", help="Serve's HTTP host")
+    serve.add_argument("--port", type=int, default=8000, help="Serve's HTTP port")
+    defaults = ServeRayArgs()
+    for f in dataclasses.fields(ServeRayArgs):
+        if f.name == "overrides":
+            continue
+        kind = {"int": int, "float": float}.get(str(f.type), str)
+        serve.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=getattr(defaults, f.name),
+                           help=f"(default: {getattr(defaults, f.name)!r})")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser_args = build_parser().parse_args(argv)
+    import ray
+    from ray import serve
+
+    from headrace_ray.app import build_app
+
+    settings = ServeRayArgs(**{f.name: getattr(parser_args, f.name) for f in dataclasses.fields(ServeRayArgs)
+                               if f.name != "overrides"})
+    ray.init(address=args.address)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.run(build_app(settings), name="headrace", route_prefix="/")
+    print(f"headrace-ray: serving on http://{args.host}:{args.port} ({settings.replicas} replicas)", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        serve.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
