@@ -2,12 +2,14 @@
 
 1. A request whose run or session lives on a replica goes there (``RouteKey.owner``); if that
    replica is gone, to the least loaded one, which answers that the run went with its replica.
-2. When the replicas' loads differ by more than ``imbalance_threshold`` requests, every replica
-   is one rank: Ray's selection then takes the least loaded (prefix affinity must not pile the
-   traffic of one hot prompt onto one replica).
+2. When the replicas' loads differ by more than ``imbalance_threshold`` requests, they go by
+   load alone (prefix affinity must not pile the traffic of one hot prompt onto one replica).
 3. Otherwise the replicas holding the longest prefix of the prompt (at least ``min_match_blocks``
    blocks) come first, then those where the request's engines are resident, then the rest.
-   Within a rank Ray takes the replica with the shortest queue.
+
+Each of these groups is split by load, least first: Ray takes a rank's replica with the
+shortest queue by its own cached queue lengths, which lag (an open event stream counts in this
+router's load at once); equally loaded replicas share a rank, and Ray breaks the tie.
 
 The prefix index is this router's record of where it sent each prompt block: an LRU map
 bounded by ``max_blocks``, from a chained block hash to the replicas it went to.
@@ -59,16 +61,16 @@ class AffinityPolicy:
             if key.owner in tags:
                 return [[key.owner]]
             return [[min(replicas, key=lambda r: r.load).tag]]
-        loads = [r.load for r in replicas]
-        if max(loads) - min(loads) > self.config.imbalance_threshold:
-            return [tags]
+        load = {r.tag: r.load for r in replicas}
+        if max(load.values()) - min(load.values()) > self.config.imbalance_threshold:
+            return _by_load(tags, load)
         matched = self.matches(key.prefix_blocks)
         best = max((matched.get(t, 0) for t in tags), default=0)
         first = [t for t in tags if best >= self.config.min_match_blocks and matched.get(t, 0) == best]
         wanted = set(key.engines)
         resident = [r.tag for r in replicas if wanted and wanted <= r.resident and r.tag not in first]
         rest = [t for t in tags if t not in first and t not in resident]
-        return [rank for rank in (first, resident, rest) if rank]
+        return [rank for group in (first, resident, rest) for rank in _by_load(group, load)]
 
     def matches(self, blocks: Sequence[str]) -> dict[str, int]:
         """For each replica the index knows, how many leading blocks of ``blocks`` it holds."""
@@ -97,3 +99,11 @@ class AffinityPolicy:
             holders.discard(tag)
             if not holders:
                 del self._index[block]
+
+
+def _by_load(tags: list[str], load: dict[str, int]) -> list[list[str]]:
+    """``tags`` in ranks of equal load, least loaded first (order kept within a rank)."""
+    ranks: dict[int, list[str]] = {}
+    for tag in tags:
+        ranks.setdefault(load[tag], []).append(tag)
+    return [ranks[n] for n in sorted(ranks)]
