@@ -30,18 +30,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser_args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     import ray
     from ray import serve
 
     from headrace_ray.app import build_app
 
-    settings = ServeRayArgs(**{f.name: getattr(parser_args, f.name) for f in dataclasses.fields(ServeRayArgs)
+    settings = ServeRayArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServeRayArgs)
                                if f.name != "overrides"})
     ray.init(address=args.address)
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(build_app(settings), name="headrace", route_prefix="/")
-    print(f"headrace-ray: serving on http://{args.host}:{args.port} ({settings.replicas} replicas)", flush=True)
+    scale = (f"{settings.min_replicas}-{settings.max_replicas} replicas, autoscaled" if settings.max_replicas
+             else f"{settings.replicas} replicas")
+    print(f"headrace-ray: serving on http://{args.host}:{args.port} ({scale})", flush=True)
     try:
         while True:
             time.sleep(3600)
