@@ -137,6 +137,12 @@ def test_runs_and_sessions_stay_on_their_replica(cluster):
     events.join(30)
     assert {"event": "run.failed", "run": a, "status": "cancelled"}.items() <= events.data()[-1].items()
 
+    # A client that goes away cancels its run on the replica (through the ingress and Ray's call).
+    body = {**run_body("leave", 96), "background": False, "stream": True}
+    with cluster.stream("POST", "/v1/workflows/chain_summary/runs", json=body) as r:
+        left = json.loads(next(line for line in r.iter_lines() if line.startswith("data: "))[6:])["run"]
+    assert wait_status(cluster, left, timeout=30)["status"] == "cancelled"
+
     session = cluster.post("/v1/sessions", json={})
     sid, tag = session.json()["id"], session.headers[PIN_HEADER]
     assert owner_of("sessions", sid) == tag
