@@ -30,21 +30,24 @@ class HeadraceReplica:
         self.tag = serve.get_replica_context().replica_id.unique_id
         cfg = load_config(Path(config), overrides={**overrides, "server.id_prefix": id_prefix(self.tag)})
         self.app = create_app(cfg)
-        self._up, self._stop = asyncio.Event(), asyncio.Event()
+        self._stop = asyncio.Event()
         # The daemon's lifespan spans the replica's life: entered and left in this one task, which
         # __del__ ends (and a replica whose lifespan ended fails its health check).
         self._lifespan = asyncio.create_task(self._host())
-        with anyio.fail_after(ready_timeout_s):
-            while not self.app.state.lifecycle.ready:  # Serve routes to it only once its engines are loaded
-                if self._lifespan.done():
-                    self._lifespan.result()  # raises why it ended
-                    raise RuntimeError("the daemon's lifespan ended before it was ready")
-                await asyncio.sleep(0.1)
+        try:
+            with anyio.fail_after(ready_timeout_s):
+                while not self.app.state.lifecycle.ready:  # Serve routes to it only once its engines are loaded
+                    if self._lifespan.done():
+                        self._lifespan.result()  # raises why it ended
+                        raise RuntimeError("the daemon's lifespan ended before it was ready")
+                    await asyncio.sleep(0.1)
+        except BaseException:  # Serve retries with a new replica: this one's engines go first
+            await self.__del__()
+            raise
         log.info("replica %s ready", self.tag)
 
     async def _host(self) -> None:
         async with self.app.router.lifespan_context(self.app):
-            self._up.set()
             await self._stop.wait()
 
     async def handle(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
@@ -113,6 +116,9 @@ class HeadraceReplica:
             raise RuntimeError(f"replica {self.tag} is unhealthy: {health.problems or 'its lifespan ended'}")
 
     async def __del__(self) -> None:
+        """Serve's shutdown of the replica (after its in-flight requests): the daemon's lifespan ends."""
         self._stop.set()
-        with suppress(Exception):
+        try:
             await self._lifespan
+        except Exception:
+            log.exception("replica %s: its daemon's lifespan failed", self.tag)
