@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
 import sys
-import time
+import threading
 from typing import Sequence
 
 from headrace_ray.app import ServeRayArgs
@@ -14,7 +15,8 @@ from headrace_ray.app import ServeRayArgs
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="headrace-ray", description="Serve headrace on Ray Serve.")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="deploy N headrace replicas behind the affinity router, and wait")
+    serve = sub.add_parser("serve", help="deploy N headrace replicas behind the affinity router; SIGINT or SIGTERM shuts Serve down "
+                                                "(to leave it running on a cluster, use serve deploy serve.yaml)")
     serve.add_argument("--address", default=None,
                        help="the Ray cluster to join (e.g. auto, or ray://head:10001); default: start a local one")
     serve.add_argument("--host", default="127.0.0.1", help="Serve's HTTP host")
@@ -44,11 +46,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     scale = (f"{settings.min_replicas}-{settings.max_replicas} replicas, autoscaled" if settings.max_replicas
              else f"{settings.replicas} replicas")
     print(f"headrace-ray: serving on http://{args.host}:{args.port} ({scale})", flush=True)
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        serve.shutdown()
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # either one: Serve stops the replicas, their daemons end
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    serve.shutdown()
+    ray.shutdown()
     return 0
 
 
