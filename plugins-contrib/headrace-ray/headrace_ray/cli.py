@@ -15,8 +15,8 @@ from headrace_ray.app import ServeRayArgs
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="headrace-ray", description="Serve headrace on Ray Serve.")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="deploy N headrace replicas behind the affinity router; SIGINT or SIGTERM shuts Serve down "
-                                                "(to leave it running on a cluster, use serve deploy serve.yaml)")
+    serve = sub.add_parser("serve", help="deploy N headrace replicas behind the affinity router; SIGINT or "
+                                         "SIGTERM shuts Serve down (to leave it running, use serve deploy serve.yaml)")
     serve.add_argument("--address", default=None,
                        help="the Ray cluster to join (e.g. auto, or ray://head:10001); default: start a local one")
     serve.add_argument("--host", default="127.0.0.1", help="Serve's HTTP host")
