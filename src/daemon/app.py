@@ -121,9 +121,11 @@ def create_app(config: Config, registry: Registry | None = None) -> Starlette:
     workflows = WorkflowService(registry.workflows, registry.passes, pool.resolve, pool.engines_by_kind,
                                 pool.max_efficient_batch, policies=[*registry.batch_policies, *registry.llm_policies],
                                 collections=collections.lookup, observer=metrics_,
-                                calls=Preloader(pool, metrics_, config.residency, registry.workflows))
+                                calls=Preloader(pool, metrics_, config.residency, registry.workflows),
+                                id_prefix=config.server.id_prefix)
     metrics_.watch_optimizer(workflows.optimizer.stats)
-    sessions = SessionManager(workflows.executor, pool.resolve, pool.engines_by_kind, config.sessions.idle_seconds)
+    sessions = SessionManager(workflows.executor, pool.resolve, pool.engines_by_kind, config.sessions.idle_seconds,
+                              config.server.id_prefix)
 
     lifecycle = Lifecycle(pool, workflows, config.server.drain_seconds)
 

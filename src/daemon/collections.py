@@ -6,6 +6,10 @@ and, per document, how many chunks it made (chunk ``i`` of document ``d`` is the
 row ``d:i``), so a document can be replaced or deleted by id and the listing has
 counts without scanning tables. It is rewritten atomically (a temporary file
 renamed over it), so a crash leaves the old or the new file, never half of one.
+
+Several daemons may share one data dir (headrace-ray's replicas on one node, or on a shared
+mount): each reads the file again when it changed on disk, and ``lock`` also holds a lock
+file, so one daemon's change is made on the others' latest and never overwrites theirs.
 """
 
 from __future__ import annotations
@@ -14,17 +18,20 @@ import json
 import os
 import tempfile
 import time
+from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, AsyncIterator
 
 import anyio
+from filelock import FileLock, Timeout
 
 from headrace.daemon.config import ConfigError
 from headrace.graph.collections import CollectionInfo, table_name
 
 FILE_NAME = "collections.json"
 VERSION = 1
+LOCK_POLL_SECONDS = 0.01  # how often a daemon retries the lock file another daemon holds
 
 
 @dataclass
@@ -68,31 +75,75 @@ class CollectionRegistry:
 
     def __init__(self, data_dir: Path) -> None:
         self.path = data_dir / FILE_NAME
-        self.lock = anyio.Lock()
+        self._lock = anyio.Lock()
+        self._file_lock = FileLock(str(self.path) + ".lock")  # the other daemons on this data dir
+        self._seen: tuple[int, int, int] | None = None  # (inode, mtime_ns, size) of the file as last read or written
         self.collections: dict[str, Collection] = {}
-        if self.path.exists():
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Read the file again if another daemon changed it. A collection that is still there keeps its
+        object (updated in place), so a request holding it sees the change."""
+        try:
+            stat = self.path.stat()
+        except FileNotFoundError:
+            return
+        # Every save renames a new file over it: a new inode, even within one mtime tick.
+        if (stat.st_ino, stat.st_mtime_ns, stat.st_size) == self._seen:
+            return
+        try:
+            data = json.loads(self.path.read_text())
+            latest = {name: Collection(**entry) for name, entry in data["collections"].items()}
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            # Refuse to start rather than serve (and later overwrite) a registry we cannot read.
+            raise ConfigError("data.dir", f"{self.path} is not a readable collections registry: "
+                                          f"{type(exc).__name__}: {exc}") from None
+        for name, collection in latest.items():
+            mine = self.collections.get(name)
+            if mine is not None and mine.created == collection.created:
+                mine.__dict__.update(collection.__dict__)
+                latest[name] = mine
+        self.collections = latest
+        self._seen = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+
+    @asynccontextmanager
+    async def lock(self) -> AsyncIterator[None]:
+        """Held around every change: this daemon's tasks one at a time, other daemons' through the lock file;
+        the change then starts from the file's latest state."""
+        async with self._lock:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            while True:  # polled, not a blocking acquire on a thread, so a cancelled wait ends at once
+                try:
+                    self._file_lock.acquire(blocking=False)
+                    break
+                except Timeout:
+                    await anyio.sleep(LOCK_POLL_SECONDS)
             try:
-                data = json.loads(self.path.read_text())
-                self.collections = {name: Collection(**entry) for name, entry in data["collections"].items()}
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                # Refuse to start rather than serve (and later overwrite) a registry we cannot read.
-                raise ConfigError("data.dir", f"{self.path} is not a readable collections registry: "
-                                              f"{type(exc).__name__}: {exc}") from None
+                self.refresh()
+                yield
+            finally:
+                self._file_lock.release()
 
     def get(self, name: str) -> Collection | None:
+        self.refresh()
         return self.collections.get(name)
+
+    def all(self) -> list[Collection]:
+        self.refresh()
+        return sorted(self.collections.values(), key=lambda c: c.name)
 
     def lookup(self, name: str) -> CollectionInfo | None:
         """For the workflow service: a run on ``name`` is checked against this."""
-        collection = self.collections.get(name)
+        collection = self.get(name)
         return collection.info() if collection is not None else None
 
     async def save(self) -> None:
         data = {"version": VERSION, "collections": {name: asdict(c) for name, c in self.collections.items()}}
-        await anyio.to_thread.run_sync(_write_atomically, self.path, json.dumps(data, indent=1))
+        self._seen = await anyio.to_thread.run_sync(_write_atomically, self.path, json.dumps(data, indent=1))
 
 
-def _write_atomically(path: Path, text: str) -> None:
+def _write_atomically(path: Path, text: str) -> tuple[int, int, int]:
+    """Write ``text`` over ``path`` durably; returns the new file's (inode, mtime_ns, size)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
@@ -110,3 +161,5 @@ def _write_atomically(path: Path, text: str) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+    stat = path.stat()
+    return stat.st_ino, stat.st_mtime_ns, stat.st_size

@@ -74,6 +74,9 @@ class ServerConfig:
     # that created it: another key cannot see or cancel it.
     api_keys: list[str] = field(default_factory=list)
     max_rerank_documents: int = 1000  # documents one /v1/rerank request may score; more is a 400
+    # Starts every run and session id this daemon mints. Several daemons behind one router
+    # (headrace-ray) each get their own, so the router tells from an id which daemon owns it.
+    id_prefix: str = ""
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, "port", f"must be in 0..65535, got {self.port}")
@@ -83,6 +86,9 @@ class ServerConfig:
         _check(self.drain_seconds >= 0, "drain_seconds", f"must be >= 0, got {self.drain_seconds}")
         _check(self.max_rerank_documents >= 1, "max_rerank_documents",
                f"must be >= 1, got {self.max_rerank_documents}")
+        # Ids travel in URL paths: letters, digits, '-' and '_' only.
+        _check(re.fullmatch(r"[A-Za-z0-9_-]*", self.id_prefix) is not None, "id_prefix",
+               f"must hold only letters, digits, '-' and '_', got {self.id_prefix!r}")
         # Keys travel in an HTTP header: printable ASCII without spaces, or no client could send them.
         named = {f"api_keys[{i}]": key for i, key in enumerate(self.api_keys)}
         if self.api_key:

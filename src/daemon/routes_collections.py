@@ -65,7 +65,7 @@ def _default_engine(request: Request, kind: str, param: str) -> str:
 
 
 async def list_collections(request: Request) -> Response:
-    collections = sorted(_registry(request).collections.values(), key=lambda c: c.name)
+    collections = _registry(request).all()
     return JSONResponse({"object": "list", "data": [c.card() for c in collections]})
 
 
@@ -83,7 +83,7 @@ async def create_collection(request: Request) -> Response:
     _slot(request, embed, "embed", "embedding_model")
     store_slot = _slot(request, store, "vector_store", "vector_store")
     registry = _registry(request)
-    async with registry.lock:
+    async with registry.lock():
         if body.name in registry.collections:
             raise APIError(409, f"a collection named {body.name!r} already exists", param="name",
                            code="collection_exists")
@@ -103,7 +103,7 @@ async def create_collection(request: Request) -> Response:
 
 async def delete_collection(request: Request) -> Response:
     registry = _registry(request)
-    async with registry.lock:
+    async with registry.lock():
         collection = _collection(request)
         with anyio.CancelScope(shield=True):
             # The registry first: a crash before the drop leaves only an orphan table, which
@@ -153,7 +153,7 @@ async def add_documents(request: Request) -> Response:
         for row_id, text in zip(chunk_ids(doc_id, len(pieces)), pieces)
     )
     registry = _registry(request)
-    async with registry.lock:
+    async with registry.lock():
         if registry.get(collection.name) is not collection:  # deleted (and maybe re-created) meanwhile
             raise APIError(404, f"collection {collection.name!r} was deleted while its documents were embedded",
                            param="collection", code="collection_not_found")
@@ -168,7 +168,7 @@ async def add_documents(request: Request) -> Response:
 async def delete_document(request: Request) -> Response:
     registry = _registry(request)
     doc_id = request.path_params["document_id"]
-    async with registry.lock:
+    async with registry.lock():
         collection = _collection(request)
         n = collection.documents.get(doc_id)
         if n is None:

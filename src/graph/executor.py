@@ -42,6 +42,11 @@ log = logging.getLogger(__name__)
 COLLECTION_DROP_TIMEOUT = 60.0  # a run's end never waits forever on a stuck vector store
 
 
+def new_run_id() -> str:
+    """A fresh run id (the owner may put a prefix before it: ``WorkflowService.id_prefix``)."""
+    return uuid.uuid4().hex[:16]
+
+
 @dataclass
 class NodeRecord:
     node: str
@@ -82,7 +87,7 @@ class Run:
     graph: Graph
     inputs: dict[str, Any]
     outputs: tuple[str, ...]
-    id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    id: str = field(default_factory=new_run_id)
     status: str = "queued"  # queued | running | succeeded | failed | cancelled
     result: Any = None
     error: str | None = None

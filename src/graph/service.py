@@ -17,7 +17,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 from headrace.batching.protocols import ResolvedEngine
 from headrace.graph import collections
 from headrace.graph.collections import CollectionLookup, UnknownCollection
-from headrace.graph.executor import CallObserver, Executor, Run
+from headrace.graph.executor import CallObserver, Executor, Run, new_run_id
 from headrace.graph.graph import Graph, Node, Op
 from headrace.graph.optimizer import Optimized, Optimizer
 from headrace.graph.passes import GraphPass, PassEnv
@@ -84,7 +84,9 @@ class WorkflowService:
         collections: CollectionLookup | None = None,
         observer: RunObserver | None = None,
         calls: CallObserver | None = None,
+        id_prefix: str = "",
     ) -> None:
+        self.id_prefix = id_prefix  # starts every run id (a router in front of several daemons reads it)
         self.observer = observer
         self.policies = set(policies)
         self._collections = collections
@@ -201,7 +203,7 @@ class WorkflowService:
     def _register(self, plan: _Plan) -> Run:
         run = Run(workflow=plan.workflow.name, graph=plan.optimized.graph, inputs=plan.inputs,
                   outputs=plan.workflow.outputs, applied=plan.optimized.applied, policy=plan.policy,
-                  isolate=plan.isolate, slo_seconds=plan.slo_seconds)
+                  isolate=plan.isolate, slo_seconds=plan.slo_seconds, id=self.id_prefix + new_run_id())
         run.emit = lambda event, _id=run.id: self._broadcast(_id, event)
         self.runs[run.id] = run
         while len(self.runs) > self._keep:
@@ -264,7 +266,7 @@ class WorkflowService:
                 choice_of[f"c{index}.decode"] = index
         graph.rewire()
         graph.compute_depths()
-        run = Run(workflow="request", graph=graph, inputs={}, outputs=())
+        run = Run(workflow="request", graph=graph, inputs={}, outputs=(), id=self.id_prefix + new_run_id())
         send, receive = anyio.create_memory_object_stream[ChoiceDelta](len(choice_of) * (params.max_tokens + 1))
 
         async def forward(node: Node, key: tuple, delta: TokenDelta) -> None:

@@ -289,8 +289,9 @@ class SessionManager:
     """The daemon's sessions: create, find by owner, close; expires the idle ones."""
 
     def __init__(self, executor: Executor, resolve: Callable[[str], ResolvedEngine],
-                 engines_by_kind: Callable[[], dict[str, str]], idle_seconds: float) -> None:
+                 engines_by_kind: Callable[[], dict[str, str]], idle_seconds: float, id_prefix: str = "") -> None:
         self.executor = executor
+        self.id_prefix = id_prefix  # after "sess_": a router in front of several daemons reads it
         self.resolve = resolve
         self.engines_by_kind = engines_by_kind
         self.idle_seconds = idle_seconds
@@ -317,7 +318,7 @@ class SessionManager:
     def create(self, owner: str | None) -> Session:
         if self._task_group is None:
             raise RuntimeError("the session manager is not running")
-        session_id = f"sess_{uuid.uuid4().hex[:16]}"
+        session_id = f"sess_{self.id_prefix}{uuid.uuid4().hex[:16]}"
         send, receive = anyio.create_memory_object_stream[frozenset[str]](PENDING_CALLS)
         store = Store(declares=set())
         growth = Growth(receive, store)

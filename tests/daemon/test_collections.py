@@ -27,7 +27,7 @@ from starlette.testclient import TestClient
 
 from conftest import ROOT, free_port
 from headrace.daemon.app import create_app
-from headrace.daemon.collections import CollectionRegistry
+from headrace.daemon.collections import Collection, CollectionRegistry
 from headrace.daemon.config import ConfigError, load_config
 
 pytestmark = pytest.mark.slow
@@ -354,6 +354,35 @@ def test_an_unreadable_registry_stops_the_daemon_with_a_config_error(tmp_path):
     with pytest.raises(ConfigError) as err:
         CollectionRegistry(tmp_path)
     assert err.value.key == "data.dir" and "collections.json" in str(err.value)
+
+
+@pytest.mark.anyio
+async def test_daemons_sharing_a_data_dir_see_and_keep_each_others_changes(tmp_path):
+    import anyio
+
+    a, b = CollectionRegistry(tmp_path), CollectionRegistry(tmp_path)  # two daemons, one data dir
+    async with a.lock():
+        a.collections["docs"] = Collection("docs", "minilm", "lancedb", chunk_size=64, chunk_overlap=0)
+        await a.save()
+    held = b.get("docs")
+    assert held is not None and held.chunk_size == 64
+    async with b.lock():
+        b.collections["docs"].documents["d1"] = 3
+        await b.save()
+    assert a.get("docs").documents == {"d1": 3}
+    async with a.lock():  # a's change starts from b's: nothing of b's is lost
+        a.collections["docs"].documents["d2"] = 1
+        await a.save()
+    assert b.get("docs") is held and held.documents == {"d1": 3, "d2": 1}  # the same object, updated
+    async with a.lock():  # while a holds the lock, b waits for it
+        with anyio.move_on_after(0.3) as waited:
+            async with b.lock():
+                pass
+        assert waited.cancelled_caught
+    async with b.lock():
+        del b.collections["docs"]
+        await b.save()
+    assert a.get("docs") is None and a.all() == []
 
 
 # ----- headrace ingest ----------------------------------------------------------------------

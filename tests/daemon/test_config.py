@@ -282,3 +282,9 @@ def test_bad_lifecycle_values_name_the_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"^server\.max_rerank_documents: must be >= 1"):
         load_config(write(tmp_path, "[server]\nmax_rerank_documents = 0\n"), env={})
     assert load_config(None, env={"HEADRACE_SERVER_DRAIN_SECONDS": "2.5"}).server.drain_seconds == 2.5
+
+
+def test_id_prefix_must_be_safe_in_a_url(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, "[server]\nid_prefix = 'r-ab_1'\n"), env={}).server.id_prefix == "r-ab_1"
+    with pytest.raises(ConfigError, match="server.id_prefix: must hold only letters"):
+        load_config(write(tmp_path, "[server]\nid_prefix = 'a/b'\n"), env={})
