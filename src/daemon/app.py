@@ -121,7 +121,8 @@ def create_app(config: Config, registry: Registry | None = None) -> Starlette:
     workflows = WorkflowService(registry.workflows, registry.passes, pool.resolve, pool.engines_by_kind,
                                 pool.max_efficient_batch, policies=[*registry.batch_policies, *registry.llm_policies],
                                 collections=collections.lookup, observer=metrics_,
-                                calls=Preloader(pool, metrics_, config.residency, registry.workflows))
+                                calls=Preloader(pool, metrics_, config.residency, registry.workflows),
+                                max_traced_steps=config.workflows.max_traced_steps)
     metrics_.watch_optimizer(workflows.optimizer.stats)
     sessions = SessionManager(workflows.executor, pool.resolve, pool.engines_by_kind, config.sessions.idle_seconds)
 
