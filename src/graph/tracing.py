@@ -184,6 +184,7 @@ class Trace:
         self._pending: list[Node] = []
         self._handles: list[str] = []  # the pending set's handle variables
         self._issued = anyio.Event()
+        self._flushing = anyio.Lock()
 
     @property
     def steps(self) -> int:
@@ -295,11 +296,21 @@ class Trace:
         return Handle(self, var)
 
     async def flush(self) -> None:
-        """Optimize the calls issued since the last flush as one set, join them to the run's graph, start them."""
-        if not self._pending:
-            return
+        """Optimize the calls issued since the last flush as one set, join them to the run's graph, start them.
+
+        One flush at a time: a handle awaited while another flush optimizes must find its variable
+        declared once this returns.
+        """
+        async with self._flushing:
+            if self._pending:
+                await self._send(*self._take())
+
+    def _take(self) -> tuple[list[Node], list[str]]:
         nodes, handles = self._pending, self._handles
         self._pending, self._handles = [], []
+        return nodes, handles
+
+    async def _send(self, nodes: list[Node], handles: list[str]) -> None:
         optimized = await self._optimize(nodes, handles)
         added, graph = optimized.graph, self.run.graph
         for node in added.nodes.values():
