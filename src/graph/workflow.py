@@ -74,6 +74,8 @@ class Workflow:
     # Inputs that go whole into an LLM prompt (not chunked): they must fit the LLM's context.
     prompt_inputs: tuple[str, ...] = ("question",)
     trace: TraceBody | None = None  # a traced workflow: the graph grows as this runs
+    # Checks across fields the schemas cannot state, after them; raises WorkflowInputError.
+    check: Callable[[dict[str, Any], dict[str, Any]], None] | None = None
 
     def __post_init__(self) -> None:
         if (self.build is None) == (self.trace is None):
@@ -89,8 +91,11 @@ class Workflow:
         }
 
     def validate(self, inputs: Any, config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-        return (_object(inputs, self.inputs, self.required, "inputs"),
-                _object(config, {**self.config, **COMMON_CONFIG}, (), "config"))
+        inputs = _object(inputs, self.inputs, self.required, "inputs")
+        config = _object(config, {**self.config, **COMMON_CONFIG}, (), "config")
+        if self.check is not None:
+            self.check(inputs, config)
+        return inputs, config
 
 
 def _closed(schema: Mapping[str, Any]) -> dict[str, Any]:

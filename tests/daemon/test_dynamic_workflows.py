@@ -117,10 +117,13 @@ def test_router_routes(server, collection):
     assert computed["result"]["route"] == "compute" and {"expression.1", "calculator.2", "answer.3"} <= set(nodes)
 
 
-def test_router_without_a_collection_cannot_search(server):
+def test_bad_inputs_are_400_naming_the_field(server):
     r = post(server, "/v1/workflows/router/runs", {"inputs": {"question": "q"}, "config": {"route": "search"}})
-    assert r.status_code == 200 and r.json()["status"] == "failed"
-    assert "needs inputs.collection" in r.json()["error"]
+    assert r.status_code == 400 and r.json()["error"]["param"] == "config.route"
+    r = post(server, "/v1/workflows/agent/runs", {"inputs": {"question": "q", "collection": "missing"}})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "inputs.collection"
+    r = post(server, "/v1/workflows/debate/runs", {"inputs": {"question": "q"}, "config": {"agents": 0}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "config.agents"
 
 
 def test_events_stream_of_a_traced_run(server):

@@ -27,7 +27,7 @@ import json
 from typing import Any
 
 from headrace.graph.tracing import CallFailed, Handle, Trace
-from headrace.graph.workflow import Workflow
+from headrace.graph.workflow import Workflow, WorkflowInputError
 from headrace.graph.workflows.common import COLLECTION, QUESTION
 
 MAX_TOKENS = {"type": "integer", "minimum": 1, "maximum": 1024, "default": 48, "description": "tokens per LLM answer"}
@@ -228,10 +228,13 @@ async def router(t: Trace) -> dict[str, Any]:
         choices = "; ".join(f"{r}: {ROUTES[r]}" for r in routes)
         route = await t.llm.generate(ROUTE.replace("{choices}", choices), inputs={"question": question},
                                      choices=routes, max_tokens=ROUTE_TOKENS, name="route")
-    elif route not in routes:
-        raise ValueError(f"route {route!r} needs inputs.collection")
     answer = await SUB_WORKFLOWS[route](t, question)
     return {"answer": await answer, "route": route}
+
+
+def check_route(inputs: dict[str, Any], config: dict[str, Any]) -> None:
+    if config["route"] == "search" and "collection" not in inputs:
+        raise WorkflowInputError("config.route", "'search' needs inputs.collection to search")
 
 
 ROUTER = Workflow(
@@ -247,6 +250,7 @@ ROUTER = Workflow(
     outputs=("answer", "route"),
     kinds=RETRIEVAL_KINDS,
     trace=router,
+    check=check_route,
 )
 
 DYNAMIC = (DEBATE, AGENT, ROUTER)
