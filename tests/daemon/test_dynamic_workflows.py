@@ -67,12 +67,12 @@ def test_debate(server):
     # Agreement after the first round stops early; else the second round is the last.
     assert result["rounds"] == (1 if result["agreed"] else 2)
     nodes = graph_nodes(server, body["id"])
-    answers = [n for n, node in nodes.items() if n.startswith("agent") and node["op"] == "decode"]
+    answers = [n for n, node in nodes.items() if n.startswith("agent.") and node["op"] == "decode"]
     assert len(answers) == 2 * result["rounds"]
-    assert "agree1.3" in nodes and any(n.startswith("judge.") for n in nodes)
+    assert "agree.3" in nodes and any(n.startswith("judge.") for n in nodes)
     # The verdict's prompt was issued before the answers it reads were done: its ready prefix
     # (the question) was split off and prefilled early.
-    assert nodes["agree1.3.prefill.partial"]["op"] == "partial_prefill"
+    assert nodes["agree.3.prefill.partial"]["op"] == "partial_prefill"
 
 
 def test_agent_on_a_collection(server, collection):
@@ -146,11 +146,12 @@ def test_cancel_mid_debate_and_the_graph_so_far(server):
     assert r.status_code == 202, r.text
     run_id = r.json()["id"]
     deadline = time.monotonic() + 240
-    while not any(n["state"] == "done" and n["node"].startswith("agent") for n in get(server, f"/v1/runs/{run_id}").json()["nodes"]):
+    while not any(n["state"] == "done" and n["node"].startswith("agent.")
+                  for n in get(server, f"/v1/runs/{run_id}").json()["nodes"]):
         assert time.monotonic() < deadline, "no agent answered"
         time.sleep(0.2)
     graph = graph_nodes(server, run_id)  # what has unfolded so far, while it runs
-    assert {"agent1.1", "agent2.2"} <= set(graph)
+    assert {"agent.1", "agent.2"} <= set(graph)
     cancelled = httpx.delete(f"{server.base_url}/v1/runs/{run_id}", headers=HEADERS, timeout=60).json()
     assert cancelled["status"] == "cancelled"
     assert not any(n["state"] == "running" for n in cancelled["nodes"])

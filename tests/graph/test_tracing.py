@@ -21,6 +21,8 @@ from headrace.graph.tracing import CallFailed, ToolError, calculate
 from headrace.graph.workflow import Workflow
 
 ENGINES = {"llm": "smollm2", "embed": "all-minilm-l6-v2", "vector_store": "lancedb"}
+HEADRACE = "A headrace is the channel that carries water from the river to the mill wheel."
+BASALT = "Basalt columns form when thick lava flows cool slowly and crack into hexagons."
 
 
 def offline(registry, body, max_steps: int = 64, inputs=None, outputs=("answer",)) -> WorkflowService:
@@ -188,6 +190,26 @@ def test_passes_apply_to_issued_but_unawaited_calls(registry):
     assert {"decode_pipelining", "prefill_split"} <= set(shapes["applied"])
 
 
+def test_the_schedulers_see_unawaited_calls_as_task_groups_with_objectives(registry):
+    seen = {}
+
+    async def body(t):
+        drafts = [t.llm.generate("Say {{input:x}}.", inputs={"x": str(i)}, name="agent") for i in range(2)]
+        pick = t.llm.generate("Pick one: {{input:a}} or {{input:b}}", inputs={"a": drafts[0], "b": drafts[1]},
+                              choices=["a", "b"], name="judge")
+        await t.flush()
+        seen["groups"], seen["objectives"] = dict(t.growth.task_groups), dict(t.growth.objectives)
+        with pytest.raises(CallFailed):  # no engine is loaded
+            await pick
+        return {"answer": ""}
+
+    r = run(offline(registry, body))
+    assert r.status == "succeeded", r.error
+    groups, objectives = seen["groups"], seen["objectives"]
+    assert groups["agent.1"] == groups["agent.2"]  # a stage's parallel calls, issued before any is awaited
+    assert objectives["judge.3"] == "latency" and objectives["agent.1"] == "latency"  # the output and the calls before it
+
+
 def test_calculator_is_arithmetic_only():
     assert calculate("12 * (3 + 4)") == "84"
     assert calculate("7 / 2") == "3.5" and calculate("2^10") == "1024" and calculate("-3 % 2") == "1"
@@ -212,15 +234,19 @@ def test_a_workflow_is_a_template_or_a_trace():
 
 @pytest.mark.slow
 def test_live_handles_share_a_prefilled_prefix_and_cancel_frees_the_contexts(live):
-    """A prefix prefilled once and continued by two generations, then a loop of generations cancelled
-    midway: the run ends cancelled with no context left on the engine."""
+    """A prefix prefilled once and continued by two generations, a rerank and an embed, then a loop of
+    generations cancelled midway: the run ends cancelled with no context left on the engine."""
     portal, svc, pool = live
+    seen = {}
 
     async def body(t):
         head = t.llm.prefill("You are terse. The mill wheel turns when water flows.\n", name="head")
         a = t.llm.generate("Say yes.", after=head, max_tokens=2, name="yes")
         b = t.llm.generate("Say no.", after=head, max_tokens=2, name="no")
         first = [await a, await b]
+        top = t.rerank("What carries water to a mill wheel?", [BASALT, HEADRACE], top_n=1)
+        vectors = t.embed([HEADRACE, BASALT])
+        seen["top"], seen["shape"] = await top, tuple((await vectors).shape)
         for i in range(100):  # cancelled long before its end
             first.append(await t.llm.generate(f"Count to {i}.", max_tokens=4, name="count"))
         return {"answer": first}
@@ -241,6 +267,7 @@ def test_live_handles_share_a_prefilled_prefix_and_cancel_frees_the_contexts(liv
     finally:
         del svc.workflows["live_traced"]
     assert r.status == "cancelled"
+    assert seen["top"] == [HEADRACE] and seen["shape"] == (2, 384)
     ops = {n: node.op for n, node in r.graph.nodes.items()}
     assert ops["head.1"] == Op.PARTIAL_PREFILL and ops["yes.2.prefill"] == ops["no.3.prefill"] == Op.FULL_PREFILL
     assert r.graph.parents("yes.2.prefill") == r.graph.parents("no.3.prefill") == ["head.1"]

@@ -59,15 +59,15 @@ async def debate(t: Trace) -> dict[str, Any]:
     personas = [PERSONAS[i % len(PERSONAS)] for i in range(n)]
     answers: list[Handle] = [
         t.llm.generate(DEBATE_ANSWER.replace("{persona}", persona), inputs={"question": question},
-                       max_tokens=max_tokens, name=f"agent{i + 1}")
-        for i, persona in enumerate(personas)]
+                       max_tokens=max_tokens, name="agent")  # one name: a round's agents are a task group
+        for persona in personas]
     agreed, done = False, 1
     for r in range(1, rounds):
         if n > 1:  # do they agree already? the only value this round needs in Python
             names = [f"a{i}" for i in range(n)]
             verdict = t.llm.generate(DEBATE_AGREE.replace("{answers}", _lines("Answer", names)),
                                      inputs={"question": question, **dict(zip(names, answers))},
-                                     choices=["yes", "no"], max_tokens=AGREE_TOKENS, name=f"agree{r}")
+                                     choices=["yes", "no"], max_tokens=AGREE_TOKENS, name="agree")
             if await verdict == "yes":
                 agreed = True
                 break
@@ -76,7 +76,7 @@ async def debate(t: Trace) -> dict[str, Any]:
             others = [f"o{j}" for j in range(n) if j != i]
             prompt = DEBATE_REVISE.replace("{persona}", persona).replace("{others}", _lines("Agent", others))
             values = {"question": question, "mine": answers[i], **{f"o{j}": answers[j] for j in range(n) if j != i}}
-            revised.append(t.llm.generate(prompt, inputs=values, max_tokens=max_tokens, name=f"agent{i + 1}"))
+            revised.append(t.llm.generate(prompt, inputs=values, max_tokens=max_tokens, name="agent"))
         answers, done = revised, r + 1
     best = 0
     if n > 1:
