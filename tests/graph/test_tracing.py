@@ -17,7 +17,8 @@ import pytest
 from conftest import idle
 from headrace.graph.graph import Op
 from headrace.graph.service import WorkflowService
-from headrace.graph.tracing import CallFailed, ToolError, calculate
+from headrace.graph.tools import ToolError, calculate
+from headrace.graph.tracing import CallFailed
 from headrace.graph.workflow import Workflow
 
 ENGINES = {"llm": "smollm2", "embed": "all-minilm-l6-v2", "vector_store": "lancedb"}

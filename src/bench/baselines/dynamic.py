@@ -22,7 +22,7 @@ from typing import Any, Mapping
 from headrace.bench.baselines import client_validate
 from headrace.bench.baselines.chaining import ClientChaining
 from headrace.graph.prompts import PromptTemplate
-from headrace.graph.tracing import ToolError, calculate
+from headrace.graph.tools import ToolError, calculate
 from headrace.graph.workflow import Workflow
 from headrace.graph.workflows import dynamic
 
