@@ -282,3 +282,13 @@ def test_bad_lifecycle_values_name_the_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"^server\.max_rerank_documents: must be >= 1"):
         load_config(write(tmp_path, "[server]\nmax_rerank_documents = 0\n"), env={})
     assert load_config(None, env={"HEADRACE_SERVER_DRAIN_SECONDS": "2.5"}).server.drain_seconds == 2.5
+
+
+def test_max_traced_steps_reaches_the_workflow_service() -> None:
+    from headrace.daemon.app import create_app
+
+    with pytest.raises(ConfigError, match=r"^workflows\.max_traced_steps: must be >= 1"):
+        load_config(None, env={}, overrides={"workflows.max_traced_steps": 0})
+    config = load_config(None, env={"HEADRACE_WORKFLOWS_MAX_TRACED_STEPS": "7"})
+    assert config.workflows.max_traced_steps == 7
+    assert create_app(config).state.workflows.max_traced_steps == 7  # the bound the traced runs get
