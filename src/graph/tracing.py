@@ -99,13 +99,14 @@ class LLMCalls:
                  temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = (),
                  system: str | None = None, schema: Mapping[str, Any] | None = None,
                  choices: Sequence[str] | None = None, split: str | None = None, max_pieces: int | None = None,
-                 after: Handle | None = None, name: str = "generate") -> Handle:
+                 after: Handle | None = None, stream: bool = False, name: str = "generate") -> Handle:
         """A chat completion of ``prompt`` (``{{input:x}}`` placeholders filled from ``inputs``, each a
         value or a handle). ``schema``: the output is JSON matching it (constrained decoding), and
         the handle's value is the parsed JSON; ``choices``: one of these strings, constrained;
         ``split`` ("lines" or "json"): the value is the list of pieces, which decode pipelining
         can stream into embeds and searches issued with it; ``after``: a context from ``prefill``
-        that this prompt continues (its KV is forked, not recomputed).
+        that this prompt continues (its KV is forked, not recomputed); ``stream``: its tokens are the
+        run's ``node.partial`` events (the answer a streaming client reads as it is written).
         """
         t = self._trace
         if choices is not None:
@@ -140,6 +141,8 @@ class LLMCalls:
         raw = f"t{step}_raw" if schema is not None else out
         t._add(Node(nid, Op.DECODE, engine=llm, inputs=(ctx,), outputs=(raw,), params=params, component=name,
                     splittable=split, size=max_tokens))
+        if stream:
+            t._streamed.add(nid)
         if schema is not None:  # the value Python and later prompts see is the parsed JSON
             t._add(Node(f"{nid}.parse", Op.FUNCTION, inputs=(raw,), outputs=(out,), params={"fn": json.loads},
                         component=name))
@@ -193,6 +196,8 @@ class Trace:
         self._handles: list[str] = []  # the pending set's handle variables
         self._issued = anyio.Event()
         self._flushing = anyio.Lock()
+        self._streamed: set[str] = set()  # decodes whose token deltas are the run's events
+        run.on_delta = self._forward_delta
 
     @property
     def steps(self) -> int:
@@ -252,6 +257,12 @@ class Trace:
         self._add(Node(f"{name}.{step}", Op.FUNCTION, inputs=(self._bind(argument, step, "argument"),),
                        outputs=(out,), params={"fn": TOOLS[tool], "tool": tool}, component=name))
         return self._handle(out)
+
+    async def _forward_delta(self, node: Node, key: tuple, delta: Any) -> None:
+        """A streamed generation's tokens as ``node.partial`` events, as a template's answer decode sends them."""
+        if delta.text and node.id in self._streamed:
+            self.run.emit({"event": "node.partial", "run": self.run.id, "node": node.id, "key": list(key),
+                           "delta": delta.text})
 
     # the graph ----------------------------------------------------------------------
 

@@ -137,6 +137,9 @@ def test_events_stream_of_a_traced_run(server):
     grew = [e for e in events if e["event"] == "run.grew"]
     assert grew and grew[0]["nodes"] == ["answer.1", "answer.1.prefill"]
     assert {"node.started", "node.finished"} <= set(kinds)
+    # The answer's tokens stream as they are written, and make up the answer.
+    deltas = [e["delta"] for e in events if e["event"] == "node.partial" and e["node"] == "answer.1"]
+    assert deltas and "".join(deltas).strip() == events[-1]["result"]["answer"]
 
 
 def test_cancel_mid_debate_and_the_graph_so_far(server):

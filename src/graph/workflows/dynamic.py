@@ -151,7 +151,7 @@ async def agent(t: Trace) -> dict[str, Any]:
         transcript += f"Step {i + 1}: {{{{input:act{i}}}}}\nObservation {i + 1}: {{{{input:obs{i}}}}}\n"
         steps.append({"action": action, "input": argument, "observation": observation})
     final = t.llm.generate(head + transcript + AGENT_FINAL, inputs=values, max_tokens=config["max_tokens"],
-                           name="final")
+                           stream=True, name="final")
     return {"answer": await final, "steps": await _observed(steps)}
 
 
@@ -195,14 +195,15 @@ ROUTE_TOKENS = 6
 
 
 async def _direct(t: Trace, question: str) -> Handle:
-    return t.llm.generate(DIRECT, inputs={"question": question}, max_tokens=t.config["max_tokens"], name="answer")
+    return t.llm.generate(DIRECT, inputs={"question": question}, max_tokens=t.config["max_tokens"], stream=True,
+                          name="answer")
 
 
 async def _search(t: Trace, question: str) -> Handle:
     hits = t.search(question, k=t.config["k"], name="search")
     # Issued with the hits unawaited: the answer's prompt up to the context is prefilled during the search.
     return t.llm.generate(FROM_CONTEXT, inputs={"question": question, "context": hits},
-                          max_tokens=t.config["max_tokens"], name="answer")
+                          max_tokens=t.config["max_tokens"], stream=True, name="answer")
 
 
 async def _compute(t: Trace, question: str) -> Handle:
@@ -214,7 +215,7 @@ async def _compute(t: Trace, question: str) -> Handle:
     except CallFailed as exc:
         result = f"not computable ({exc})"
     return t.llm.generate(WITH_RESULT, inputs={"question": question, "expression": expression, "result": result},
-                          max_tokens=t.config["max_tokens"], name="answer")
+                          max_tokens=t.config["max_tokens"], stream=True, name="answer")
 
 
 SUB_WORKFLOWS = {"direct": _direct, "search": _search, "compute": _compute}
