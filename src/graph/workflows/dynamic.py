@@ -114,7 +114,9 @@ AGENT_ACTIONS = {
 }
 AGENT_FINAL = "Answer the question in one sentence from the observations.\nAnswer:"
 MAX_ACTION_INPUT = 80  # characters: a query, an expression or a short answer
-STEP_TOKENS = 48  # the step's JSON with an input of MAX_ACTION_INPUT characters
+# Room for the whole step JSON even at one token a character (digits are): a cut-off step would not
+# parse. The constraint ends a shorter one early, so the bound costs nothing.
+STEP_TOKENS = 128
 
 
 def step_schema(actions: list[str]) -> dict[str, Any]:
@@ -190,7 +192,8 @@ FROM_CONTEXT = ("Answer the question using the context.\nQuestion: {{input:quest
 EXPRESSION = "Write the arithmetic expression that answers the question.\nQuestion: {{input:question}}\nExpression:"
 WITH_RESULT = ("Answer the question in one sentence.\nQuestion: {{input:question}}\n"
                "The calculation {{input:expression}} = {{input:result}}\nAnswer:")
-ARITHMETIC = r"^[0-9(][0-9+\-*/%(). ]{0,59}$"  # what the expression may hold: the calculator's alphabet
+ARITHMETIC = r"^[0-9(][0-9+\-*/%(). ]{0,39}$"  # what the expression may hold: the calculator's alphabet
+EXPRESSION_TOKENS = 48  # the quoted expression even at one token a character
 ROUTE_TOKENS = 6
 
 
@@ -207,8 +210,8 @@ async def _search(t: Trace, question: str) -> Handle:
 
 
 async def _compute(t: Trace, question: str) -> Handle:
-    expression = t.llm.generate(EXPRESSION, inputs={"question": question}, max_tokens=24, name="expression",
-                                schema={"type": "string", "pattern": ARITHMETIC})
+    expression = t.llm.generate(EXPRESSION, inputs={"question": question}, max_tokens=EXPRESSION_TOKENS,
+                                schema={"type": "string", "pattern": ARITHMETIC}, name="expression")
     result: Any = t.tool("calculator", expression)
     try:
         await result
