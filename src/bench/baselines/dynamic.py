@@ -66,7 +66,7 @@ class ClientLoops(ClientChaining):
             self.complete(render(dynamic.DEBATE_ANSWER.replace("{persona}", p), {"question": question}), max_tokens)
             for p in personas)))
         names = [f"a{i}" for i in range(n)]
-        listed = dynamic._lines("Answer", names)
+        listed = dynamic.numbered_lines("Answer", names)
         agreed, done = False, 1
         for _ in range(1, rounds):
             if n > 1:
@@ -79,7 +79,7 @@ class ClientLoops(ClientChaining):
             for i, persona in enumerate(personas):
                 others = [f"o{j}" for j in range(n) if j != i]
                 template = dynamic.DEBATE_REVISE.replace("{persona}", persona).replace(
-                    "{others}", dynamic._lines("Agent", others))
+                    "{others}", dynamic.numbered_lines("Agent", others))
                 prompts.append(render(template, {"question": question, "mine": answers[i],
                                                  **{f"o{j}": answers[j] for j in range(n) if j != i}}))
             answers, done = list(await asyncio.gather(*(self.complete(p, max_tokens) for p in prompts))), done + 1

@@ -34,7 +34,7 @@ MAX_TOKENS = {"type": "integer", "minimum": 1, "maximum": 1024, "default": 48, "
 RETRIEVAL_KINDS = ("llm", "embed", "vector_store")
 
 
-def _lines(prefix: str, names: list[str]) -> str:
+def numbered_lines(prefix: str, names: list[str]) -> str:
     """``prefix 1: {{input:a}}`` lines, one per variable name."""
     return "".join(f"{prefix} {i + 1}: {{{{input:{name}}}}}\n" for i, name in enumerate(names))
 
@@ -65,7 +65,7 @@ async def debate(t: Trace) -> dict[str, Any]:
     for r in range(1, rounds):
         if n > 1:  # do they agree already? the only value this round needs in Python
             names = [f"a{i}" for i in range(n)]
-            verdict = t.llm.generate(DEBATE_AGREE.replace("{answers}", _lines("Answer", names)),
+            verdict = t.llm.generate(DEBATE_AGREE.replace("{answers}", numbered_lines("Answer", names)),
                                      inputs={"question": question, **dict(zip(names, answers))},
                                      choices=["yes", "no"], max_tokens=AGREE_TOKENS, name="agree")
             if await verdict == "yes":
@@ -74,14 +74,14 @@ async def debate(t: Trace) -> dict[str, Any]:
         revised = []
         for i, persona in enumerate(personas):
             others = [f"o{j}" for j in range(n) if j != i]
-            prompt = DEBATE_REVISE.replace("{persona}", persona).replace("{others}", _lines("Agent", others))
+            prompt = DEBATE_REVISE.replace("{persona}", persona).replace("{others}", numbered_lines("Agent", others))
             values = {"question": question, "mine": answers[i], **{f"o{j}": answers[j] for j in range(n) if j != i}}
             revised.append(t.llm.generate(prompt, inputs=values, max_tokens=max_tokens, name="agent"))
         answers, done = revised, r + 1
     best = 0
     if n > 1:
         names = [f"a{i}" for i in range(n)]
-        pick = t.llm.generate(DEBATE_JUDGE.replace("{answers}", _lines("Answer", names)),
+        pick = t.llm.generate(DEBATE_JUDGE.replace("{answers}", numbered_lines("Answer", names)),
                               inputs={"question": question, **dict(zip(names, answers))},
                               choices=[str(i + 1) for i in range(n)], max_tokens=JUDGE_TOKENS, name="judge")
         best = int(await pick) - 1
