@@ -24,7 +24,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--modes", nargs="+", help="modes for the single-query phase (default: the workload's baseline, "
                    "sequential, headrace); server modes: sequential, +<pass>..., headrace, headrace-fifo, "
                    "headrace-topology, headrace-objective (headrace under that LLM policy); baselines: llamaindex "
-                   "(RAG), chaining (summaries)")
+                   "(RAG), chaining (summaries), client (debate, agent: the loop as an openai-SDK client)")
     p.add_argument("--ladder", nargs="*", metavar="WORKLOAD",
                    help="single query: also switch each pass on in turn (for the named workloads; none named: all)")
     p.add_argument("--reps", type=int, default=3, help="measured repetitions per mode (default 3; 0 skips the phase)")

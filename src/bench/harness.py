@@ -50,7 +50,7 @@ from headrace.bench.workloads import (
 
 ISOLATED = {**server_modes()[HEADRACE], "isolate": True}
 RUN_TIMEOUT_S = 900  # a run that never ends is a bug to report, not a reason to wait forever
-BASELINE_MODES = ("llamaindex", "chaining", "semantic")  # client-side modes
+BASELINE_MODES = ("llamaindex", "chaining", "semantic", "client")  # client-side modes
 
 
 @dataclass
@@ -127,6 +127,10 @@ class Systems:
                 from headrace.bench.baselines.chaining import ClientChaining
 
                 self._baselines[mode] = ClientChaining(f"{d.base_url}/v1", d.api_key or "none", self.models["llm"])
+            elif mode == "client":
+                from headrace.bench.baselines.dynamic import ClientLoops
+
+                self._baselines[mode] = ClientLoops(f"{d.base_url}/v1", d.api_key or "none", self.models["llm"])
             elif mode == "semantic":
                 from headrace.bench.baselines.semantic import SemanticCalls
 

@@ -15,7 +15,7 @@ def _f(x: Any, spec: str = ".2f", none: str = "-") -> str:
 
 def single_table(name: str, section: dict[str, Any]) -> list[str]:
     single = section["single"]
-    baseline = next((m for m in section["modes"] if m in ("llamaindex", "chaining")), None)
+    baseline = next((m for m in section["modes"] if m in ("llamaindex", "chaining", "client")), None)
     lines = [f"== {name}: single query, mean of {next(iter(single['modes'].values()))['reps']} reps after warm-up "
              f"(config {json.dumps(section['config'])}) =="]
     head = f"{'mode':<24} {'mean s':>7} {'median s':>8}"
@@ -132,7 +132,7 @@ def write(results: dict[str, Any], out: Path) -> list[Path]:
     for name, section in results["workloads"].items():
         single = section.get("single")
         if single:
-            baseline = next((m for m in section["modes"] if m in ("llamaindex", "chaining")), SEQUENTIAL)
+            baseline = next((m for m in section["modes"] if m in ("llamaindex", "chaining", "client")), SEQUENTIAL)
             key = f"speedup_vs_{baseline}"
             ratios = {m: row[key] for m, row in single["modes"].items() if key in row}
             if ratios:

@@ -12,6 +12,8 @@ mode is a way to run it against the daemon under test:
 - ``+<pass>``: the ablation ladder from ``sequential``, switching each pass on in
   turn (``+topology`` last would equal ``headrace``);
 - ``llamaindex`` (RAG) / ``chaining`` (summaries): the peer baselines as clients;
+- ``client`` (debate, agent): the traced workflow's loop written as an openai-SDK client
+  (DyOrc's client-side baseline);
 - ``semantic`` (summaries): the same work submitted by a client as Parrot's semantic
   calls (one session; the daemon chains the calls), under the daemon's own LLM policy.
 
@@ -52,6 +54,8 @@ class Workload:
         doc = corpus.documents[q.document].text
         if self.workflow in ("map_reduce_summary", "chain_summary"):
             return {"document": doc}
+        if self.workflow in ("debate", "agent"):  # no documents: the agent then calculates or answers
+            return {"question": q.text}
         return {"question": q.text, "documents": [doc]}
 
 
@@ -62,6 +66,8 @@ WORKLOADS = {
         Workload("map_reduce_summary", "map_reduce_summary", "chaining", {"max_tokens": 24}, (SEMANTIC,)),
         Workload("chain_summary", "chain_summary", "chaining", {"max_tokens": 24}, (SEMANTIC,)),
         Workload("fact_verify", "fact_verify", None, {"max_tokens": 24}),
+        Workload("debate", "debate", "client", {"agents": 2, "rounds": 2, "max_tokens": 24}),
+        Workload("agent", "agent", "client", {"max_steps": 3, "max_tokens": 24}),
     )
 }
 MIXED = ("advanced_rag", "map_reduce_summary")  # Ayo §7.2: two workflows co-located, sharing the LLM

@@ -122,7 +122,8 @@ def create_app(config: Config, registry: Registry | None = None) -> Starlette:
                                 pool.max_efficient_batch, policies=[*registry.batch_policies, *registry.llm_policies],
                                 collections=collections.lookup, observer=metrics_,
                                 calls=Preloader(pool, metrics_, config.residency, registry.workflows),
-                                id_prefix=config.server.id_prefix)
+                                id_prefix=config.server.id_prefix,
+                                max_traced_steps=config.workflows.max_traced_steps)
     metrics_.watch_optimizer(workflows.optimizer.stats)
     sessions = SessionManager(workflows.executor, pool.resolve, pool.engines_by_kind, config.sessions.idle_seconds,
                               config.server.id_prefix)

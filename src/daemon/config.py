@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from headrace.graph.workflow import MAX_TRACED_STEPS
+
 ENV_PREFIX = "HEADRACE_"
 API_KEY_ALIAS = "HEADRACE_API_KEY"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -148,6 +150,18 @@ class SessionsConfig:
         _check(self.idle_seconds > 0, "idle_seconds", f"must be > 0, got {self.idle_seconds}")
 
 
+@dataclass(frozen=True)
+class WorkflowsConfig:
+    """``[workflows]``: how far a workflow run may go."""
+
+    # Engine calls one run of a traced workflow (debate, agent, router, a plugin's ``async def``) may
+    # issue; the call past it fails the run, so a loop that never ends cannot hold the engines.
+    max_traced_steps: int = MAX_TRACED_STEPS
+
+    def __post_init__(self) -> None:
+        _check(self.max_traced_steps >= 1, "max_traced_steps", f"must be >= 1, got {self.max_traced_steps}")
+
+
 def _check_batching(b: BatchingConfig | BatchingOverride) -> None:
     if b.policy is not None:
         _check(bool(b.policy), "policy", "must not be empty")
@@ -250,6 +264,7 @@ class Config:
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     collections: CollectionsConfig = field(default_factory=CollectionsConfig)
     sessions: SessionsConfig = field(default_factory=SessionsConfig)
+    workflows: WorkflowsConfig = field(default_factory=WorkflowsConfig)
     residency: ResidencyConfig = field(default_factory=ResidencyConfig)
     engines: list[EngineConfig] = field(default_factory=list)
 
@@ -367,7 +382,7 @@ def _from_string(tp: Any, text: str) -> Any:
 # The sections whose scalar fields env vars and dotted overrides may set.
 _SECTIONS: dict[str, type] = {"server": ServerConfig, "data": DataConfig, "batching": BatchingConfig,
                               "collections": CollectionsConfig, "sessions": SessionsConfig,
-                              "residency": ResidencyConfig}
+                              "workflows": WorkflowsConfig, "residency": ResidencyConfig}
 
 
 def _read_file(path: Path) -> dict[str, Any]:

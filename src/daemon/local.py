@@ -32,14 +32,16 @@ async def engines(config: Config, only: set[str] | None = None) -> AsyncIterator
     if only is not None:
         pinned = [name for name in config.residency.pinned if name in only]
         config = Config(server=config.server, data=config.data, batching=config.batching,
-                        collections=config.collections, residency=replace(config.residency, pinned=pinned),
+                        collections=config.collections, sessions=config.sessions, workflows=config.workflows,
+                        residency=replace(config.residency, pinned=pinned),
                         engines=[e for e in config.engines if e.name in only])
     pool = EnginePool(config, registry, Metrics())
     collections = CollectionRegistry(config.data.data_path())  # `headrace run` may search a collection too
     service = WorkflowService(registry.workflows, registry.passes, pool.resolve, pool.engines_by_kind,
                               pool.max_efficient_batch, policies=[*registry.batch_policies, *registry.llm_policies],
                               collections=collections.lookup, observer=pool.metrics,
-                              calls=Preloader(pool, pool.metrics, config.residency, registry.workflows))
+                              calls=Preloader(pool, pool.metrics, config.residency, registry.workflows),
+                              max_traced_steps=config.workflows.max_traced_steps)
     async with anyio.create_task_group() as tg:
         await tg.start(pool.run)
         while not pool.ready:

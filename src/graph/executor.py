@@ -10,11 +10,13 @@ nodes of the other branches are never dispatched (their outputs take their
 defaults). Cancelling the run cancels everything in flight and frees its KV
 contexts.
 
-A growing run (a session's semantic calls) has no fixed graph: whoever grows it
-adds nodes to its graph and sends their ids down the run's ``Growth``; each set
-runs as its own scope as soon as it arrives, reading the values other sets
-produce from the one store they share. A set that fails leaves ``Failed`` in
-its unset outputs, so the sets that read them fail too rather than wait.
+A growing run (a session's semantic calls, a traced workflow) has no fixed graph:
+whoever grows it adds nodes to its graph and sends their ids down the run's
+``Growth``; each set runs as its own scope as soon as it arrives, reading the
+values other sets produce from the one store they share. A set that fails leaves
+``Failed`` in its unset outputs, so the sets that read them fail too rather than
+wait. A growth with a ``driver`` (a traced workflow's body) runs it in the run's
+own task group: cancelling the run cancels it, and its failure fails the run.
 """
 
 from __future__ import annotations
@@ -79,6 +81,8 @@ class Growth:
     # primitive's scheduler sees the values as of its submission.
     objectives: MutableMapping[str, Objective] = field(default_factory=dict)
     task_groups: MutableMapping[str, str] = field(default_factory=dict)
+    # What grows the graph from inside the run (a traced body); it closes ``additions`` when done.
+    driver: Callable[[], Awaitable[None]] | None = None
 
 
 @dataclass
@@ -222,6 +226,8 @@ class Executor:
     async def _grow(self, run: Run, growth: Growth, ctx: OpContext) -> None:
         """Run each node set added to a growing run as its own scope, until no more can come."""
         async with anyio.create_task_group() as tg, growth.additions:
+            if growth.driver is not None:
+                tg.start_soon(growth.driver)
             async for members in growth.additions:
                 tg.start_soon(self._run_added, run, members, growth.store, ctx)
 

@@ -21,7 +21,8 @@ from headrace.graph.executor import CallObserver, Executor, Run, new_run_id
 from headrace.graph.graph import Graph, Node, Op
 from headrace.graph.optimizer import Optimized, Optimizer
 from headrace.graph.passes import GraphPass, PassEnv
-from headrace.graph.workflow import Workflow, WorkflowInputError
+from headrace.graph.tracing import Trace, TracePlan
+from headrace.graph.workflow import MAX_TRACED_STEPS, Workflow, WorkflowInputError
 from headrace.plugins.protocols import SEED_MAX, SEED_MIN, SamplingParams, TokenDelta
 
 EVENT_BUFFER = 1024  # events per subscriber; a run emits a few per node and piece
@@ -64,6 +65,7 @@ class _Plan:
     policy: str | None
     isolate: bool
     slo_seconds: float | None
+    trace: TracePlan | None = None  # a traced workflow: its graph grows while it runs
 
 
 class UnknownWorkflow(KeyError):
@@ -85,8 +87,10 @@ class WorkflowService:
         observer: RunObserver | None = None,
         calls: CallObserver | None = None,
         id_prefix: str = "",
+        max_traced_steps: int = MAX_TRACED_STEPS,
     ) -> None:
         self.id_prefix = id_prefix  # starts every run id (a router in front of several daemons reads it)
+        self.max_traced_steps = max_traced_steps
         self.observer = observer
         self.policies = set(policies)
         self._collections = collections
@@ -120,6 +124,12 @@ class WorkflowService:
         plan = await anyio.to_thread.run_sync(self._plan, name, inputs, config, limiter=self._plan_limiter)
         return self._register(plan)
 
+    async def _optimize_off_loop(self, pgraph: Graph, env: PassEnv, passes: Iterable[str] | None) -> Optimized:
+        """A traced run's node set through the passes, on the planning thread (the e-graph cache is shared)."""
+        if self._plan_limiter is None:
+            self._plan_limiter = anyio.CapacityLimiter(1)
+        return await anyio.to_thread.run_sync(self.optimizer.optimize, pgraph, env, passes, limiter=self._plan_limiter)
+
     def _plan(self, name: str, inputs: Any, config: Any) -> _Plan:
         workflow = self.workflows.get(name)
         if workflow is None:
@@ -140,6 +150,9 @@ class WorkflowService:
         policy = config.get("batch_policy")
         if policy is not None and policy not in self.policies:
             raise WorkflowInputError("config.batch_policy", f"unknown batch policy {policy!r}; known: {sorted(self.policies)}")
+        if workflow.trace is not None:  # nothing to build yet: the body grows the graph as it runs
+            return _Plan(workflow, inputs, Optimized(Graph(workflow.name)), policy, bool(config.get("isolate")),
+                         config.get("slo_seconds"), TracePlan(config, engines, None if passes is None else tuple(passes)))
         pgraph = workflow.build(inputs, config, engines)
         env = PassEnv(max_efficient_batch=self._max_efficient_batch, inputs=set(inputs))
         optimized = self.optimizer.optimize(pgraph, env, passes)
@@ -205,6 +218,10 @@ class WorkflowService:
                   outputs=plan.workflow.outputs, applied=plan.optimized.applied, policy=plan.policy,
                   isolate=plan.isolate, slo_seconds=plan.slo_seconds, id=self.id_prefix + new_run_id())
         run.emit = lambda event, _id=run.id: self._broadcast(_id, event)
+        if plan.trace is not None:
+            run.growth = Trace(run, plan.workflow.trace, plan.trace.config, plan.trace.engines, self._optimize_off_loop,
+                               PassEnv(max_efficient_batch=self._max_efficient_batch), plan.trace.passes,
+                               self.max_traced_steps).growth
         self.runs[run.id] = run
         while len(self.runs) > self._keep:
             old_id, old = next(iter(self.runs.items()))

@@ -1,6 +1,8 @@
-"""Workflows: a name, JSON schemas for inputs and config, and a builder of p-graphs.
+"""Workflows: a name, JSON schemas for inputs and config, and a builder of p-graphs or a traced body.
 
-Plugins register workflows through ``register_workflows``. Inputs and config are
+Plugins register workflows through ``register_workflows``. A template workflow's
+``build`` makes its whole p-graph before the run; a traced one's ``trace`` is an
+``async def`` that grows the run's graph while it runs (``headrace.graph.tracing``). Inputs and config are
 validated against the schemas (a small subset of JSON Schema: object, string,
 integer, number, boolean, array, enum, minimum/maximum, minLength/maxLength,
 minItems/maxItems, required, defaults); a bad value raises ``WorkflowInputError``
@@ -12,13 +14,22 @@ naming the field. Objects are closed: ``schema()`` says so with
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping
 
 from headrace.graph.graph import Graph
 from headrace.text import is_unicode
 
+if TYPE_CHECKING:
+    from headrace.graph.tracing import Trace
+
 # (inputs, config, engines by kind) -> p-graph
 Builder = Callable[[dict[str, Any], dict[str, Any], Mapping[str, str]], Graph]
+# A traced workflow's body: issues engine calls on the trace, returns its outputs (see tracing.py).
+TraceBody = Callable[["Trace"], Awaitable[Any]]
+
+# Engine calls one traced run may issue ([workflows] max_traced_steps): a loop that never ends
+# fails its run instead of holding the engines.
+MAX_TRACED_STEPS = 64
 
 # Config every workflow accepts, handled by the executor and the daemon.
 COMMON_CONFIG: dict[str, Any] = {
@@ -55,13 +66,20 @@ class Workflow:
     name: str
     description: str
     inputs: dict[str, Any]  # JSON schema properties
-    build: Builder
+    build: Builder | None = None  # a template: the whole p-graph, before the run
     config: dict[str, Any] = field(default_factory=dict)
     required: tuple[str, ...] = ()
     outputs: tuple[str, ...] = ("answer",)
     kinds: tuple[str, ...] = ("llm",)  # engine kinds the workflow needs
     # Inputs that go whole into an LLM prompt (not chunked): they must fit the LLM's context.
     prompt_inputs: tuple[str, ...] = ("question",)
+    trace: TraceBody | None = None  # a traced workflow: the graph grows as this runs
+    # Checks across fields the schemas cannot state, after them; raises WorkflowInputError.
+    check: Callable[[dict[str, Any], dict[str, Any]], None] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.build is None) == (self.trace is None):
+            raise ValueError(f"workflow {self.name!r} needs either a build (a template) or a trace (an async def)")
 
     def schema(self) -> dict[str, Any]:
         return {
@@ -73,8 +91,11 @@ class Workflow:
         }
 
     def validate(self, inputs: Any, config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-        return (_object(inputs, self.inputs, self.required, "inputs"),
-                _object(config, {**self.config, **COMMON_CONFIG}, (), "config"))
+        inputs = _object(inputs, self.inputs, self.required, "inputs")
+        config = _object(config, {**self.config, **COMMON_CONFIG}, (), "config")
+        if self.check is not None:
+            self.check(inputs, config)
+        return inputs, config
 
 
 def _closed(schema: Mapping[str, Any]) -> dict[str, Any]:

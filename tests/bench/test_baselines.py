@@ -14,6 +14,7 @@ from conftest import API_KEY
 from headrace.bench.baselines import MissingPeer, require
 from headrace.graph.ops import chunk_text
 from headrace.graph.prompts import PromptTemplate
+from headrace.graph.workflow import WorkflowInputError
 from headrace.graph.workflows import common, rag, summary
 
 LLM, EMBED, RERANK = "smollm2", "all-minilm-l6-v2", "smollm2-rerank"
@@ -221,3 +222,18 @@ async def test_semantic_calls_summaries(server):
         ch = await semantic.run("chain_summary", {"document": DOCUMENT}, config)
     assert isinstance(mr["summary"], str) and mr["summary"].strip()
     assert isinstance(ch["summary"], str) and ch["summary"].strip()
+
+
+def test_client_loops_validate_as_headrace_does():
+    from headrace.bench.baselines import dynamic
+
+    inputs, config = dynamic.validate("debate", {"question": "q"}, {"agents": 2})
+    assert config == {"agents": 2, "rounds": 3, "max_tokens": 48}
+    with pytest.raises(WorkflowInputError, match="config.agents"):
+        dynamic.validate("debate", {"question": "q"}, {"agents": 0})
+    with pytest.raises(ValueError, match="server-side setting"):
+        dynamic.validate("agent", {"question": "q"}, {"isolate": True})
+    with pytest.raises(ValueError, match="no search"):
+        dynamic.validate("agent", {"question": "q", "collection": "c"}, {})
+    # The text a client sends is the text the traced call prefills.
+    assert dynamic.render("Q: {{input:q}}\nAnswer:", {"q": "why?"}) == "Q: why?\nAnswer:"

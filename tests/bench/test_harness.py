@@ -133,3 +133,15 @@ def test_the_summaries_run_as_semantic_calls_against_client_chaining(server, tmp
         assert modes["semantic"]["speedup_vs_chaining"] > 0
         runs = results["workloads"][name]["single"]["runs"]
         assert all(r["answer"].strip() for r in runs if r["mode"] == "semantic")
+
+
+def test_debate_and_agent_against_their_client_side_loops(server, tmp_path):
+    code = main(["bench", "debate", "agent", "--modes", "client", "headrace", *TINY,
+                 "--url", server.base_url, "--api-key", API_KEY, "--out", str(tmp_path)])
+    assert code == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    for name in ("debate", "agent"):
+        modes = results["workloads"][name]["single"]["modes"]
+        assert set(modes) == {"client", "headrace"} and modes["headrace"]["speedup_vs_client"] > 0
+        runs = results["workloads"][name]["single"]["runs"]
+        assert {r["mode"] for r in runs} == {"client", "headrace"} and all(r["answer"].strip() for r in runs)

@@ -288,3 +288,13 @@ def test_id_prefix_must_be_safe_in_a_url(tmp_path: Path) -> None:
     assert load_config(write(tmp_path, "[server]\nid_prefix = 'r-ab_1'\n"), env={}).server.id_prefix == "r-ab_1"
     with pytest.raises(ConfigError, match="server.id_prefix: must hold only letters"):
         load_config(write(tmp_path, "[server]\nid_prefix = 'a/b'\n"), env={})
+
+
+def test_max_traced_steps_reaches_the_workflow_service() -> None:
+    from headrace.daemon.app import create_app
+
+    with pytest.raises(ConfigError, match=r"^workflows\.max_traced_steps: must be >= 1"):
+        load_config(None, env={}, overrides={"workflows.max_traced_steps": 0})
+    config = load_config(None, env={"HEADRACE_WORKFLOWS_MAX_TRACED_STEPS": "7"})
+    assert config.workflows.max_traced_steps == 7
+    assert create_app(config).state.workflows.max_traced_steps == 7  # the bound the traced runs get

@@ -27,8 +27,10 @@ REQUEST_TIMEOUT = 180  # generous: a fuzzed workflow run waits on the models; a 
 MODELS = {"ChatCompletionRequest": "smollm2", "CompletionRequest": "smollm2", "EmbeddingRequest": "all-minilm-l6-v2",
           "RerankRequest": "smollm2-rerank", "TokenizeRequest": "smollm2", "TokenizeChatRequest": "smollm2",
           "DetokenizeRequest": "smollm2"}
-# n multiplies the decodes as max_tokens lengthens them: both clamped.
-TOKEN_FIELDS = {"max_tokens": 4, "max_completion_tokens": 4, "context_tokens": 2, "n": 2}
+# n multiplies the decodes as max_tokens lengthens them: both clamped. So do a traced workflow's
+# agents, rounds and steps.
+TOKEN_FIELDS = {"max_tokens": 4, "max_completion_tokens": 4, "context_tokens": 2, "n": 2,
+                "agents": 2, "rounds": 2, "max_steps": 2}
 
 
 def small(doc: Any, name: str | None = None) -> Any:
