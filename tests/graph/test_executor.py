@@ -241,6 +241,9 @@ class StubLLM:
     async def free(self, context):
         pass
 
+    def busy_with_other_runs(self, run):
+        return False
+
     def generate(self, tokens, params, meta=None):
         raise NotImplementedError
 
