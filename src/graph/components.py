@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 from headrace.graph.graph import Graph, Node, Op
 from headrace.graph.prompts import PLACEHOLDER, PromptTemplate
+from headrace.graph.regions import map_over
 
 ROLE_OPS = {
     "embed": Op.EMBED, "ingest": Op.INGEST, "search": Op.SEARCH, "text_search": Op.TEXT_SEARCH,
@@ -141,9 +142,7 @@ class GraphBuilder:
             self.graph.connect(self._ends[a.name][1], self._ends[b.name][0])
         self.graph.rewire()
         if self._maps:
-            from headrace.graph.passes import map_over  # the same region machinery that pipelining uses
-
-            for source, names in self._maps:
+            for source, names in self._maps:  # the same region machinery that pipelining uses
                 map_over(self.graph, source, {n.id for n in self.graph.nodes.values() if n.component in names})
         self.graph.compute_depths()
         return self.graph
