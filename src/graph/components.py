@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from headrace.graph.graph import Graph, Node, Op
+from headrace.graph.graph import LLM_MAX_TOKENS, Graph, Node, Op
 from headrace.graph.prompts import PLACEHOLDER, PromptTemplate
 from headrace.graph.regions import map_over
 
@@ -104,7 +104,7 @@ class GraphBuilder:
             last = self.graph.add(Node(
                 id=node_id, op=Op.DECODE, engine=engine, inputs=(f"{node_id}.ctx",),
                 outputs=(template.output,), params=config, component=component.name,
-                splittable=component.splittable, size=config.get("max_tokens", 128), batchable=component.batchable,
+                splittable=component.splittable, size=config.get("max_tokens", LLM_MAX_TOKENS), batchable=component.batchable,
             ))
             head = prefill.id
         else:

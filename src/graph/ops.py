@@ -18,7 +18,7 @@ import torch
 from headrace.batching.meta import Objective, PrimitiveMeta
 from headrace.batching.protocols import ResolvedEngine
 from headrace.batching.requests import EmbedRequest, RerankRequest, VectorIngest, VectorSearch, VectorSearchText
-from headrace.graph.graph import Node, Op
+from headrace.graph.graph import LLM_MAX_TOKENS, Node, Op
 from headrace.graph.parsers import make_parser
 from headrace.graph.prompts import prompt_tokens
 from headrace.plugins.protocols import JsonSchemaConstraint, SamplingParams
@@ -214,7 +214,7 @@ def sampling(node: Node) -> SamplingParams:
     # A decode split into JSON items is constrained to a JSON list of strings, so it parses by construction.
     constraint = json_items_constraint(node.params.get("max_pieces")) if node.splittable == "json" else None
     return SamplingParams(
-        max_tokens=node.params.get("max_tokens", 128),
+        max_tokens=node.params.get("max_tokens", LLM_MAX_TOKENS),
         temperature=node.params.get("temperature", 0.0),
         top_p=node.params.get("top_p", 1.0),
         seed=node.params.get("seed"),
