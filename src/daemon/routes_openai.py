@@ -17,11 +17,9 @@ from headrace.daemon import requests as rq
 from headrace.daemon import structured
 from headrace.daemon.errors import APIError, bad_request, internal
 from headrace.daemon.logprobs import CompletionLogprobs, TokenStrings, chat_content
-from headrace.daemon.schemas import MAX_CHOICES, ChatCompletionRequest, CompletionRequest
+from headrace.daemon.schemas import COMPLETIONS_MAX_TOKENS, MAX_CHOICES, ChatCompletionRequest, CompletionRequest
 from headrace.graph.service import ChoiceDelta
-from headrace.plugins.protocols import ReportsLogprobs, SamplingParams, TokenDelta, TokenLogprob
-
-DEFAULT_MAX_TOKENS = 256
+from headrace.plugins.protocols import DEFAULT_MAX_TOKENS, ReportsLogprobs, SamplingParams, TokenDelta, TokenLogprob
 
 
 def engine_for(request: Request, model: str, kind: str, what: str) -> Any:
@@ -126,7 +124,7 @@ async def completions(request: Request) -> Response:
     prompts = rq.completion_prompts(body)
     spec = rq.stream_spec(body)
     constraint = await rq.off_loop_if_large(structured.schema_chars(body), structured.response_constraint, body)
-    params = rq.sampling(body, 16, constraint)  # 16: OpenAI's default for completions
+    params = rq.sampling(body, COMPLETIONS_MAX_TOKENS, constraint)
     _check_logprobs(slot, params, "logprobs")
     n = body.n or 1
     if len(prompts) * n > MAX_CHOICES:

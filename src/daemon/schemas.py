@@ -18,7 +18,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from headrace.graph.graph import LLM_MAX_TOKENS
 from headrace.plugins.protocols import MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN
+
+# /v1/completions without max_tokens generates 16 tokens: OpenAI's documented default, an API contract
+# (chat has none; headrace uses DEFAULT_MAX_TOKENS there).
+COMPLETIONS_MAX_TOKENS = 16
 
 # A sane ceiling; the model's context bounds what is really generated.
 MAX_TOKENS_LIMIT = 2**31 - 1
@@ -173,7 +178,7 @@ class CompletionRequest(Sampling, NeutralFields, WithResponseFormat):
                          Field(min_length=1, max_length=MAX_CHOICES)]) = Field(
         description="a string, a list of strings, a list of token ids, or a list of token-id lists; "
                     "each prompt gets n choices, numbered prompt * n + sample")
-    max_tokens: MaxTokens | None = Field(None, description="default 16")
+    max_tokens: MaxTokens | None = Field(None, description=f"default {COMPLETIONS_MAX_TOKENS}")
     max_completion_tokens: MaxTokens | None = Field(None, description="an alias of max_tokens (it wins over it)")
     logprobs: TopLogprobs | None = Field(None, description="each output token's log-probability and the k most "
                                                            "likely tokens at each position")
@@ -267,7 +272,6 @@ class AddDocumentsRequest(Body):
 # Semantic-variable sessions (Parrot) ------------------------------------------------------
 
 VARIABLE_NAME = r"^[A-Za-z_][A-Za-z0-9_]{0,63}$"  # what a {{input:x}} / {{output:y}} placeholder can name
-CALL_MAX_TOKENS = 128  # an output's default length
 VariableName = Annotated[str, Field(pattern=VARIABLE_NAME)]
 
 
@@ -286,7 +290,7 @@ class SetVariableRequest(Body):
 
 
 class OutputSampling(Body):
-    max_tokens: MaxTokens = Field(CALL_MAX_TOKENS, description="tokens this output may generate")
+    max_tokens: MaxTokens = Field(LLM_MAX_TOKENS, description="tokens this output may generate")
     temperature: Annotated[float, Field(ge=0, le=2)] = Field(0.0, description="0 (the default) means greedy")
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None

@@ -13,16 +13,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from headrace.graph.graph import Graph, Node, Op
+from headrace.graph.graph import LLM_MAX_TOKENS, Graph, Node, Op
 from headrace.graph.prompts import PLACEHOLDER, PromptTemplate
+from headrace.graph.regions import map_over
 
 ROLE_OPS = {
     "embed": Op.EMBED, "ingest": Op.INGEST, "search": Op.SEARCH, "text_search": Op.TEXT_SEARCH,
     "rerank": Op.RERANK, "chunk": Op.CHUNK, "condition": Op.CONDITION, "aggregate": Op.AGGREGATE,
-    "function": Op.FUNCTION,
+    "function": Op.FUNCTION, "prefill": Op.PREFILL,  # a prefill alone: a KV context that others fork
 }
 ROLES = {"llm", *ROLE_OPS}
-ENGINE_KIND = {"llm": "llm", "embed": "embed", "ingest": "vector_store", "search": "vector_store",
+ENGINE_KIND = {"llm": "llm", "prefill": "llm", "embed": "embed", "ingest": "vector_store", "search": "vector_store",
                "text_search": "vector_store", "rerank": "rerank"}
 
 
@@ -86,8 +87,13 @@ class GraphBuilder:
         self._maps: list[tuple[Node, set[str]]] = []  # (source, component names) to run per item
 
     def emit(self, component: Component, suffix: str = "", rename: Mapping[str, str] | None = None,
-             size: int = 1, **params: Any) -> Node:
-        """Add the primitives of one instance of ``component``; returns its last primitive."""
+             size: int = 1, parent: str | None = None, **params: Any) -> Node:
+        """Add the primitives of one instance of ``component``; returns its last primitive.
+
+        An LLM component given ``parent``, the variable of a KV context, forks it: its prefill is a
+        full prefill that continues that context. Given ``tokens``, its prompt arrives tokenized (an
+        OpenAI request) and is prefilled as those tokens.
+        """
         names = dict(rename or {})
         node_id = f"{component.name}{suffix}"
         config = {**component.config, **params}
@@ -95,15 +101,22 @@ class GraphBuilder:
         if component.role == "llm":
             prompt = _rename_prompt(component.prompt or "", names)
             template = PromptTemplate(prompt)
+            tokens = config.get("tokens")
+            prefill_params = {**config, "prompt": prompt} if parent is None else {**config, "prompt": prompt,
+                                                                                  "parent": parent}
             prefill = self.graph.add(Node(
-                id=f"{node_id}.prefill", op=Op.PREFILL, engine=engine, inputs=template.inputs,
-                outputs=(f"{node_id}.ctx",), params={**config, "prompt": prompt}, component=component.name,
-                size=max(size, len(prompt) // 4), prefix_hash=template.prefix_hash(), batchable=component.batchable,
+                id=f"{node_id}.prefill", op=Op.PREFILL if parent is None else Op.FULL_PREFILL, engine=engine,
+                inputs=template.inputs if parent is None else (*template.inputs, parent),
+                outputs=(f"{node_id}.ctx",), params=prefill_params, component=component.name,
+                # A tokenized prompt has no text to hash, and its size is known.
+                size=len(tokens) if tokens is not None else max(size, len(prompt) // 4),
+                prefix_hash=None if tokens is not None else template.prefix_hash(), batchable=component.batchable,
             ))
             last = self.graph.add(Node(
                 id=node_id, op=Op.DECODE, engine=engine, inputs=(f"{node_id}.ctx",),
                 outputs=(template.output,), params=config, component=component.name,
-                splittable=component.splittable, size=config.get("max_tokens", 128), batchable=component.batchable,
+                splittable=component.splittable, size=config.get("max_tokens", LLM_MAX_TOKENS),
+                batchable=component.batchable,
             ))
             head = prefill.id
         else:
@@ -134,16 +147,17 @@ class GraphBuilder:
             if condition.outputs[0] not in reads:
                 node.params["reads"] = (*reads, condition.outputs[0])
 
-    def finish(self, template: Template) -> Graph:
-        """Wire data edges from the variables, plus ``>>`` order edges between consecutive components."""
-        emitted = [c for c in template.components if c.name in self._ends]
+    def finish(self, template: Template | None = None) -> Graph:
+        """Wire data edges from the variables, plus ``>>`` order edges between consecutive components.
+
+        Without a template the graph has data edges only: its components have no ``>>`` order.
+        """
+        emitted = [c for c in template.components if c.name in self._ends] if template is not None else []
         for a, b in zip(emitted, emitted[1:]):
             self.graph.connect(self._ends[a.name][1], self._ends[b.name][0])
         self.graph.rewire()
         if self._maps:
-            from headrace.graph.passes import map_over  # the same region machinery that pipelining uses
-
-            for source, names in self._maps:
+            for source, names in self._maps:  # the same region machinery that pipelining uses
                 map_over(self.graph, source, {n.id for n in self.graph.nodes.values() if n.component in names})
         self.graph.compute_depths()
         return self.graph

@@ -36,7 +36,8 @@ from headrace.batching.protocols import ResolvedEngine
 from headrace.batching.requests import VectorDrop
 from headrace.graph.graph import Graph, Node, Op
 from headrace.graph.objectives import objectives, task_groups
-from headrace.graph.ops import NodeError, NotRun, OpContext, aggregate, run_op
+from headrace.graph.aggregates import aggregate
+from headrace.graph.ops import NodeError, NotRun, OpContext, run_op
 from headrace.graph.store import Failed, Store
 
 Emit = Callable[[dict[str, Any]], None]

@@ -14,6 +14,11 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any, Callable, Iterable
 
+# An LLM primitive's output length when nothing sets one: a template component with no max_tokens in
+# its config, a traced call, a semantic call's output. (A workflow's own max_tokens option has its
+# own default, and OpenAI requests theirs: DEFAULT_MAX_TOKENS, COMPLETIONS_MAX_TOKENS.)
+LLM_MAX_TOKENS = 128
+
 
 class Op(StrEnum):
     PREFILL = "prefill"

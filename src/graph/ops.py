@@ -18,13 +18,10 @@ import torch
 from headrace.batching.meta import Objective, PrimitiveMeta
 from headrace.batching.protocols import ResolvedEngine
 from headrace.batching.requests import EmbedRequest, RerankRequest, VectorIngest, VectorSearch, VectorSearchText
-from headrace.graph.graph import Node, Op
+from headrace.graph.graph import LLM_MAX_TOKENS, Node, Op
 from headrace.graph.parsers import make_parser
-from headrace.graph.prompts import PromptTemplate
+from headrace.graph.prompts import prompt_tokens
 from headrace.plugins.protocols import JsonSchemaConstraint, SamplingParams
-
-SENTINEL = "\x00HEADRACE\x00"
-
 
 class NodeError(RuntimeError):
     """A primitive failed; the message names the node and the cause."""
@@ -84,13 +81,6 @@ def _texts(value: Any) -> list[str]:
     if isinstance(value, str):
         return [value]
     return [str(v) for v in value]
-
-
-def chat_frame(engine: Any, system: str | None) -> tuple[str, str]:
-    """The chat template's text before and after the user's message."""
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": SENTINEL}]
-    head, _, tail = engine.chat_prompt(messages).partition(SENTINEL)
-    return head, tail
 
 
 async def run_op(node: Node, scope: Mapping[str, Any], ctx: OpContext, key: tuple = ()) -> dict[str, Any]:
@@ -182,20 +172,6 @@ async def _rerank(node, scope, ctx, key):
     return {node.outputs[0]: [docs[i] for i in order.tolist()]}
 
 
-def _prompt_tokens(engine: Any, node: Node, scope: Mapping[str, Any], part: str) -> list[int]:
-    """Tokens of a prompt, or of its split-off prefix or rest (see the prefill-split pass)."""
-    head, tail = chat_frame(engine, node.params.get("system"))
-    prompt = node.params["prompt"]
-    if part == "whole":  # the split-off prefix and the rest, as one prompt
-        prompt, part = node.params["split_prefix"] + prompt, "all"
-    text = PromptTemplate(prompt).render(scope)
-    if part == "prefix":
-        return engine.encode(head + text)
-    if part == "rest":
-        return engine.encode(text + tail)
-    return engine.encode(head + text + tail)
-
-
 async def _prefill(node, scope, ctx, key):
     resolved = _engine(node, ctx)
     engine, sched = resolved.engine, resolved.llm()
@@ -211,7 +187,7 @@ async def _prefill(node, scope, ctx, key):
     if "tokens" in node.params:
         tokens = node.params["tokens"]
     else:  # tokenizing a long prompt takes a while: off the event loop
-        tokens = await anyio.to_thread.run_sync(_prompt_tokens, engine, node, scope, part)
+        tokens = await anyio.to_thread.run_sync(prompt_tokens, engine, node, scope, part)
     context = engine.new_context_id()
     ctx.contexts.add((node.engine, context))
     await sched.prefill(context, tokens, parent, ctx.meta(node, key))
@@ -238,7 +214,7 @@ def sampling(node: Node) -> SamplingParams:
     # A decode split into JSON items is constrained to a JSON list of strings, so it parses by construction.
     constraint = json_items_constraint(node.params.get("max_pieces")) if node.splittable == "json" else None
     return SamplingParams(
-        max_tokens=node.params.get("max_tokens", 128),
+        max_tokens=node.params.get("max_tokens", LLM_MAX_TOKENS),
         temperature=node.params.get("temperature", 0.0),
         top_p=node.params.get("top_p", 1.0),
         seed=node.params.get("seed"),
@@ -307,28 +283,3 @@ HANDLERS: dict[Op, Callable[..., Awaitable[dict[str, Any]]]] = {
     Op.PARTIAL_DECODE: _decode,
     Op.FUNCTION: _function,
 }
-
-
-def aggregate(op: str, parts: list[Any], params: Mapping[str, Any]) -> Any:
-    """ALTO's aggregation operators over the pieces of one key, in piece order."""
-    if op == "concat":
-        out: list[Any] = []
-        for p in parts:
-            if isinstance(p, torch.Tensor):
-                return torch.cat([q for q in parts if q.numel()])
-            out.extend(p if isinstance(p, list) else [p])
-        return _dedupe(out) if params.get("dedupe") and all(isinstance(x, str) for x in out) else out
-    if op == "last":
-        return parts[-1]
-    if op == "sum":
-        return sum(parts)
-    if op == "count":
-        return len(parts)
-    if op == "topk":
-        items = [x for p in parts for x in (p if isinstance(p, list) else [p])]
-        # sorted is stable, so equal scores keep part order, as one unsplit ranking would.
-        best = sorted(items, key=lambda x: x[0], reverse=True)[: params.get("k", 3)]
-        return [value for _, value in best] if params.get("values") else best
-    if op == "filter":
-        return [p for p in parts if params["keep"](p)]
-    raise NodeError(f"unknown aggregate op {op!r}")

@@ -5,6 +5,9 @@ marks where the model's answer goes, and names the variable it becomes. The
 placeholders make a prompt's data dependencies explicit, and the text before
 the first input that is not yet available is a prefix that can be prefilled
 early (Parrot §5.3, Ayo's prefill split).
+
+A prompt node's text is framed by the engine's chat template and tokenized
+here, for the prefill handlers.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import hashlib
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping
+
+from headrace.graph.graph import Node
 
 PLACEHOLDER = re.compile(r"\{\{(input|output):([A-Za-z_][A-Za-z0-9_]*)\}\}")
 
@@ -73,3 +78,28 @@ class PromptTemplate:
         m = PLACEHOLDER.search(self.text)
         static = self.text[: m.start()] if m else self.text
         return hashlib.sha1(static.encode()).hexdigest()[:12]
+
+
+# Stands in for the user's message in the chat template, so the text around it can be cut out.
+SENTINEL = "\x00HEADRACE\x00"
+
+
+def chat_frame(engine: Any, system: str | None) -> tuple[str, str]:
+    """The chat template's text before and after the user's message."""
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": SENTINEL}]
+    head, _, tail = engine.chat_prompt(messages).partition(SENTINEL)
+    return head, tail
+
+
+def prompt_tokens(engine: Any, node: Node, scope: Mapping[str, Any], part: str) -> list[int]:
+    """Tokens of a prompt, or of its split-off prefix or rest (see the prefill-split pass)."""
+    head, tail = chat_frame(engine, node.params.get("system"))
+    prompt = node.params["prompt"]
+    if part == "whole":  # the split-off prefix and the rest, as one prompt
+        prompt, part = node.params["split_prefix"] + prompt, "all"
+    text = PromptTemplate(prompt).render(scope)
+    if part == "prefix":
+        return engine.encode(head + text)
+    if part == "rest":
+        return engine.encode(text + tail)
+    return engine.encode(head + text + tail)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Iterable, Mapping, Protocol, Sequence
 
 import anyio
@@ -18,12 +18,13 @@ from headrace.batching.protocols import ResolvedEngine
 from headrace.graph import collections
 from headrace.graph.collections import CollectionLookup, UnknownCollection
 from headrace.graph.executor import CallObserver, Executor, Run, new_run_id
-from headrace.graph.graph import Graph, Node, Op
+from headrace.graph.graph import Graph, Node
 from headrace.graph.optimizer import Optimized, Optimizer
 from headrace.graph.passes import GraphPass, PassEnv
+from headrace.graph.request import request_graph
 from headrace.graph.tracing import Trace, TracePlan
 from headrace.graph.workflow import MAX_TRACED_STEPS, Workflow, WorkflowInputError
-from headrace.plugins.protocols import SEED_MAX, SEED_MIN, SamplingParams, TokenDelta
+from headrace.plugins.protocols import SamplingParams, TokenDelta
 
 EVENT_BUFFER = 1024  # events per subscriber; a run emits a few per node and piece
 
@@ -44,15 +45,6 @@ class ChoiceDelta:
 
     index: int
     delta: TokenDelta
-
-
-def choice_params(params: SamplingParams, j: int) -> SamplingParams:
-    """The sampling of a request's ``j``-th choice: a seeded request gives each choice its own seed (vLLM's ``seed + j``,
-    wrapped into the seeds a generator takes)."""
-    if params.seed is None or j == 0:
-        return params
-    span = SEED_MAX - SEED_MIN + 1
-    return replace(params, seed=(params.seed + j - SEED_MIN) % span + SEED_MIN)
 
 
 @dataclass(frozen=True)
@@ -259,30 +251,8 @@ class WorkflowService:
         Plain OpenAI requests take this path so they share the executor, the schedulers and
         cancellation with workflows. Closing the iterator cancels the run and frees its contexts.
         """
-        graph = Graph("request")
-        choice_of: dict[str, int] = {}
-        for i, tokens in enumerate(prompts):
-            # A one-token prompt has no prefix to share: each choice prefills it whole.
-            fork = n > 1 and len(tokens) > 1
-            shared = f"p{i}.prefix.ctx"
-            if fork:
-                graph.add(Node(f"p{i}.prefix", Op.PREFILL, engine=engine, outputs=(shared,),
-                               params={"tokens": tokens[:-1]}, size=len(tokens) - 1))
-            for j in range(n):
-                index = i * n + j
-                ctx_var = f"c{index}.ctx"
-                if fork:
-                    graph.add(Node(f"c{index}.prefill", Op.FULL_PREFILL, engine=engine, inputs=(shared,),
-                                   outputs=(ctx_var,), params={"tokens": tokens[-1:], "parent": shared}, size=1))
-                else:
-                    graph.add(Node(f"c{index}.prefill", Op.PREFILL, engine=engine, outputs=(ctx_var,),
-                                   params={"tokens": tokens}, size=len(tokens)))
-                graph.add(Node(f"c{index}.decode", Op.DECODE, engine=engine, inputs=(ctx_var,),
-                               outputs=(f"c{index}.text",), params={"sampling": choice_params(params, j)},
-                               size=params.max_tokens))
-                choice_of[f"c{index}.decode"] = index
-        graph.rewire()
-        graph.compute_depths()
+        built = request_graph(engine, prompts, params, n)
+        graph, choice_of = built.graph, built.choice_of
         run = Run(workflow="request", graph=graph, inputs={}, outputs=(), id=self.id_prefix + new_run_id())
         send, receive = anyio.create_memory_object_stream[ChoiceDelta](len(choice_of) * (params.max_tokens + 1))
 

@@ -34,7 +34,7 @@ import anyio
 
 from headrace.graph import collections
 from headrace.graph.executor import Growth, Run
-from headrace.graph.graph import Graph, Node, Op
+from headrace.graph.graph import LLM_MAX_TOKENS, Graph, Node, Op
 from headrace.graph.objectives import objectives, task_groups
 from headrace.graph.ops import NodeError
 from headrace.graph.optimizer import Optimized
@@ -95,7 +95,7 @@ class LLMCalls:
     def __init__(self, trace: Trace) -> None:
         self._trace = trace
 
-    def generate(self, prompt: str, *, inputs: Mapping[str, Any] | None = None, max_tokens: int = 64,
+    def generate(self, prompt: str, *, inputs: Mapping[str, Any] | None = None, max_tokens: int = LLM_MAX_TOKENS,
                  temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = (),
                  system: str | None = None, schema: Mapping[str, Any] | None = None,
                  choices: Sequence[str] | None = None, split: str | None = None, max_pieces: int | None = None,

@@ -116,12 +116,16 @@ class LarkConstraint:
 
 OutputConstraint = JsonSchemaConstraint | LarkConstraint
 
+# A request's output length when its caller sets none (an OpenAI chat with no max_tokens too: OpenAI
+# itself documents none for chat).
+DEFAULT_MAX_TOKENS = 256
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding parameters."""
 
-    max_tokens: int = 256
+    max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
     seed: int | None = None

@@ -11,7 +11,8 @@ import torch
 from headrace.batching.protocols import ResolvedEngine
 from headrace.graph.executor import Executor, Run
 from headrace.graph.graph import Graph, Node, Op
-from headrace.graph.ops import NodeError, aggregate
+from headrace.graph.aggregates import aggregate
+from headrace.graph.ops import NodeError
 from headrace.graph.passes import DecodePipelining, PassEnv
 from headrace.graph.store import Store
 
@@ -337,7 +338,7 @@ async def test_region_failure_names_the_inner_node():
 
 
 async def test_function_source_maps_a_region_over_its_list():
-    from headrace.graph.passes import map_over
+    from headrace.graph.regions import map_over
 
     g = graph(fn("src", ["text"], ["items"], str.split), fn("up", ["items"], ["upper"], str.upper),
               fn("join", ["upper"], ["out"], "-".join))

@@ -16,7 +16,7 @@ from headrace.batching.scheduler import BatchScheduler
 from headrace.graph.executor import Executor, Run
 from headrace.graph.graph import Graph, Node, Op
 from headrace.graph.objectives import objectives, task_groups
-from headrace.graph.passes import map_over
+from headrace.graph.regions import map_over
 
 
 def llm_call(g: Graph, name: str, inputs: tuple[str, ...], output: str, component: str = "") -> None:

@@ -198,7 +198,7 @@ def test_stage_decomposition_splits_an_oversized_search_and_rerank_on_their_own_
 
 def test_split_rerank_keeps_the_unsplit_ranking():
     """The stages' scored tops, merged by the aggregate, equal one ranking of every document."""
-    from headrace.graph.ops import aggregate
+    from headrace.graph.aggregates import aggregate
 
     scores = [0.3, 0.9, 0.1, 0.9, 0.5, 0.7, 0.2, 0.8]
     docs = [f"d{i}" for i in range(len(scores))]

@@ -10,13 +10,23 @@ from headrace.graph.workflow import WorkflowInputError
 
 SYNTHESIS_MODES = ("tree", "refine", "one_shot")
 
+# Each family of workflows has its own usual answer length, so each has its own max_tokens default.
+RAG_MAX_TOKENS = 96  # an answer from retrieved context
+SHORT_ANSWER_MAX_TOKENS = 48  # the search and dynamic workflows: a short answer, a verdict, a step
+SUMMARY_MAX_TOKENS = 64  # each map, reduce or chain step of a summary
+
+
+def max_tokens_option(default: int, description: str = "tokens per LLM answer") -> dict[str, Any]:
+    """A workflow's ``max_tokens`` config option (JSON schema)."""
+    return {"type": "integer", "minimum": 1, "maximum": 1024, "default": default, "description": description}
+
+
 CHUNK_CONFIG = {
     "chunk_size": {"type": "integer", "minimum": 16, "maximum": 1024, "default": 256,
                    "description": "words per chunk"},
     "chunk_overlap": {"type": "integer", "minimum": 0, "maximum": 1023, "default": 30,
                       "description": "words shared by neighbours; less than chunk_size"},
-    "max_tokens": {"type": "integer", "minimum": 1, "maximum": 1024, "default": 96,
-                   "description": "tokens per LLM answer"},
+    "max_tokens": max_tokens_option(RAG_MAX_TOKENS),
 }
 DOCUMENTS = {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1}
 QUESTION = {"type": "string", "minLength": 1}

@@ -28,9 +28,9 @@ from typing import Any
 
 from headrace.graph.tracing import CallFailed, Handle, Trace
 from headrace.graph.workflow import Workflow, WorkflowInputError
-from headrace.graph.workflows.common import COLLECTION, QUESTION
+from headrace.graph.workflows.common import COLLECTION, QUESTION, SHORT_ANSWER_MAX_TOKENS, max_tokens_option
 
-MAX_TOKENS = {"type": "integer", "minimum": 1, "maximum": 1024, "default": 48, "description": "tokens per LLM answer"}
+MAX_TOKENS = max_tokens_option(SHORT_ANSWER_MAX_TOKENS)
 RETRIEVAL_KINDS = ("llm", "embed", "vector_store")
 
 

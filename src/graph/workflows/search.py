@@ -23,9 +23,9 @@ from headrace.graph import collections
 from headrace.graph.components import Component, GraphBuilder, Template
 from headrace.graph.workflow import Workflow
 from headrace.graph.workflows import common
-from headrace.graph.workflows.common import COLLECTION, DOCUMENTS, QUESTION
+from headrace.graph.workflows.common import COLLECTION, DOCUMENTS, QUESTION, SHORT_ANSWER_MAX_TOKENS, max_tokens_option
 
-MAX_TOKENS = {"type": "integer", "minimum": 1, "maximum": 1024, "default": 48, "description": "tokens per LLM answer"}
+MAX_TOKENS = max_tokens_option(SHORT_ANSWER_MAX_TOKENS)
 
 
 # search_gen ---------------------------------------------------------------------------

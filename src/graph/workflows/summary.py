@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 from headrace.graph.components import Component, GraphBuilder, Template
 from headrace.graph.workflow import Workflow
-from headrace.graph.workflows.common import count_chunks, split_list
+from headrace.graph.workflows.common import SUMMARY_MAX_TOKENS, count_chunks, max_tokens_option, split_list
 
 DOCUMENT = {"type": "string", "minLength": 1, "description": "the text to summarize"}
 
@@ -26,8 +26,7 @@ SUMMARY_CONFIG = {
     "chunk_size": {"type": "integer", "minimum": 16, "maximum": 1024, "default": 256,
                    "description": "words per chunk"},
     "chunk_overlap": {"type": "integer", "minimum": 0, "maximum": 1023, "default": 0, "description": "words shared by neighbours"},
-    "max_tokens": {"type": "integer", "minimum": 1, "maximum": 1024, "default": 64,
-                   "description": "tokens per summary (each map, reduce or chain step)"},
+    "max_tokens": max_tokens_option(SUMMARY_MAX_TOKENS, "tokens per summary (each map, reduce or chain step)"),
 }
 
 chunk = Component("chunk", "chunk", inputs=("document",), outputs=("chunks",))
