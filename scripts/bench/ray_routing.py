@@ -54,7 +54,7 @@ QUESTIONS = ["What should I check first?", "Summarize the rules in one line.", "
 
 
 def system_prompt(topic: str, rules: int) -> str:
-    """About 12 tokens a rule: 85 rules are ~1,000 tokens."""
+    """About 22 SmolLM2 tokens a rule: 45 rules are ~1,000 tokens (85 made ~2,000, past the context limit)."""
     return f"You answer questions about {topic}. " + " ".join(
         f"Rule {i} on {topic}: inspect the {topic} before the shift and log rule {i}." for i in range(rules))
 
@@ -76,6 +76,7 @@ def drive(client: httpx.Client, stream: list[tuple[int, str]], prompts: list[str
           max_tokens: int) -> list[dict]:
     """Send the stream from ``concurrency`` clients, each taking the next request when done."""
     results: list[dict] = []
+    failures: list[str] = []
     lock, position = threading.Lock(), iter(enumerate(stream))
 
     def worker() -> None:
@@ -91,7 +92,10 @@ def drive(client: httpx.Client, stream: list[tuple[int, str]], prompts: list[str
             sent = time.perf_counter()
             first = None
             with client.stream("POST", "/v1/chat/completions", json=body) as r:
-                r.raise_for_status()
+                if r.status_code != 200:  # counted, not fatal: a worker thread that raised would end silently
+                    with lock:
+                        failures.append(f"{r.status_code}: {r.read().decode(errors='replace')[:300]}")
+                    continue
                 tag = r.headers["x-headrace-replica"]
                 for line in r.iter_lines():
                     if first is None and line.startswith("data: {"):
@@ -106,6 +110,8 @@ def drive(client: httpx.Client, stream: list[tuple[int, str]], prompts: list[str
         t.start()
     for t in threads:
         t.join()
+    if failures:
+        raise SystemExit(f"{len(failures)} of {len(stream)} requests failed; the first: {failures[0]}")
     return results
 
 
@@ -145,7 +151,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="also write the figures here (JSON)")
     args = parser.parse_args()
-    n_prompts, rules = (2, 20) if args.tiny else (len(TOPICS), 85)
+    n_prompts, rules = (2, 20) if args.tiny else (len(TOPICS), 45)
     if args.tiny:
         args.requests, args.max_tokens, args.concurrency = 6, 2, 2
     prompts = [system_prompt(topic, rules) for topic in TOPICS[:n_prompts]]
