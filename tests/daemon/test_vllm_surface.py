@@ -280,7 +280,10 @@ def test_vllm_dashboard_metrics(client, server):
     client.chat.completions.create(model=LLM, messages=LONG, max_tokens=3, temperature=0)
     with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", headers=HEADERS, timeout=60,
                       json={"model": LLM, "messages": LONG, "max_tokens": 300, "stream": True}) as r:
-        next(line for line in r.iter_lines() if '"content": "' in line and '"content": ""' not in line)
+        # Held in a name: a throwaway iterator, once collected, would close the response, and the server
+        # would abort the request (a disconnect) before the scrape below.
+        lines = r.iter_lines()
+        next(line for line in lines if '"content": "' in line and '"content": ""' not in line)
         decoding = server.metrics()  # its context holds the prompt and what it generated so far
         # Now leave: the request is aborted.
     deadline = time.monotonic() + 15
