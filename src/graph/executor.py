@@ -299,10 +299,9 @@ class Executor:
                     async with self._alone(ctx, node, record):
                         outputs = await run_op(node, scope, ctx, key)
         except NotRun as skipped:
-            outputs = dict.fromkeys(node.outputs)
             record.state, record.finished = "skipped", time.monotonic()
             log.debug("run %s: %s did not run: %s", run.id, node.id, skipped.reason)
-            for var in outputs:
+            for var in node.outputs:
                 store.set(var, None)
             run.emit({"event": "node.skipped", "run": run.id, "node": node.id, "key": list(key),
                       "reason": skipped.reason})
