@@ -14,14 +14,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from headrace import __version__
 from headrace.daemon import systemd
-from headrace.daemon.collections import CollectionRegistry
+from headrace.daemon.compose import compose
 from headrace.daemon.config import Config
 from headrace.daemon.errors import APIError, api_error_handler, internal_error_handler
 from headrace.daemon.lifecycle import DrainMiddleware, Lifecycle
-from headrace.daemon.metrics import Metrics
 from headrace.daemon.openapi import openapi_json
 from headrace.daemon.pool import EnginePool
-from headrace.daemon.preload import Preloader
 from headrace.daemon.docs import docs_asset, docs_page
 from headrace.daemon.routes_openai import chat_completions, completions, get_model, list_models
 from headrace.daemon.routes_tokenize import detokenize, tokenize
@@ -32,10 +30,8 @@ from headrace.daemon.routes_retrieval import embeddings, rerank
 from headrace.daemon.routes_sessions import (create_call, create_session, create_variable, delete_session,
                                               get_session, get_variable, set_variable)
 from headrace.daemon.routes_workflows import (cancel_run, create_run, get_run, get_timeline, get_timeline_png,
-                                               list_runs, list_workflows, run_graph)
-from headrace.graph.service import WorkflowService
-from headrace.graph.sessions import SessionManager
-from headrace.plugins.manager import Registry, collect
+                                               list_runs, list_workflows, run_events, run_graph)
+from headrace.plugins.manager import Registry
 
 
 def principal(api_key: str) -> str:
@@ -114,38 +110,20 @@ async def method_not_allowed(request: Request, exc: Exception) -> Response:
 
 
 def create_app(config: Config, registry: Registry | None = None) -> Starlette:
-    registry = registry or collect()
-    metrics_ = Metrics()
-    pool = EnginePool(config, registry, metrics_)
-    collections = CollectionRegistry(config.data.data_path())
-    workflows = WorkflowService(registry.workflows, registry.passes, pool.resolve, pool.engines_by_kind,
-                                pool.max_efficient_batch, policies=[*registry.batch_policies, *registry.llm_policies],
-                                collections=collections.lookup, observer=metrics_,
-                                calls=Preloader(pool, metrics_, config.residency, registry.workflows),
-                                id_prefix=config.server.id_prefix,
-                                max_traced_steps=config.workflows.max_traced_steps)
-    metrics_.watch_optimizer(workflows.optimizer.stats)
-    sessions = SessionManager(workflows.executor, pool.resolve, pool.engines_by_kind, config.sessions.idle_seconds,
-                              config.server.id_prefix)
-
-    lifecycle = Lifecycle(pool, workflows, config.server.drain_seconds)
+    daemon = compose(config, registry)
+    lifecycle = Lifecycle(daemon.pool, daemon.workflows, config.server.drain_seconds)
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
         # The engines load in the background: /health answers at once, /ready once all are loaded.
         try:
-            async with anyio.create_task_group() as tg:
-                await tg.start(pool.run)
-                async with anyio.create_task_group() as runs:  # every workflow run is a task of this group
-                    workflows.task_group = runs
-                    await runs.start(sessions.run)  # the sessions' runs, and their expiry
-                    # On SIGTERM the lifecycle lets runs finish (the server stops only once it has
-                    # drained); at this point only what outlived the drain, or a host that does not
-                    # drain (the test client), leaves runs to cancel.
-                    await tg.start(lifecycle.run, runs.cancel_scope)
-                    yield
-                    systemd.notify("STOPPING=1")
-                    runs.cancel_scope.cancel()
+            async with daemon.serving(), anyio.create_task_group() as tg:
+                # On SIGTERM the lifecycle lets runs finish (the server stops only once it has
+                # drained); on leaving, only what outlived the drain, or a host that does not
+                # drain (the test client), leaves runs to cancel.
+                await tg.start(lifecycle.run, daemon.cancel_in_flight)
+                yield
+                systemd.notify("STOPPING=1")
                 tg.cancel_scope.cancel()
         finally:
             lifecycle.serving = False  # e.g. a crashed loop ended the task groups: /health turns 503
@@ -187,6 +165,7 @@ def create_app(config: Config, registry: Registry | None = None) -> Starlette:
             Route("/v1/runs", list_runs),
             Route("/v1/runs/{run_id}", get_run),
             Route("/v1/runs/{run_id}", cancel_run, methods=["DELETE"]),
+            Route("/v1/runs/{run_id}/events", run_events),
             Route("/v1/runs/{run_id}/graph", run_graph),
             Route("/v1/runs/{run_id}/timeline", get_timeline),
             Route("/v1/runs/{run_id}/timeline.png", get_timeline_png),
@@ -195,9 +174,9 @@ def create_app(config: Config, registry: Registry | None = None) -> Starlette:
                             Exception: internal_error_handler},
         lifespan=lifespan,
     )
-    app.state.config, app.state.pool, app.state.metrics, app.state.registry = config, pool, metrics_, registry
-    app.state.workflows, app.state.lifecycle, app.state.collections = workflows, lifecycle, collections
-    app.state.sessions = sessions
+    app.state.config, app.state.pool, app.state.metrics = config, daemon.pool, daemon.metrics
+    app.state.registry, app.state.workflows, app.state.collections = daemon.registry, daemon.workflows, daemon.collections
+    app.state.sessions, app.state.lifecycle = daemon.sessions, lifecycle
     app.add_middleware(APIKeyMiddleware, api_keys=config.server.keys())
     app.add_middleware(DrainMiddleware, lifecycle=lifecycle)  # outermost: a drain refuses before anything
     return app

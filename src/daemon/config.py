@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from headrace.graph.events import EVENT_LOG
 from headrace.graph.workflow import MAX_TRACED_STEPS
 
 ENV_PREFIX = "HEADRACE_"
@@ -157,9 +158,13 @@ class WorkflowsConfig:
     # Engine calls one run of a traced workflow (debate, agent, router, a plugin's ``async def``) may
     # issue; the call past it fails the run, so a loop that never ends cannot hold the engines.
     max_traced_steps: int = MAX_TRACED_STEPS
+    # Events each run holds for its readers (an SSE stream, GET /v1/runs/{id}/events). Publishing
+    # never waits for a reader: one that falls this far behind is told how many it missed.
+    run_events: int = EVENT_LOG
 
     def __post_init__(self) -> None:
         _check(self.max_traced_steps >= 1, "max_traced_steps", f"must be >= 1, got {self.max_traced_steps}")
+        _check(self.run_events >= 1, "run_events", f"must be >= 1, got {self.run_events}")
 
 
 def _check_batching(b: BatchingConfig | BatchingOverride) -> None:

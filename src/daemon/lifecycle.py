@@ -17,7 +17,7 @@ import contextlib
 import logging
 import signal
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import anyio
 import uvicorn
@@ -76,11 +76,12 @@ class Lifecycle:
 
     # ----- the lifespan's task ---------------------------------------------------------
 
-    async def run(self, runs: anyio.CancelScope, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, cancel_in_flight: Callable[[], None], *,
+                  task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         """Watch the daemon until cancelled: ping systemd's watchdog, and drain once asked.
 
-        ``runs`` is the cancel scope of every run's task (workflows and plain requests):
-        cancelled only when the drain time runs out.
+        ``cancel_in_flight`` cancels every run, plain request and session's work: called only when
+        the drain time runs out.
         """
         self._drain_asked = anyio.Event()
         if self.draining:  # a signal came before the lifespan started
@@ -93,7 +94,7 @@ class Lifecycle:
                     tg.start_soon(self._ping_watchdog, interval)
                 task_status.started()
                 await self._drain_asked.wait()
-                await self._drain(runs)
+                await self._drain(cancel_in_flight)
                 await anyio.sleep_forever()  # alive (probes, watchdog) until the server ends the lifespan
         finally:
             self.serving = False
@@ -137,7 +138,7 @@ class Lifecycle:
     def active_runs(self) -> list[Run]:
         return [run for run in list(self.workflows.runs.values()) if run.status in ("queued", "running")]
 
-    async def _drain(self, runs: anyio.CancelScope) -> None:
+    async def _drain(self, cancel_in_flight: Callable[[], None]) -> None:
         systemd.notify("STOPPING=1")
         systemd.notify(f"STATUS=draining: {self.in_flight} request(s) and {len(self.active_runs())} run(s) in flight")
         log.info("draining: %d request(s) and %d run(s) in flight get up to %gs to finish; new requests get 503",
@@ -148,7 +149,7 @@ class Lifecycle:
         if requests_left or runs_left:
             log.warning("drain time (%gs) is over: cancelling %d request(s) and %d run(s) still in flight",
                         self.drain_seconds, requests_left, runs_left)
-            runs.cancel()
+            cancel_in_flight()
         else:
             log.info("drained: nothing in flight")
         self.drained = True

@@ -2,56 +2,32 @@
 
 from __future__ import annotations
 
-import inspect
 import json
-import re
-import time
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, AsyncIterator
 
-import anyio
-import torch
-
-from headrace.daemon.collections import CollectionRegistry
+from headrace.daemon.compose import compose
 from headrace.daemon.config import Config, ConfigError
-from headrace.daemon.metrics import Metrics
 from headrace.daemon.pool import EnginePool
-from headrace.daemon.preload import Preloader
 from headrace.graph.service import UnknownWorkflow, WorkflowService, timeline
 from headrace.graph.workflow import WorkflowInputError
 from headrace.plugins.manager import collect
-from headrace.plugins.protocols import SamplingParams
 
 
 @asynccontextmanager
 async def engines(config: Config, only: set[str] | None = None) -> AsyncIterator[tuple[EnginePool, WorkflowService]]:
-    """The config's engines loaded in this process, with a workflow service over them."""
-    registry = collect()
+    """The config's engines loaded in this process (only those named in ``only``), with a workflow service over them."""
     if only is not None:
-        pinned = [name for name in config.residency.pinned if name in only]
-        config = Config(server=config.server, data=config.data, batching=config.batching,
-                        collections=config.collections, sessions=config.sessions, workflows=config.workflows,
-                        residency=replace(config.residency, pinned=pinned),
-                        engines=[e for e in config.engines if e.name in only])
-    pool = EnginePool(config, registry, Metrics())
-    collections = CollectionRegistry(config.data.data_path())  # `headrace run` may search a collection too
-    service = WorkflowService(registry.workflows, registry.passes, pool.resolve, pool.engines_by_kind,
-                              pool.max_efficient_batch, policies=[*registry.batch_policies, *registry.llm_policies],
-                              collections=collections.lookup, observer=pool.metrics,
-                              calls=Preloader(pool, pool.metrics, config.residency, registry.workflows),
-                              max_traced_steps=config.workflows.max_traced_steps)
-    async with anyio.create_task_group() as tg:
-        await tg.start(pool.run)
-        while not pool.ready:
-            failed = [f"{s.name}: {s.error}" for s in pool.slots.values() if s.state == "failed"]
-            if failed:
-                raise ConfigError("engines", "failed to load: " + "; ".join(failed))
-            await anyio.sleep(0.05)
-        service.task_group = tg
-        yield pool, service
-        tg.cancel_scope.cancel()
+        config = replace(config, engines=[e for e in config.engines if e.name in only],
+                         residency=replace(config.residency,
+                                           pinned=[name for name in config.residency.pinned if name in only]))
+    async with compose(config).serving() as daemon:
+        failed = await daemon.pool.wait_loaded()
+        if failed:
+            raise ConfigError("engines", "failed to load: " + "; ".join(f"{name}: {why}" for name, why in failed.items()))
+        yield daemon.pool, daemon.workflows
 
 
 def parse_inputs(pairs: list[str], schema: dict[str, Any]) -> dict[str, Any]:

@@ -159,6 +159,11 @@ def document(workflows: Mapping[str, Workflow]) -> dict[str, Any]:
             "get": _op("a run's record", {"200": _json(_ref(s.RunRecord))}, params=[RUN_ID]),
             "delete": _op("cancel a run", {"200": _json(_ref(s.RunRecord))}, params=[RUN_ID]),
         },
+        "/v1/runs/{run_id}/events": {"get": _op(
+            "follow a run's events (SSE), from the oldest held or after Last-Event-ID; reading never cancels the run",
+            {"200": {"description": "server-sent events: node and run states, streamed deltas, and events.dropped "
+                                    "when the reader fell behind", "content": {SSE: {"schema": {"type": "string"}}}}},
+            params=[RUN_ID, *_query(s.RunEventsQuery)])},
         "/v1/runs/{run_id}/graph": {"get": _op("a run's e-graph (JSON, or Graphviz with ?format=dot)",
                                                {"200": _json(_ref(s.RunGraph))}, params=[RUN_ID])},
         "/v1/runs/{run_id}/timeline": {"get": _op("a run's primitives and engine batches",

@@ -161,6 +161,7 @@ class EnginePool:
         self._released = anyio.Event()  # set (and replaced) whenever an engine's work ends
         self._tg: anyio.abc.TaskGroup | None = None
         self._started = False
+        self._loaded: anyio.Event | None = None  # set once every engine loaded or failed (made by ``run``: events need a loop)
         metrics.watch_residency(
             lambda: {s.name: (s.residency == "resident", s.footprint or 0) for s in self.slots.values()}, self.budget)
 
@@ -224,6 +225,7 @@ class EnginePool:
         which engine loads and how many of them are loaded.
         """
         total = len(self.slots)
+        self._loaded = anyio.Event()
         async with anyio.create_task_group() as tg:
             self._tg = tg
             task_status.started()
@@ -247,12 +249,20 @@ class EnginePool:
             if self.budget:
                 await self._fill_budget()
             self._started = True
+            self._loaded.set()
             loaded = sum(s.state == "ready" for s in self.slots.values())
             failed = [s.name for s in self.slots.values() if s.state == "failed"]
             systemd.notify(f"STATUS={loaded} of {total} engines loaded"
                            + (f"; failed: {', '.join(failed)}" if failed else "; ready"))
             if self.ready:
                 systemd.notify("READY=1")
+
+    async def wait_loaded(self) -> dict[str, str]:
+        """Once ``run`` has tried every engine: those that failed to load, and why (empty: all are ready)."""
+        if self._loaded is None:
+            raise RuntimeError("the pool is not running: start `pool.run` first")
+        await self._loaded.wait()
+        return {s.name: s.error or "failed" for s in self.slots.values() if s.state == "failed"}
 
     async def unresponsive(self, within: float) -> dict[str, str]:
         """The ready engines whose worker shows no progress within ``within`` seconds, and why.

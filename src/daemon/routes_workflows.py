@@ -1,4 +1,4 @@
-"""The workflow REST API: list workflows, start runs (plain, SSE, background), inspect and cancel them."""
+"""The workflow REST API: list workflows, start runs (plain, SSE, background), follow, inspect and cancel them."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from headrace.daemon import requests as rq
 from headrace.daemon.errors import APIError, bad_request
-from headrace.daemon.schemas import RunListQuery, RunRequest
+from headrace.daemon.schemas import RunEventsQuery, RunListQuery, RunRequest
 from headrace.graph.collections import UnknownCollection
+from headrace.graph.events import EventReader, RunEvent
 from headrace.graph.executor import Run
 from headrace.graph.service import UnknownWorkflow, WorkflowService, seconds, timeline
 from headrace.graph.workflow import WorkflowInputError
@@ -69,7 +70,7 @@ async def create_run(request: Request) -> Response:
     except WorkflowInputError as exc:
         raise bad_request(str(exc), param=exc.field) from None
     run.owner = getattr(request.state, "principal", None)
-    events = service.subscribe(run.id) if stream else None
+    events = run.events.follow() if stream else None  # held from now: no event is missed before the first read
     service.start(run)
     if background and not stream:
         return JSONResponse(run_json(run), status_code=202, headers={"Location": f"/v1/runs/{run.id}"})
@@ -95,15 +96,45 @@ async def _wait_or_cancel(request: Request, run: Run, background: bool) -> None:
         tg.cancel_scope.cancel()
 
 
-async def _events(request: Request, run: Run, events: Any, background: bool) -> AsyncIterator[str]:
+async def _events(request: Request, run: Run, events: EventReader, background: bool) -> AsyncIterator[str]:
+    """The run's events as SSE. Only a client that leaves cancels its run (unless it asked for
+    background): one that reads slowly falls behind and is told what it missed (``events.dropped``)."""
     try:
         async with events:
             async for event in events:
-                yield f"event: {event['event']}\ndata: {json.dumps(_jsonable(event))}\n\n"
+                yield _sse(event)
     finally:
         # The stream ended: either the run finished, or the client left (the generator is closed).
         if not run.done.is_set() and not background:
             run.cancel_scope.cancel()
+
+
+def _sse(event: RunEvent) -> str:
+    seq = f"id: {event.seq}\n" if event.seq >= 0 else ""  # a dropped-events notice has no place to resume from
+    return f"{seq}event: {event.name}\ndata: {json.dumps(_jsonable(event.body))}\n\n"
+
+
+async def run_events(request: Request) -> Response:
+    """Follow a run's events as SSE, from the oldest the run still holds, or after ``Last-Event-ID`` (a
+    reconnecting EventSource sends it) or ``?after=``. Reading never cancels the run."""
+    run = _run(request)
+    query = rq.validate(RunEventsQuery, dict(request.query_params))
+    after = query.after
+    if after is None and "last-event-id" in request.headers:
+        try:
+            after = int(request.headers["last-event-id"])
+        except ValueError:
+            raise bad_request("Last-Event-ID must be an event id (an integer) this stream sent",
+                              param="Last-Event-ID") from None
+    events = run.events.follow(after)
+
+    async def stream() -> AsyncIterator[str]:
+        async with events:
+            async for event in events:
+                yield _sse(event)
+
+    return StreamingResponse(stream(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 async def list_runs(request: Request) -> Response:

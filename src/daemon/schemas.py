@@ -547,6 +547,12 @@ class RunListQuery(Query):
     after: NonEmptyStr | None = Field(None, description="the last_id of the previous page: list the runs after it")
 
 
+class RunEventsQuery(Query):
+    after: Annotated[int, Field(ge=-1)] | None = Field(
+        None, description="the id of the last event already read: follow from the next one (default: the oldest the "
+                          "run still holds; the Last-Event-ID header says the same)")
+
+
 class RunList(BaseModel):
     """One page of the caller's runs, in OpenAI's list shape."""
 

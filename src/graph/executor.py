@@ -35,12 +35,12 @@ from headrace.batching.meta import Objective
 from headrace.batching.protocols import ResolvedEngine
 from headrace.batching.requests import VectorDrop
 from headrace.graph.graph import Graph, Node, Op
+from headrace.graph.events import RunEvents
 from headrace.graph.objectives import objectives, task_groups
 from headrace.graph.aggregates import aggregate
 from headrace.graph.ops import NodeError, NotRun, OpContext, run_op
 from headrace.graph.store import Failed, Store
 
-Emit = Callable[[dict[str, Any]], None]
 log = logging.getLogger(__name__)
 COLLECTION_DROP_TIMEOUT = 60.0  # a run's end never waits forever on a stuck vector store
 
@@ -103,7 +103,7 @@ class Run:
     records: list[NodeRecord] = field(default_factory=list)
     cancel_scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
     done: anyio.Event = field(default_factory=anyio.Event)
-    emit: Emit = lambda event: None
+    events: RunEvents = field(default_factory=RunEvents)  # what it publishes (node states, streamed deltas)
     # LLM token deltas as they decode; None: the decodes of the run's outputs stream theirs as events
     on_delta: Callable[[Node, tuple, Any], Awaitable[None]] | None = None
     policy: str | None = None  # this run's batch policy, overriding the engines' own
@@ -124,7 +124,7 @@ def _output_deltas(run: Run) -> Callable[[Node, tuple, Any], Awaitable[None]]:
 
     async def forward(node: Node, key: tuple, delta: Any) -> None:
         if delta.text and outputs.intersection(node.outputs):
-            run.emit({"event": "node.partial", "run": run.id, "node": node.id, "key": list(key), "delta": delta.text})
+            run.events.publish({"event": "node.partial", "run": run.id, "node": node.id, "key": list(key), "delta": delta.text})
 
     return forward
 
@@ -172,7 +172,7 @@ class Executor:
                         deadline=None if run.slo_seconds is None else run.arrival + run.slo_seconds,
                         objectives=deduced, task_groups=groups)
         run.status, run.started = "running", time.monotonic()
-        run.emit({"event": "run.started", "run": run.id, "workflow": run.workflow})
+        run.events.publish({"event": "run.started", "run": run.id, "workflow": run.workflow})
         if self.calls is not None:
             self.calls.run_started(run.id, run.workflow)
         try:
@@ -208,9 +208,9 @@ class Executor:
             if self.calls is not None:
                 self.calls.run_ended(run.id, run.status)
             if run.status == "succeeded":
-                run.emit({"event": "run.finished", "run": run.id, "result": run.result})
+                run.events.publish({"event": "run.finished", "run": run.id, "result": run.result})
             else:
-                run.emit({"event": "run.failed", "run": run.id, "status": run.status, "error": run.error})
+                run.events.publish({"event": "run.failed", "run": run.id, "status": run.status, "error": run.error})
             run.done.set()
         return run.result
 
@@ -278,7 +278,7 @@ class Executor:
 
     async def _run_node(self, run: Run, node: Node, store: Store, ctx: OpContext, key: tuple) -> Any:
         record = self._record(run, node, key, "running")
-        run.emit({"event": "node.started", "run": run.id, "node": node.id, "key": list(key), "engine": node.engine})
+        run.events.publish({"event": "node.started", "run": run.id, "node": node.id, "key": list(key), "engine": node.engine})
         try:
             if node.op == Op.AGGREGATE:
                 outputs = {node.outputs[0]: await self._aggregate(node, store)}
@@ -303,7 +303,7 @@ class Executor:
             log.debug("run %s: %s did not run: %s", run.id, node.id, skipped.reason)
             for var in node.outputs:
                 store.set(var, None)
-            run.emit({"event": "node.skipped", "run": run.id, "node": node.id, "key": list(key),
+            run.events.publish({"event": "node.skipped", "run": run.id, "node": node.id, "key": list(key),
                       "reason": skipped.reason})
             return None
         except anyio.get_cancelled_exc_class():
@@ -322,7 +322,7 @@ class Executor:
         for var, value in outputs.items():
             store.set(var, value)
         record.state, record.finished = "done", time.monotonic()
-        run.emit({"event": "node.finished", "run": run.id, "node": node.id, "key": list(key),
+        run.events.publish({"event": "node.finished", "run": run.id, "node": node.id, "key": list(key),
                   "seconds": round(record.finished - record.started, 6)})
         return outputs.get(node.outputs[0]) if node.outputs else None
 
@@ -360,7 +360,7 @@ class Executor:
 
             async def on_piece(_node: Node, piece: str, piece_key: tuple) -> None:
                 record.pieces.append(time.monotonic())
-                run.emit({"event": "node.partial", "run": run.id, "node": node.id, "key": list(piece_key),
+                run.events.publish({"event": "node.partial", "run": run.id, "node": node.id, "key": list(piece_key),
                           "piece": piece})
                 tg.start_soon(instance, piece, piece_key)
 

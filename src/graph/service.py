@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Iterable, Mapping, Protocol, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Mapping, Protocol, Sequence
 
 import anyio
-from anyio.streams.memory import MemoryObjectSendStream
 
 from headrace.batching.protocols import ResolvedEngine
 from headrace.graph import collections
 from headrace.graph.collections import CollectionLookup, UnknownCollection
+from headrace.graph.events import EVENT_LOG, RunEvents
 from headrace.graph.executor import CallObserver, Executor, Run, new_run_id
 from headrace.graph.graph import Graph, Node
 from headrace.graph.optimizer import Optimized, Optimizer
@@ -25,8 +26,6 @@ from headrace.graph.request import request_graph
 from headrace.graph.tracing import Trace, TracePlan
 from headrace.graph.workflow import MAX_TRACED_STEPS, Workflow, WorkflowInputError
 from headrace.plugins.protocols import SamplingParams, TokenDelta
-
-EVENT_BUFFER = 1024  # events per subscriber; a run emits a few per node and piece
 
 
 class RunObserver(Protocol):
@@ -66,6 +65,13 @@ class UnknownWorkflow(KeyError):
 
 
 class WorkflowService:
+    """Every run's life, from validation to its record; ``async with`` the service to run anything.
+
+    The service is an async context manager that owns the task group its runs execute in:
+    leaving it cancels the runs still going (the daemon drains them first), and frees their
+    engine work.
+    """
+
     def __init__(
         self,
         workflows: Mapping[str, Workflow],
@@ -80,7 +86,9 @@ class WorkflowService:
         calls: CallObserver | None = None,
         id_prefix: str = "",
         max_traced_steps: int = MAX_TRACED_STEPS,
+        event_log: int = EVENT_LOG,
     ) -> None:
+        self.event_log = event_log  # events each run holds for its readers
         self.id_prefix = id_prefix  # starts every run id (a router in front of several daemons reads it)
         self.max_traced_steps = max_traced_steps
         self.observer = observer
@@ -95,8 +103,31 @@ class WorkflowService:
         self._max_efficient_batch = max_efficient_batch
         self.runs: OrderedDict[str, Run] = OrderedDict()
         self._keep = keep_runs
-        self._subscribers: dict[str, list[MemoryObjectSendStream]] = {}
-        self.task_group: anyio.abc.TaskGroup | None = None  # set by the owner (the daemon's lifespan)
+        self._runs_group: anyio.abc.TaskGroup | None = None
+        self._live: dict[str, Run] = {}  # executing now: workflow runs and plain requests
+        self._exit: AsyncExitStack | None = None
+
+    async def __aenter__(self) -> WorkflowService:
+        if self._exit is not None:
+            raise RuntimeError("the workflow service is already open")
+        async with AsyncExitStack() as stack:
+            self._runs_group = await stack.enter_async_context(anyio.create_task_group())
+            self._exit = stack.pop_all()
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        exit_, self._exit = self._exit, None
+        assert exit_ is not None and self._runs_group is not None
+        self._runs_group.cancel_scope.cancel()  # what outlived the owner's drain
+        try:
+            return await exit_.__aexit__(*exc_info)
+        finally:
+            self._runs_group = None
+
+    def _spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        if self._runs_group is None:
+            raise RuntimeError("the workflow service is not open: use `async with service:`")
+        self._runs_group.start_soon(fn, *args)
 
     def describe(self) -> list[dict[str, Any]]:
         return [w.schema() for w in self.workflows.values()]
@@ -209,7 +240,7 @@ class WorkflowService:
         run = Run(workflow=plan.workflow.name, graph=plan.optimized.graph, inputs=plan.inputs,
                   outputs=plan.workflow.outputs, applied=plan.optimized.applied, policy=plan.policy,
                   isolate=plan.isolate, slo_seconds=plan.slo_seconds, id=self.id_prefix + new_run_id())
-        run.emit = lambda event, _id=run.id: self._broadcast(_id, event)
+        run.events = RunEvents(self.event_log)
         if plan.trace is not None:
             run.growth = Trace(run, plan.workflow.trace, plan.trace.config, plan.trace.engines, self._optimize_off_loop,
                                PassEnv(max_efficient_batch=self._max_efficient_batch), plan.trace.passes,
@@ -223,18 +254,18 @@ class WorkflowService:
         return run
 
     async def execute(self, run: Run) -> Run:
+        self._live[run.id] = run
         try:
             await self.executor.execute(run)
         finally:
+            self._live.pop(run.id, None)
             if self.observer is not None:
                 self.observer.run_finished(run.workflow, run.status, seconds(run))
         return run
 
     def start(self, run: Run) -> None:
-        """Execute in the owner's task group (the daemon's, for every run it serves)."""
-        if self.task_group is None:
-            raise RuntimeError("the workflow service has no task group to run in")
-        self.task_group.start_soon(self.execute, run)
+        """Execute ``run`` in the service's task group; its events and ``done`` say how it goes."""
+        self._spawn(self.execute, run)
 
     async def generate(self, engine: str, tokens: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
         """One LLM request's token deltas (``generate_choices`` with one prompt and one choice)."""
@@ -260,13 +291,15 @@ class WorkflowService:
             await send.send(ChoiceDelta(choice_of[node.id], delta))
 
         async def execute() -> None:
-            async with send:
-                await self.executor.execute(run)
+            self._live[run.id] = run
+            try:
+                async with send:
+                    await self.executor.execute(run)
+            finally:
+                self._live.pop(run.id, None)
 
         run.on_delta = forward
-        if self.task_group is None:
-            raise RuntimeError("the workflow service has no task group to run in")
-        self.task_group.start_soon(execute)
+        self._spawn(execute)
         try:
             async with receive:
                 async for delta in receive:
@@ -280,26 +313,10 @@ class WorkflowService:
     async def run(self, name: str, inputs: Any, config: Any = None) -> Run:
         return await self.execute(self.prepare(name, inputs, config))
 
-    def subscribe(self, run_id: str):
-        """A receive stream of the run's events from now on (closed when the run ends)."""
-        send, receive = anyio.create_memory_object_stream(EVENT_BUFFER)
-        self._subscribers.setdefault(run_id, []).append(send)
-        return receive
-
-    def _broadcast(self, run_id: str, event: dict[str, Any]) -> None:
-        event = {**event, "time": time.time()}
-        final = event["event"] in ("run.finished", "run.failed")
-        for send in list(self._subscribers.get(run_id, ())):
-            try:
-                send.send_nowait(event)
-            except (anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):
-                self._subscribers[run_id].remove(send)
-                send.close()
-            else:
-                if final:
-                    send.close()
-        if final:
-            self._subscribers.pop(run_id, None)
+    def cancel_all(self) -> None:
+        """Cancel every run and plain request executing now (each frees its engine work as it ends)."""
+        for run in list(self._live.values()):
+            run.cancel_scope.cancel()
 
     def cancel(self, run_id: str) -> Run:
         run = self.runs[run_id]

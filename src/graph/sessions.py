@@ -329,6 +329,11 @@ class SessionManager:
         self._task_group.start_soon(self.executor.execute, run)
         return session
 
+    def cancel_all(self) -> None:
+        """Cancel every session's work in flight (a drain that ran out of time); the sessions stay."""
+        for session in list(self.sessions.values()):
+            session.run.cancel_scope.cancel()
+
     def get(self, session_id: str, owner: str | None) -> Session | None:
         """The session, if ``owner`` made it: another key's session is as unknown as a missing one."""
         session = self.sessions.get(session_id)

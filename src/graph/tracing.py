@@ -261,7 +261,7 @@ class Trace:
     async def _forward_delta(self, node: Node, key: tuple, delta: Any) -> None:
         """A streamed generation's tokens as ``node.partial`` events, as a template's answer decode sends them."""
         if delta.text and node.id in self._streamed:
-            self.run.emit({"event": "node.partial", "run": self.run.id, "node": node.id, "key": list(key),
+            self.run.events.publish({"event": "node.partial", "run": self.run.id, "node": node.id, "key": list(key),
                            "delta": delta.text})
 
     # the graph ----------------------------------------------------------------------
@@ -344,7 +344,7 @@ class Trace:
         self.growth.task_groups.clear()
         self.growth.task_groups.update(task_groups(graph))
         self.run.applied.extend(optimized.applied)
-        self.run.emit({"event": "run.grew", "run": self.run.id, "nodes": sorted(added.nodes)})
+        self.run.events.publish({"event": "run.grew", "run": self.run.id, "nodes": sorted(added.nodes)})
         await self._additions.send(top)
 
     async def _optimize(self, nodes: list[Node], handles: list[str]) -> Optimized:

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from conftest import API_KEY, metric_value
+from conftest import API_KEY, OTHER_API_KEY, metric_value
 
 pytestmark = pytest.mark.slow
 
@@ -64,10 +64,13 @@ def test_run_then_inspect_and_graph(server):
     assert get(server, "/v1/runs/unknown").status_code == 404
 
 
-def read_events(response):
+def read_events(response, ids=None):
+    """(event, data) pairs of an SSE response; each event's id, when it has one, is appended to ``ids``."""
     event = None
     for line in response.iter_lines():
-        if line.startswith("event: "):
+        if line.startswith("id: ") and ids is not None:
+            ids.append(int(line[4:]))
+        elif line.startswith("event: "):
             event = line[7:]
         elif line.startswith("data: "):
             yield event, json.loads(line[6:])
@@ -135,6 +138,41 @@ def test_disconnect_cancels_a_streaming_run(server):
         time.sleep(0.1)
     assert get(server, f"/v1/runs/{run_id}").json()["status"] == "cancelled"
     wait_for_no_contexts(server)
+
+
+def test_a_follower_resumes_after_last_event_id_and_its_leaving_does_not_cancel_the_run(server):
+    body = {"inputs": INPUTS, "config": {"max_tokens": 48, "synthesis": "one_shot"}, "background": True}
+    run_id = post(server, "/v1/workflows/naive_rag/runs", body).json()["id"]
+    first_ids: list[int] = []
+    with httpx.stream("GET", f"{server.base_url}/v1/runs/{run_id}/events", headers=HEADERS, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = read_events(r, first_ids)
+        first = [next(events) for _ in range(3)]
+    assert first[0][0] == "run.started" and first_ids == [0, 1, 2]
+    # The follower left mid-run; the run goes on, and a reconnect resumes right behind the last id it read.
+    assert get(server, f"/v1/runs/{run_id}").json()["status"] in ("queued", "running")
+    rest_ids: list[int] = []
+    with httpx.stream("GET", f"{server.base_url}/v1/runs/{run_id}/events",
+                      headers={**HEADERS, "Last-Event-ID": "2"}, timeout=120) as r:
+        rest = list(read_events(r, rest_ids))
+    assert rest_ids == list(range(3, 3 + len(rest_ids))) and rest[-1][0] == "run.finished"
+    assert get(server, f"/v1/runs/{run_id}").json()["status"] == "succeeded"
+    # Once it has ended and nobody reads, the run holds only its last event; ?after= says what is gone.
+    with httpx.stream("GET", f"{server.base_url}/v1/runs/{run_id}/events?after=-1", headers=HEADERS,
+                      timeout=30) as r:
+        late = list(read_events(r))
+    assert [e for e, _ in late] == ["events.dropped", "run.finished"] and late[0][1]["missed"] == rest_ids[-1]
+
+
+def test_run_events_refuse_a_bad_resume_point_and_another_keys_run(server):
+    body = {"inputs": INPUTS, "config": {"max_tokens": 4, "synthesis": "one_shot"}, "background": True}
+    run_id = post(server, "/v1/workflows/naive_rag/runs", body).json()["id"]
+    r = httpx.get(f"{server.base_url}/v1/runs/{run_id}/events", headers={**HEADERS, "Last-Event-ID": "x"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "Last-Event-ID"
+    r = httpx.get(f"{server.base_url}/v1/runs/{run_id}/events?after=-5", headers=HEADERS)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "after"
+    other = {"Authorization": f"Bearer {OTHER_API_KEY}"}
+    assert httpx.get(f"{server.base_url}/v1/runs/{run_id}/events", headers=other).status_code == 404
 
 
 def test_graph_metrics(server):

@@ -10,6 +10,7 @@ import torch
 
 from headrace.batching.protocols import ResolvedEngine
 from headrace.graph.executor import Executor, Run
+from headrace.graph.events import RunEvents
 from headrace.graph.graph import Graph, Node, Op
 from headrace.graph.aggregates import aggregate
 from headrace.graph.ops import NodeError
@@ -51,10 +52,22 @@ def record(run: Run, node_id: str, key: tuple = ()):
     return r
 
 
+class RecordedEvents(RunEvents):
+    """A run's event log that also keeps every event published, unstamped, in a list."""
+
+    def __init__(self, into: list) -> None:
+        super().__init__()
+        self.into = into
+
+    def publish(self, event) -> None:
+        self.into.append(event)
+        super().publish(event)
+
+
 def make_run(g: Graph, inputs, outputs, events=None) -> Run:
     run = Run(workflow="t", graph=g, inputs=dict(inputs), outputs=tuple(outputs))
     if events is not None:
-        run.emit = events.append
+        run.events = RecordedEvents(events)
     return run
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from conftest import idle
 from headrace.batching.meta import PrimitiveMeta
+from headrace.graph.events import RunEvents
 from headrace.graph.graph import Op
 
 pytestmark = pytest.mark.slow
@@ -113,6 +114,29 @@ def test_an_early_prefill_is_skipped_while_the_engine_serves_another_run(live):
     skipped = [r for r in busy.records if r.op == "partial_prefill"]
     assert len(skipped) == len(early) and {r.state for r in skipped} == {"skipped"}
     assert busy.result["answer"].strip()
+
+
+def test_a_reader_that_reads_nothing_until_the_run_ends_neither_pauses_nor_cancels_it(live):
+    """The run publishes past a tiny event log while its one reader sleeps: the run succeeds, and the
+    reader is told how many events it missed, then gets the newest ones, ending with the result."""
+    portal, svc, pool = live
+
+    async def run_beside_a_sleeping_reader():
+        run = svc.prepare("naive_rag", {"question": QUESTION, "documents": DOCS}, {"max_tokens": 16})
+        run.events = RunEvents(capacity=4)
+        reader = run.events.follow()
+        svc.start(run)
+        with anyio.fail_after(300):
+            await run.done.wait()
+        async with reader:
+            return run, [event async for event in reader]
+
+    run, events = portal.call(run_beside_a_sleeping_reader)
+    assert run.status == "succeeded", run.error
+    assert events[0].name == "events.dropped" and events[0].body["missed"] > 0
+    assert [e.seq for e in events[1:]] == list(range(events[0].body["resume"], events[-1].seq + 1))
+    assert len(events) == 5 and events[-1].name == "run.finished"
+    assert events[-1].body["result"] == run.result
 
 
 def test_cancel_frees_contexts(live):
