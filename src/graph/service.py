@@ -17,6 +17,7 @@ import anyio
 from headrace.batching.protocols import ResolvedEngine
 from headrace.graph import collections
 from headrace.graph.collections import CollectionLookup, UnknownCollection
+from headrace.graph.collector import ChoiceCollector, ChoiceDelta
 from headrace.graph.events import EVENT_LOG, RunEvents
 from headrace.graph.executor import CallObserver, Executor, Run, new_run_id
 from headrace.graph.graph import Graph, Node
@@ -36,14 +37,6 @@ class RunObserver(Protocol):
 
 class RequestFailed(RuntimeError):
     """An LLM request run failed; the message names the primitive and the cause."""
-
-
-@dataclass(frozen=True)
-class ChoiceDelta:
-    """A token delta of one choice of an LLM request (``index``: prompt * n + sample)."""
-
-    index: int
-    delta: TokenDelta
 
 
 @dataclass(frozen=True)
@@ -285,25 +278,25 @@ class WorkflowService:
         built = request_graph(engine, prompts, params, n)
         graph, choice_of = built.graph, built.choice_of
         run = Run(workflow="request", graph=graph, inputs={}, outputs=(), id=self.id_prefix + new_run_id())
-        send, receive = anyio.create_memory_object_stream[ChoiceDelta](len(choice_of) * (params.max_tokens + 1))
+        output = ChoiceCollector()
 
         async def forward(node: Node, key: tuple, delta: TokenDelta) -> None:
-            await send.send(ChoiceDelta(choice_of[node.id], delta))
+            output.put(choice_of[node.id], delta)
 
         async def execute() -> None:
             self._live[run.id] = run
             try:
-                async with send:
-                    await self.executor.execute(run)
+                await self.executor.execute(run)
             finally:
                 self._live.pop(run.id, None)
+                output.close()
 
         run.on_delta = forward
         self._spawn(execute)
         try:
-            async with receive:
-                async for delta in receive:
-                    yield delta
+            async for batch in output:
+                for choice in batch:
+                    yield choice
         finally:
             run.cancel_scope.cancel()  # a no-op once the run is over
         await run.done.wait()
