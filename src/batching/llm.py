@@ -6,8 +6,9 @@ The engine batches every admitted request per iteration; this scheduler
   ``objective``) from the primitive's ``PrimitiveMeta`` (None for a request from
   outside any run), and hands the rank to the engine as its ``priority``, which
   every iteration of the engine honours;
-- bounds how many requests are admitted (``max_running``), admitting waiting
-  ones most urgent first, in the same order;
+- bounds how many runs it serves at once (``max_runs``, ``run_gate``) and how
+  many requests are admitted (``max_running``), letting waiting ones in most
+  urgent first, in the same order;
 - times each request for the metrics: queue time, time to first token (from the
   prefill's arrival), inter-token latency and end-to-end latency.
 
@@ -31,6 +32,7 @@ from headrace.batching.llm_policies import FifoLLMPolicy, LLMPolicy, priority
 from headrace.batching.meta import PrimitiveMeta
 from headrace.batching.observer import NullObserver, SchedulerObserver
 from headrace.batching.residency import AlwaysResident, Residency
+from headrace.batching.run_gate import RunGate
 from headrace.plugins.protocols import LLMEngine, SamplingParams, TokenDelta
 
 
@@ -41,6 +43,7 @@ class ContextState:
     arrival: float  # its prefill's arrival: time to first token counts from here
     prompt_tokens: int
     meta: PrimitiveMeta | None  # the primitive using it now: its prefill, then its decode
+    holds: str | None = None  # the run this context keeps in the run gate (released when it is freed)
 
 
 @dataclass(order=True)
@@ -89,7 +92,7 @@ class PriorityGate:
 class LLMScheduler:
     def __init__(self, engine: LLMEngine, *, max_running: int, observer: SchedulerObserver | None = None,
                  policy: LLMPolicy | None = None, policies: Mapping[str, LLMPolicy] | None = None,
-                 residency: Residency | None = None) -> None:
+                 residency: Residency | None = None, max_runs: int = 0) -> None:
         self.engine = engine
         # Keeps the engine loaded while an admitted request runs (the daemon's memory budget may unload it
         # when nothing runs and no context is live: see ``contexts``).
@@ -99,6 +102,7 @@ class LLMScheduler:
         # Policies a run may name for its own requests (``PrimitiveMeta.policy``).
         self.policies = dict(policies or {})
         self._slots = PriorityGate(max_running)
+        self.run_gate = RunGate(max_runs)  # 0: every run at once
         self._observer = observer or NullObserver()
         self.contexts: dict[str, ContextState] = {}
         # Requests waiting or admitted, by run (None: outside any run): who else the engine serves now.
@@ -132,13 +136,17 @@ class LLMScheduler:
         self._requests_by_run.update(owners)
         try:
             self._observer.queued(self.name)
-            await self._slots.acquire(rank)
+            held = await self.run_gate.enter(owners, rank)
             try:
-                async with self.residency.hold():
-                    self._observer.started(self.name, time.monotonic() - arrival)
-                    yield
+                await self._slots.acquire(rank)
+                try:
+                    async with self.residency.hold():
+                        self._observer.started(self.name, time.monotonic() - arrival)
+                        yield
+                finally:
+                    self._slots.release()
             finally:
-                self._slots.release()
+                self.run_gate.leave(held)
         finally:
             self._requests_by_run.subtract(owners)
             for owner in owners:
@@ -152,8 +160,12 @@ class LLMScheduler:
         rank = self.priority(meta, arrival)
         async with self._admitted(arrival, rank, (meta,)):
             await self.engine.prefill(ctx, tokens, parent, priority=rank)
-            # Recorded before the engine is let go: a live context keeps it loaded until freed.
-            self.contexts[ctx] = ContextState(arrival, len(tokens), meta)
+            # Recorded before the engine is let go: a live context keeps it loaded until freed,
+            # and keeps its run in the run gate (its decode must not wait behind other runs).
+            run = meta.run if meta is not None else None
+            self._forget(ctx)  # a context filled again (a fork's target reused) holds once
+            self.contexts[ctx] = ContextState(arrival, len(tokens), meta, holds=run)
+            self.run_gate.hold(run)
 
     async def decode(self, ctx: str, params: SamplingParams,
                      meta: PrimitiveMeta | None = None) -> AsyncIterator[TokenDelta]:
@@ -168,13 +180,18 @@ class LLMScheduler:
                 async for delta in self._timed(deltas, state.arrival, state.prompt_tokens):
                     yield delta
         finally:
-            self.contexts.pop(ctx, None)
+            self._forget(ctx)
             with anyio.CancelScope(shield=True):
                 await self.engine.free(ctx)
 
     async def free(self, ctx: str) -> None:
-        self.contexts.pop(ctx, None)
+        self._forget(ctx)
         await self.engine.free(ctx)
+
+    def _forget(self, ctx: str) -> None:
+        state = self.contexts.pop(ctx, None)
+        if state is not None and state.holds is not None:
+            self.run_gate.leave((state.holds,))
 
     async def generate(self, tokens: Sequence[int], params: SamplingParams,
                        meta: PrimitiveMeta | None = None) -> AsyncIterator[TokenDelta]:

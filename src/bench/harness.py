@@ -45,7 +45,9 @@ from headrace.bench.workloads import (
     default_modes,
     is_headrace,
     llm_policy_of,
+    max_runs_of,
     server_modes,
+    split_mode,
 )
 
 ISOLATED = {**server_modes()[HEADRACE], "isolate": True}
@@ -92,6 +94,8 @@ class Systems:
         self._baselines: dict[str, Any] = {}
         self.configured_policy: str | None = None  # the daemon's own LLM policy, restored by ``finish``
         self._policy: str | None = None  # the LLM policy in force now
+        self.configured_max_runs: int | None = None  # the daemon's own bound on runs at once, likewise
+        self._max_runs: int | None = None
 
     async def start(self) -> None:
         kinds = await self.daemon.models()
@@ -102,17 +106,23 @@ class Systems:
         if "llm" in self.models:
             settings = await self.daemon.engine_settings(self.models["llm"])
             self.configured_policy = self._policy = settings["llm_policy"]
+            self.configured_max_runs = self._max_runs = settings["max_runs"]
 
     async def finish(self) -> None:
         if self.configured_policy is not None:
-            await self.use_policy(self.configured_policy)
+            await self.use_policy(self.configured_policy, self.configured_max_runs)
 
-    async def use_policy(self, policy: str | None) -> None:
-        """Put the LLM under ``policy`` (None: the daemon's own) unless it is already."""
+    async def use_policy(self, policy: str | None, max_runs: int | None = None) -> None:
+        """Put the LLM under ``policy`` and ``max_runs`` (None: the daemon's own) unless it is already."""
         policy = policy or self.configured_policy
-        if policy is not None and policy != self._policy and "llm" in self.models:
-            await self.daemon.engine_settings(self.models["llm"], llm_policy=policy)
-            self._policy = policy
+        max_runs = self.configured_max_runs if max_runs is None else max_runs
+        if "llm" not in self.models or policy is None:
+            return
+        changes = {**({"llm_policy": policy} if policy != self._policy else {}),
+                   **({"max_runs": max_runs} if max_runs is not None and max_runs != self._max_runs else {})}
+        if changes:
+            await self.daemon.engine_settings(self.models["llm"], **changes)
+            self._policy, self._max_runs = policy, max_runs
 
     def baseline(self, mode: str) -> Any:
         """The client-side system for ``mode``; MissingPeer if its library is not installed."""
@@ -140,7 +150,7 @@ class Systems:
         return self._baselines[mode]
 
     async def call(self, mode: str, workload: Workload, inputs: dict[str, Any], config: dict[str, Any]) -> Call:
-        await self.use_policy(llm_policy_of(mode))
+        await self.use_policy(llm_policy_of(mode), max_runs_of(mode))
         try:
             with anyio.fail_after(RUN_TIMEOUT_S):
                 return await self._call(mode, workload, inputs, config)
@@ -153,7 +163,7 @@ class Systems:
             t0 = time.perf_counter()
             result = await system.run(workload.workflow, inputs, config)
             return Call(time.perf_counter() - t0, _answer(result))
-        extra = ISOLATED if mode == "isolated" else server_modes().get(mode)
+        extra = ISOLATED if mode == "isolated" else server_modes().get(split_mode(mode)[0])
         if extra is None:
             raise BenchError(f"unknown mode {mode!r}")
         run = await self.daemon.run(workload.workflow, inputs, {**config, **extra})
@@ -169,9 +179,17 @@ def _answer(result: dict[str, Any]) -> str:
 
 def check_modes(workload: Workload, modes: list[str]) -> None:
     allowed = set(server_modes()) | ({workload.baseline} if workload.baseline else set()) | set(workload.client_modes)
-    bad = [m for m in modes if m not in allowed]
+    bad = []
+    for m in modes:
+        try:
+            base = split_mode(m)[0]
+        except ValueError as exc:
+            raise BenchError(str(exc)) from None
+        if base not in allowed:
+            bad.append(m)
     if bad:
-        raise BenchError(f"{workload.name} has no mode(s) {bad}; choose from {sorted(allowed)}")
+        raise BenchError(f"{workload.name} has no mode(s) {bad}; choose from {sorted(allowed)} (a headrace mode may "
+                         "add @N: the LLM serves at most N runs at once)")
 
 
 def workload_config(workload: Workload, opts: Options) -> dict[str, Any]:
@@ -281,7 +299,7 @@ async def load_phase(systems: Systems, workload: Workload, modes: list[str], cor
                            "batch_sizes": {m: [] for m in modes}}
     for rate in rates:
         for mode in modes:
-            await systems.use_policy(llm_policy_of(mode))
+            await systems.use_policy(llm_policy_of(mode), max_runs_of(mode))
             before = await systems.daemon.metrics()
 
             run_config = with_slo(mode, config, slo_s)
@@ -370,7 +388,7 @@ async def mixed_phase(systems: Systems, corpus: Corpus, opts: Options, slos: dic
         slos[CHAT] = 3 * alone
     out: dict[str, Any] = {"workloads": tags, "rate": opts.mixed_rate, "modes": {}, "slo_s": slos}
     for name, per_workload in modes.items():
-        await systems.use_policy(llm_policy_of(per_workload[MIXED[0]]))
+        await systems.use_policy(llm_policy_of(per_workload[MIXED[0]]), max_runs_of(per_workload[MIXED[0]]))
         requests = {}
         for w in workloads:
             config = with_slo(per_workload[w.name], workload_config(w, opts), slos[w.name])

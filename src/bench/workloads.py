@@ -86,14 +86,32 @@ def server_modes() -> dict[str, dict[str, Any]]:
     return modes
 
 
+def split_mode(mode: str) -> tuple[str, int | None]:
+    """``headrace-deadline@4`` -> (``headrace-deadline``, 4): a server-side mode with the LLM serving at most
+    4 runs at once (``max_runs``); a mode without ``@`` keeps the daemon's configured bound (None)."""
+    base, at, runs = mode.partition("@")
+    if not at:
+        return mode, None
+    if not runs.isdigit() or not is_headrace(base):
+        raise ValueError(f"mode {mode!r}: '@N' takes a headrace mode and a whole number of runs (0: no bound)")
+    return base, int(runs)
+
+
 def llm_policy_of(mode: str) -> str | None:
     """The LLM policy a mode runs under; None: whatever the daemon is configured with."""
+    mode = mode.partition("@")[0]
     if mode.startswith(f"{HEADRACE}-"):
         return mode.removeprefix(f"{HEADRACE}-")
     return None if mode in (HEADRACE, SEMANTIC) else "fifo"
 
 
+def max_runs_of(mode: str) -> int | None:
+    """The LLM's bound on runs at once in a mode; None: the daemon's configured one (baselines: always)."""
+    return split_mode(mode)[1]
+
+
 def is_headrace(mode: str) -> bool:
+    mode = mode.partition("@")[0]
     return mode == HEADRACE or mode.startswith(f"{HEADRACE}-")
 
 

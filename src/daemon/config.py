@@ -176,6 +176,7 @@ def _check_batching(b: BatchingConfig | BatchingOverride) -> None:
         value = getattr(b, name)
         _check(value is None or value >= 1, name, f"must be >= 1, got {value}")
     _check(b.max_wait_ms is None or b.max_wait_ms >= 0, "max_wait_ms", f"must be >= 0, got {b.max_wait_ms}")
+    _check(b.max_runs is None or b.max_runs >= 0, "max_runs", f"must be >= 0, got {b.max_runs}")
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,9 @@ class BatchingConfig:
     max_batch_size: int = 32
     max_wait_ms: float = 5.0  # how long a partial batch may wait for more requests; 0: never
     max_running: int = 64  # LLM admission: concurrent decoding requests; the rest queue
+    # LLM admission: runs served at once (a plain request is a run of its own); the rest wait, let in
+    # by the LLM policy's rank, so in overload a few runs finish on time instead of all late. 0: no bound.
+    max_runs: int = 0
     # Batch size past which throughput stops rising (from `headrace profile`); 0: unknown.
     # Stage decomposition splits a larger batchable primitive into stages of this size.
     max_efficient_batch_size: int = 0
@@ -205,6 +209,7 @@ class BatchingOverride:
     max_batch_size: int | None = None
     max_wait_ms: float | None = None
     max_running: int | None = None
+    max_runs: int | None = None
     max_efficient_batch_size: int | None = None
 
     def __post_init__(self) -> None:

@@ -362,7 +362,8 @@ class EnginePool:
             llm_policy = self.registry.llm_policies.get(name)
             if llm_policy is None:
                 raise ConfigError(key, f"no LLM policy {name!r} is registered; known: {sorted(self.registry.llm_policies)}")
-            scheduler = LLMScheduler(engine, max_running=batching.max_running, observer=self.metrics,
+            scheduler = LLMScheduler(engine, max_running=batching.max_running, max_runs=batching.max_runs,
+                                     observer=self.metrics,
                                      policy=llm_policy(), residency=_SlotResidency(self, slot),
                                      policies={n: f() for n, f in self.registry.llm_policies.items()})
             stats = getattr(engine, "stats", None)

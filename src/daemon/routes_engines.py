@@ -2,7 +2,8 @@
 
 What vLLM offers as ``/reset_prefix_cache`` and a restart with another
 ``--scheduling-policy``, without a restart: the LLM scheduling policy, and
-automatic prefix caching on or off. Both apply to requests from then on; the
+automatic prefix caching on or off, and the bound on runs an LLM engine serves
+at once. Each applies to requests from then on; the
 benchmark uses them to compare modes on the same daemon and engines.
 """
 
@@ -39,12 +40,17 @@ async def update_engine(request: Request) -> Response:
         known = sorted(request.app.state.registry.llm_policies)
         if body.llm_policy not in known:
             raise bad_request(f"unknown LLM policy '{body.llm_policy}'; known: {known}", param="llm_policy")
+    if body.max_runs is not None and not is_llm:
+        raise bad_request(f"'{name}' is an engine of kind '{slot.engine.kind}'; only LLM engines bound the runs "
+                          "they serve", param="max_runs", code="model_not_supported")
     if body.prefix_caching is not None and not isinstance(slot.engine, PrefixCaching):
         raise bad_request(f"the engine '{name}' has no prefix cache to switch", param="prefix_caching",
                           code="model_not_supported")
     # Checked first, then applied: a refused body changes nothing.
     if body.llm_policy is not None:
         pool.set_llm_policy(name, body.llm_policy)
+    if body.max_runs is not None:
+        slot.scheduler.run_gate.limit = body.max_runs
     if body.prefix_caching is not None:
         try:
             async with slot.scheduler.residency.hold():  # an engine unloaded under the budget loads first
@@ -58,4 +64,5 @@ def settings_of(slot: Any, is_llm: bool) -> dict[str, Any]:
     engine = slot.engine
     return {"id": slot.name, "object": "engine.settings", "kind": engine.kind,
             "llm_policy": slot.scheduler.policy.name if is_llm else None,
+            "max_runs": slot.scheduler.run_gate.limit if is_llm else None,
             "prefix_caching": engine.prefix_caching_enabled() if isinstance(engine, PrefixCaching) else None}

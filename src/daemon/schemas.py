@@ -501,6 +501,9 @@ class EngineSettingsRequest(Body):
                                                               "(fifo, topology, objective, or a plugin's)")
     prefix_caching: bool | None = Field(None, description="an LLM engine's automatic prefix caching; false drops "
                                                            "what it holds")
+    max_runs: Annotated[int, Field(ge=0)] | None = Field(
+        None, description="an LLM engine's bound on runs served at once from now on (0: none); waiting runs are "
+                          "let in by the LLM policy's rank")
 
 
 class EngineSettings(BaseModel):
@@ -509,6 +512,7 @@ class EngineSettings(BaseModel):
     kind: str
     llm_policy: str | None = Field(description="LLM engines: the scheduling policy in force")
     prefix_caching: bool | None = Field(description="LLM engines with a prefix cache: whether it is on")
+    max_runs: int | None = Field(description="LLM engines: runs served at once (0: no bound)")
 
 
 class Deleted(BaseModel):

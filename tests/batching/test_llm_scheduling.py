@@ -219,6 +219,40 @@ def test_deadline_lets_a_late_run_yield_to_one_that_can_still_make_its_slo(busy_
 
 
 @pytest.mark.slow
+def test_with_one_run_at_a_time_a_runs_decode_goes_on_and_the_next_run_in_is_the_one_still_on_time(busy_llm):
+    """max_runs = 1 under deadline: run ``in`` holds a context, so its decode passes the gate at once while a
+    late run and an on-time one wait; once ``in`` frees its context the on-time run is let in first."""
+    portal, engine = busy_llm
+
+    async def scenario() -> list[str]:
+        sched = LLMScheduler(engine, max_running=64, max_runs=1, policy=POLICIES["deadline"], policies=POLICIES)
+        now, events = time.monotonic(), []
+        holder = PrimitiveMeta(run="in", node="n", arrival=now, deadline=now + 600)
+        ctx = engine.new_context_id()
+        await sched.prefill(ctx, prompt(engine, 0, 64), meta=holder)
+
+        async def waiter(name: str, meta: PrimitiveMeta) -> None:
+            other = engine.new_context_id()
+            await sched.prefill(other, prompt(engine, 1, 64), meta=meta)
+            events.append(name)
+            await sched.free(other)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiter, "late", PrimitiveMeta(run="late", node="n", arrival=now - 30, deadline=now - 10))
+            await anyio.wait_all_tasks_blocked()
+            tg.start_soon(waiter, "on_time", PrimitiveMeta(run="new", node="n", arrival=now, deadline=now + 60))
+            await anyio.wait_all_tasks_blocked()
+            assert sched.run_gate.waiting == 2
+            with anyio.fail_after(120):  # the holder's decode is not held behind the waiting runs
+                async for _ in sched.decode(ctx, SamplingParams(max_tokens=4, temperature=0), holder):
+                    pass
+            events.append("decoded")  # decode's end frees its context: the holder is out
+        return events
+
+    assert portal.call(scenario) == ["decoded", "on_time", "late"]
+
+
+@pytest.mark.slow
 def test_the_decode_batch_admits_the_most_urgent_rows_first(busy_llm):
     """With more decodes waiting than the batch holds, the engine lets the lower priority in first."""
     portal, engine = busy_llm

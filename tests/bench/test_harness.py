@@ -89,6 +89,10 @@ def test_bad_workload_and_mode_are_named(server, capsys, tmp_path):
                  "--api-key", API_KEY, "--out", str(tmp_path)])
     assert code == 2
     assert "map_reduce_summary has no mode(s) ['llamaindex']" in capsys.readouterr().err
+    code = main(["bench", "naive_rag", "--modes", "headrace-deadline@x", *TINY, "--url", server.base_url,
+                 "--api-key", API_KEY, "--out", str(tmp_path)])
+    assert code == 2
+    assert "mode 'headrace-deadline@x': '@N' takes a headrace mode" in capsys.readouterr().err
 
 
 def test_llm_policy_modes_load_from_capacity_and_the_chat_phase(server, tmp_path):
@@ -98,14 +102,14 @@ def test_llm_policy_modes_load_from_capacity_and_the_chat_phase(server, tmp_path
 
     code = main(["bench", "naive_rag", *TINY, "--modes", "sequential", "headrace-topology",
                  "--load-fractions", "2", "--arrivals", "3", "--drain", "120",
-                 "--load-modes", "headrace-fifo", "headrace-topology", "--chat", "3", "--system-tokens", "300",
+                 "--load-modes", "headrace-fifo", "headrace-topology@1", "--chat", "3", "--system-tokens", "300",
                  "--url", server.base_url, "--api-key", API_KEY, "--out", str(tmp_path)])
     assert code == 0
     results = json.loads((tmp_path / "results.json").read_text())
     load = results["workloads"]["naive_rag"]["load"]
     capacity = 1 / results["workloads"]["naive_rag"]["single"]["modes"]["sequential"]["mean_s"]
     assert load["capacity"] == pytest.approx(capacity)
-    assert set(load["series"]) == {"headrace-fifo", "headrace-topology"}
+    assert set(load["series"]) == {"headrace-fifo", "headrace-topology@1"}  # @1: one run at a time
     for points in load["series"].values():
         (point,) = points
         assert point["offered"] == 3 and point["rate"] == pytest.approx(2 * capacity, rel=1e-3)
@@ -116,10 +120,11 @@ def test_llm_policy_modes_load_from_capacity_and_the_chat_phase(server, tmp_path
         assert len(row["ttft_s"]) == 3 and row["mean_s"] > 0
     assert chat["ttft_speedup"] > 0
     text = (tmp_path / "results.txt").read_text()
-    assert "headrace-topology / headrace-fifo" in text and "prefix caching speeds" in text
+    assert "headrace-topology@1 / headrace-fifo" in text and "prefix caching speeds" in text
     settings = httpx.patch(f"{server.base_url}/v1/engines/smollm2", json={},
                            headers={"Authorization": f"Bearer {API_KEY}"}).json()
-    assert settings["llm_policy"] == "fifo" and settings["prefix_caching"] is True  # the daemon's own, restored
+    # the daemon's own, restored
+    assert (settings["llm_policy"], settings["prefix_caching"], settings["max_runs"]) == ("fifo", True, 0)
 
 
 def test_the_summaries_run_as_semantic_calls_against_client_chaining(server, tmp_path):

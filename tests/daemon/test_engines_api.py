@@ -30,10 +30,14 @@ def test_the_llm_policy_changes_on_a_live_engine(server):
             r = c.patch("/v1/engines/smollm2", json={"llm_policy": "topology"})
             assert r.status_code == 200, r.text
             assert r.json() == {"id": "smollm2", "object": "engine.settings", "kind": "llm",
-                                "llm_policy": "topology", "prefix_caching": True}
+                                "llm_policy": "topology", "prefix_caching": True, "max_runs": 0}
             chat(c, "Does the wheel turn?")  # still serves
+            r = c.patch("/v1/engines/smollm2", json={"max_runs": 1})
+            assert r.status_code == 200 and r.json()["max_runs"] == 1 and r.json()["llm_policy"] == "topology"
+            chat(c, "Does the wheel turn?")  # one run at a time: a chat is a run, it is let in
         finally:
-            assert c.patch("/v1/engines/smollm2", json={"llm_policy": "fifo"}).json()["llm_policy"] == "fifo"
+            r = c.patch("/v1/engines/smollm2", json={"llm_policy": "fifo", "max_runs": 0})
+            assert (r.json()["llm_policy"], r.json()["max_runs"]) == ("fifo", 0)
 
 
 @pytest.mark.parametrize(("name", "body", "status", "param"), [
@@ -41,6 +45,8 @@ def test_the_llm_policy_changes_on_a_live_engine(server):
     ("all-minilm-l6-v2", {"llm_policy": "topology"}, 400, "llm_policy"),
     ("all-minilm-l6-v2", {"prefix_caching": False}, 400, "prefix_caching"),
     ("smollm2", {"prefix_caching": "no"}, 400, "prefix_caching"),
+    ("smollm2", {"max_runs": -1}, 400, "max_runs"),
+    ("all-minilm-l6-v2", {"max_runs": 2}, 400, "max_runs"),
     ("smollm2", {"llm_policy": "fifo", "speed": 2}, 400, "speed"),
     ("nope", {"llm_policy": "fifo"}, 404, "engine"),
 ])
@@ -49,7 +55,8 @@ def test_bad_settings_are_refused_and_change_nothing(server, name, body, status,
         r = c.patch(f"/v1/engines/{name}", json=body)
         assert r.status_code == status, r.text
         assert r.json()["error"]["param"] == param
-        assert c.patch("/v1/engines/smollm2", json={}).json()["llm_policy"] == "fifo"
+        settings = c.patch("/v1/engines/smollm2", json={}).json()
+        assert (settings["llm_policy"], settings["max_runs"]) == ("fifo", 0)
 
 
 def test_a_plain_chat_reuses_a_cached_system_prompt_and_caching_switches_off(server):
