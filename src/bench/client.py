@@ -130,6 +130,17 @@ class Daemon:
         latency = time.perf_counter() - t0
         return (latency if ttft is None else ttft), latency
 
+    async def index_collection(self, name: str, documents: list[str], chunk_size: int, chunk_overlap: int) -> int:
+        """(Re)create the persistent collection ``name`` over ``documents``; returns its chunk count."""
+        response = await self.http.delete(f"/v1/collections/{name}")
+        if response.status_code not in (200, 404):
+            raise BenchError(f"DELETE /v1/collections/{name}: HTTP {response.status_code}: {response.text[:500]}")
+        await self._json("POST", "/v1/collections", json={"name": name, "chunk_size": chunk_size,
+                                                           "chunk_overlap": chunk_overlap})
+        added = await self._json("POST", f"/v1/collections/{name}/documents",
+                                 json={"documents": [{"id": f"doc-{i}", "text": d} for i, d in enumerate(documents)]})
+        return added["chunks"]
+
     async def metrics(self) -> str:
         response = await self.http.get("/metrics")
         response.raise_for_status()

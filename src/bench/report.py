@@ -106,6 +106,11 @@ def chat_table(chat: dict[str, Any]) -> list[str]:
 def text_report(results: dict[str, Any]) -> str:
     lines: list[str] = []
     for name, section in results["workloads"].items():
+        if "collection" in section:
+            c = section["collection"]
+            lines.append(f"== {name}: the corpus indexed once as collection {c['name']!r} ({c['documents']} documents, "
+                         f"{c['chunks']} chunks): " + ", ".join(f"{system} {seconds:.2f}s"
+                                                                for system, seconds in c["index_s"].items()))
         if "single" in section:
             lines += single_table(name, section) + [""]
         if "load" in section:

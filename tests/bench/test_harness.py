@@ -150,3 +150,25 @@ def test_debate_and_agent_against_their_client_side_loops(server, tmp_path):
         assert set(modes) == {"client", "headrace"} and modes["headrace"]["speedup_vs_client"] > 0
         runs = results["workloads"][name]["single"]["runs"]
         assert {r["mode"] for r in runs} == {"client", "headrace"} and all(r["answer"].strip() for r in runs)
+
+
+def test_rag_on_a_collection_indexed_once_against_a_llamaindex_index_kept_across_queries(server, tmp_path):
+    import httpx
+
+    code = main(["bench", "naive_rag_collection", "--modes", "llamaindex", "headrace", *TINY,
+                 "--url", server.base_url, "--api-key", API_KEY, "--out", str(tmp_path)])
+    assert code == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    section = results["workloads"]["naive_rag_collection"]
+    collection = section["collection"]
+    assert collection["documents"] == 2 and collection["chunks"] >= 2
+    assert set(collection["index_s"]) == {"headrace", "llamaindex"}
+    runs = section["single"]["runs"]
+    assert {r["mode"] for r in runs} == {"llamaindex", "headrace"} and all(r["answer"].strip() for r in runs)
+    # headrace's runs searched the collection: no run indexed anything of its own.
+    run_id = next(r["run"] for r in runs if r["mode"] == "headrace")
+    graph = httpx.get(f"{server.base_url}/v1/runs/{run_id}/graph",
+                      headers={"Authorization": f"Bearer {API_KEY}"}).json()["graph"]
+    ops = {n["op"] for n in graph["nodes"]}
+    assert "search" in ops and not {"chunk", "ingest"} & ops
+    assert "indexed once as collection 'bench_corpus'" in (tmp_path / "results.txt").read_text()

@@ -96,7 +96,8 @@ def validate(workflow: str, inputs: Any, config: Any) -> tuple[dict[str, Any], d
     inputs, config = client_validate(WHAT, WORKFLOWS, workflow, inputs, config)
     if config["synthesis"] != SYNTHESIS[workflow]:
         raise ValueError(f"config.synthesis: {WHAT}'s {workflow} implements {SYNTHESIS[workflow]!r} only")
-    common.count_chunks(inputs, "documents", config)  # the same errors for a bad split
+    if "documents" in inputs:
+        common.count_chunks(inputs, "documents", config)  # the same errors for a bad split
     return inputs, config
 
 
@@ -246,6 +247,7 @@ class LlamaIndexRAG:
         self._own_http = http_client is None
         self._llms: dict[int, Any] = {}
         self._embed_model: Any = None
+        self._collections: dict[str, Any] = {}  # name -> an index built once (``index_collection``)
 
     # shared clients -------------------------------------------------------------------
 
@@ -293,17 +295,31 @@ class LlamaIndexRAG:
     # pipelines ------------------------------------------------------------------------
 
     async def run(self, workflow: str, inputs: dict, config: dict) -> dict:
-        """Run ``workflow`` ("naive_rag" or "advanced_rag") on ``inputs`` = {question, documents}."""
+        """Run ``workflow`` ("naive_rag" or "advanced_rag") on ``inputs`` = {question, documents}, or
+        {question, collection} over an index built once by ``index_collection``."""
         inputs, config = validate(workflow, inputs, config)
-        index = await self._index(inputs["documents"], config)
+        if "collection" in inputs:
+            index = self._collections.get(inputs["collection"])
+            if index is None:
+                raise ValueError(f"inputs.collection: {WHAT} has no index {inputs['collection']!r} "
+                                 "(build it once with index_collection)")
+        else:
+            index = await self._index(inputs["documents"], config["chunk_size"], config["chunk_overlap"])
         build = self._naive if workflow == "naive_rag" else self._advanced
         response = await build(index, config).aquery(inputs["question"])
         return {"answer": (response.response or "").strip()}
 
-    async def _index(self, documents: list[str], config: dict[str, Any]) -> Any:
-        """This run's own in-memory index over headrace's chunks, embedded through the async API."""
+    async def index_collection(self, name: str, documents: list[str], chunk_size: int, chunk_overlap: int) -> int:
+        """Index ``documents`` once as ``name``, kept for every later query (what a LlamaIndex service does
+        with a corpus: build the VectorStoreIndex at start, query it per request); returns the chunk count."""
+        index = await self._index(documents, chunk_size, chunk_overlap)
+        self._collections[name] = index
+        return len(chunk_text(documents, chunk_size, chunk_overlap))
+
+    async def _index(self, documents: list[str], chunk_size: int, chunk_overlap: int) -> Any:
+        """An in-memory index over headrace's chunks, embedded through the async API."""
         li = self._li
-        nodes = [li.TextNode(text=t) for t in chunk_text(documents, config["chunk_size"], config["chunk_overlap"])]
+        nodes = [li.TextNode(text=t) for t in chunk_text(documents, chunk_size, chunk_overlap)]
         index = li.VectorStoreIndex(nodes=[], embed_model=self._embedder(), transformations=[li.KeepNodes()],
                                     storage_context=li.StorageContext.from_defaults())
         await index.ainsert_nodes(nodes)
