@@ -60,3 +60,20 @@ def test_evicted_entries_are_handed_back():
     assert cache.evict_lru() and freed == ["one", "two"]
     cache.clear()
     assert freed == ["one", "two", "three"] and not cache.evict_lru()
+
+
+def test_with_shared_blocks_a_system_prompt_behind_many_questions_counts_once():
+    """llama.cpp's cache sequences share a common prefix's cells: 3 questions behind one 8-token system
+    prompt hold 8 + 3 x 4 tokens, where entries that each count whole would hold 36 and evict."""
+    system = [7] * 8
+    shared: PrefixCache[str] = PrefixCache(capacity_tokens=24, block=4, shared_blocks=True)
+    whole: PrefixCache[str] = PrefixCache(capacity_tokens=24, block=4)
+    for cache in (shared, whole):
+        for q in (1, 2, 3):
+            cache.insert(system + [q] * 4, lambda n, q=q: f"q{q}")
+    assert (shared.used_tokens, len(shared), shared.stats.evictions) == (20, 3, 0)
+    assert (whole.used_tokens, len(whole), whole.stats.evictions) == (24, 2, 1)
+    # Leaving, an entry frees only what no other entry holds; the last holder frees the prompt too.
+    assert shared.evict_lru() and shared.used_tokens == 16
+    assert shared.evict_lru() and shared.evict_lru() and shared.used_tokens == 0
+    assert shared.match(system, 8) is None

@@ -696,7 +696,9 @@ class LlamaCppCore(LLMCore):
             self.prefix_cache.clear()  # gives every cache sequence back
             self.prefix_cache = None
         elif enabled and self.prefix_cache is None:
-            self.prefix_cache = PrefixCache(self.prefix_cache_tokens, stats=self._cache_stats,
+            # A cache sequence is seq_cp'd from its context, which was forked from the cached prefix it
+            # extends: in the unified KV they share those cells, so a shared block counts once.
+            self.prefix_cache = PrefixCache(self.prefix_cache_tokens, stats=self._cache_stats, shared_blocks=True,
                                             on_evict=lambda seq: self._drop_sequence(seq, self._free_cache_seqs))
 
     def _finish_decode(self, rows: list[Row], logits: torch.Tensor, out: Outbox) -> None:

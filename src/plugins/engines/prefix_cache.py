@@ -8,6 +8,12 @@ included) whose prompt starts with a cached prefix forks that KV and fills only
 the rest. Entries hold at most ``capacity_tokens`` tokens together; the least
 recently used go first.
 
+Where entries share storage (``shared_blocks``: llama.cpp's unified KV, in which a cache sequence
+forked from a context shares its cells with every sequence that context was forked from), a
+block held by several entries is counted once: caching the same 1,000-token system prompt behind
+a hundred different questions costs the prompt once plus each question's own blocks. Otherwise
+(the torch core, whose entries hold their own tensors) every entry counts whole.
+
 Engine-neutral: an entry's ``kv`` is whatever the engine stores (the torch core
 keeps per-layer tensor views), made on demand by the factory given to ``insert``.
 """
@@ -60,8 +66,10 @@ class PrefixCache(Generic[KV]):
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     # Called with an entry's kv as it leaves the cache (llama.cpp gives its sequence back); None: nothing to do.
     on_evict: Callable[[KV], None] | None = None
+    shared_blocks: bool = False  # entries share a common prefix's storage: count each block once
     _entries: OrderedDict[int, CachedPrefix[KV]] = field(default_factory=OrderedDict)  # LRU order, by id
     _index: dict[int, CachedPrefix[KV]] = field(default_factory=dict)  # block hash -> an entry holding it
+    _holders: dict[int, int] = field(default_factory=dict)  # block hash -> entries holding it (shared_blocks)
     used_tokens: int = 0
 
     def match(self, tokens: Sequence[int], max_tokens: int) -> tuple[CachedPrefix[KV], int] | None:
@@ -96,9 +104,24 @@ class PrefixCache(Generic[KV]):
         entry = CachedPrefix(list(tokens[:n]), make_kv(n))
         self._entries[id(entry)] = entry
         self._refresh(entry)
-        self.used_tokens += n
+        self.used_tokens += self._charge(entry, +1)
         while self.used_tokens > self.capacity_tokens:
             self._evict(next(iter(self._entries.values())))
+
+    def _charge(self, entry: CachedPrefix[KV], sign: int) -> int:
+        """Tokens that ``entry`` adds (+1) to the cache, or frees (-1) as it leaves."""
+        if not self.shared_blocks:
+            return len(entry.tokens)
+        changed = 0
+        for h in block_hashes(entry.tokens, self.block):
+            held = self._holders.get(h, 0) + sign
+            if held <= 0:
+                self._holders.pop(h, None)
+                changed += 1
+            else:
+                self._holders[h] = held
+                changed += held == 1 and sign > 0
+        return changed * self.block
 
     def _refresh(self, entry: CachedPrefix[KV]) -> None:
         # The most recently used holder of a shared prefix answers for it, so evicting the least
@@ -116,7 +139,7 @@ class PrefixCache(Generic[KV]):
 
     def _evict(self, entry: CachedPrefix[KV]) -> None:
         del self._entries[id(entry)]
-        self.used_tokens -= len(entry.tokens)
+        self.used_tokens -= self._charge(entry, -1)
         self.stats.evictions += 1
         for h in block_hashes(entry.tokens, self.block):
             if self._index.get(h) is entry:
@@ -130,6 +153,7 @@ class PrefixCache(Generic[KV]):
                 self.on_evict(entry.kv)
         self._entries.clear()
         self._index.clear()
+        self._holders.clear()
         self.used_tokens = 0
 
     def __len__(self) -> int:
