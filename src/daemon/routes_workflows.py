@@ -100,13 +100,18 @@ async def _events(request: Request, run: Run, events: EventReader, background: b
     """The run's events as SSE. Only a client that leaves cancels its run (unless it asked for
     background): one that reads slowly falls behind and is told what it missed (``events.dropped``)."""
     try:
-        async with events:
-            async for event in events:
-                yield _sse(event)
+        async for line in _sse_lines(events):
+            yield line
     finally:
         # The stream ended: either the run finished, or the client left (the generator is closed).
         if not run.done.is_set() and not background:
             run.cancel_scope.cancel()
+
+
+async def _sse_lines(events: EventReader) -> AsyncIterator[str]:
+    async with events:
+        async for event in events:
+            yield _sse(event)
 
 
 def _sse(event: RunEvent) -> str:
@@ -126,14 +131,7 @@ async def run_events(request: Request) -> Response:
         except ValueError:
             raise bad_request("Last-Event-ID must be an event id (an integer) this stream sent",
                               param="Last-Event-ID") from None
-    events = run.events.follow(after)
-
-    async def stream() -> AsyncIterator[str]:
-        async with events:
-            async for event in events:
-                yield _sse(event)
-
-    return StreamingResponse(stream(), media_type="text/event-stream",
+    return StreamingResponse(_sse_lines(run.events.follow(after)), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Mapping, Protocol, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Protocol, Sequence
 
 import anyio
 
@@ -246,12 +246,20 @@ class WorkflowService:
             del self.runs[old_id]
         return run
 
-    async def execute(self, run: Run) -> Run:
+    @contextmanager
+    def _executing(self, run: Run) -> Iterator[None]:
+        """``run`` counts as live (``cancel_all`` reaches it) while the block runs."""
         self._live[run.id] = run
         try:
-            await self.executor.execute(run)
+            yield
         finally:
             self._live.pop(run.id, None)
+
+    async def execute(self, run: Run) -> Run:
+        try:
+            with self._executing(run):
+                await self.executor.execute(run)
+        finally:
             if self.observer is not None:
                 self.observer.run_finished(run.workflow, run.status, seconds(run))
         return run
@@ -284,11 +292,10 @@ class WorkflowService:
             output.put(choice_of[node.id], delta)
 
         async def execute() -> None:
-            self._live[run.id] = run
             try:
-                await self.executor.execute(run)
+                with self._executing(run):
+                    await self.executor.execute(run)
             finally:
-                self._live.pop(run.id, None)
                 output.close()
 
         run.on_delta = forward

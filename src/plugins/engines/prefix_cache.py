@@ -115,12 +115,11 @@ class PrefixCache(Generic[KV]):
         changed = 0
         for h in block_hashes(entry.tokens, self.block):
             held = self._holders.get(h, 0) + sign
-            if held <= 0:
-                self._holders.pop(h, None)
-                changed += 1
-            else:
+            if held > 0:
                 self._holders[h] = held
-                changed += held == 1 and sign > 0
+            else:
+                del self._holders[h]
+            changed += (sign > 0 and held == 1) or held == 0  # the block's first holder came, or its last left
         return changed * self.block
 
     def _refresh(self, entry: CachedPrefix[KV]) -> None:
