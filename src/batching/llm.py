@@ -119,10 +119,11 @@ class LLMScheduler:
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()  # admission needs no loop of its own
 
-    def priority(self, meta: PrimitiveMeta | None, arrival: float) -> int:
-        """The engine priority of a request arriving at ``arrival`` (``time.monotonic()``)."""
+    def priority(self, meta: PrimitiveMeta | None, arrival: float, now: float | None = None) -> int:
+        """The engine priority of a request arriving at ``arrival``, ranked at ``now`` (default: then), on
+        the ``time.monotonic()`` clock."""
         run_policy = self.policies.get(meta.policy) if meta is not None and meta.policy else None
-        return priority(self.policy, run_policy, meta, int(arrival * 1000))
+        return priority(self.policy, run_policy, meta, int(arrival * 1000), None if now is None else int(now * 1000))
 
     def busy_with_other_runs(self, run: str) -> bool:
         """Whether requests or live contexts of anything but ``run`` are on the engine now."""
@@ -131,18 +132,23 @@ class LLMScheduler:
         return any(state.meta is None or state.meta.run != run for state in self.contexts.values())
 
     @asynccontextmanager
-    async def _admitted(self, arrival: float, rank: int, metas: Sequence[PrimitiveMeta | None]):
+    async def _admitted(self, arrival: float, rank: int, metas: Sequence[PrimitiveMeta | None]) -> AsyncIterator[int]:
+        """Hold a place for the request through the run gate, the slots and residency; yields its rank as of now."""
         owners = {meta.run if meta is not None else None for meta in metas} or {None}
         self._requests_by_run.update(owners)
         try:
             self._observer.queued(self.name)
-            held = await self.run_gate.enter(owners, rank)
+            def rank_now() -> int:  # a policy's rank may change while the request waits (a run turning late)
+                now = time.monotonic()
+                return min((self.priority(m, arrival, now) for m in metas), default=rank)
+
+            held = await self.run_gate.enter(owners, rank, rerank=rank_now)
             try:
                 await self._slots.acquire(rank)
                 try:
                     async with self.residency.hold():
                         self._observer.started(self.name, time.monotonic() - arrival)
-                        yield
+                        yield rank_now()
                 finally:
                     self._slots.release()
             finally:
@@ -158,7 +164,7 @@ class LLMScheduler:
         """A prefill primitive: fills a context (a fork when ``parent`` is given)."""
         arrival = time.monotonic()
         rank = self.priority(meta, arrival)
-        async with self._admitted(arrival, rank, (meta,)):
+        async with self._admitted(arrival, rank, (meta,)) as rank:
             await self.engine.prefill(ctx, tokens, parent, priority=rank)
             # Recorded before the engine is let go: a live context keeps it loaded until freed,
             # and keeps its run in the run gate (its decode must not wait behind other runs).
@@ -175,7 +181,7 @@ class LLMScheduler:
         arrival = time.monotonic()
         rank = self.priority(state.meta, arrival)
         try:
-            async with self._admitted(arrival, rank, (state.meta,)):
+            async with self._admitted(arrival, rank, (state.meta,)) as rank:
                 deltas = self.engine.decode(ctx, params, priority=rank)
                 async for delta in self._timed(deltas, state.arrival, state.prompt_tokens):
                     yield delta
@@ -198,7 +204,7 @@ class LLMScheduler:
         """Prefill, decode and free in one request. Close the iterator to abort it."""
         arrival = time.monotonic()
         rank = self.priority(meta, arrival)
-        async with self._admitted(arrival, rank, (meta,)):
+        async with self._admitted(arrival, rank, (meta,)) as rank:
             async for delta in self._timed(self.engine.generate(tokens, params, priority=rank), arrival, len(tokens)):
                 yield delta
 
@@ -210,7 +216,7 @@ class LLMScheduler:
         most urgent of ``metas``."""
         arrival = time.monotonic()
         rank = min((self.priority(m, arrival) for m in metas), default=self.priority(None, arrival))
-        async with self._admitted(arrival, rank, metas):
+        async with self._admitted(arrival, rank, metas) as rank:
             return await self.engine.next_token_logits(prompts, token_ids, priority=rank)
 
     async def _timed(self, deltas: AsyncIterator[TokenDelta], arrival: float, prompt_tokens: int):

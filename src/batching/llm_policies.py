@@ -30,9 +30,10 @@ CLASS_SPAN = 1 << 43
 class LLMPolicy(Protocol):
     name: str
 
-    def run_rank(self, meta: PrimitiveMeta | None, arrival_ms: int) -> int:
+    def run_rank(self, meta: PrimitiveMeta | None, arrival_ms: int, now_ms: int) -> int:
         """Where the request's run stands against other runs (lower first). ``arrival_ms``: the request's own
-        arrival, in milliseconds on the scheduler's clock; ``meta.arrival`` is the run's, in seconds."""
+        arrival, in milliseconds on the scheduler's clock; ``meta.arrival`` is the run's, in seconds;
+        ``now_ms``: when it is ranked (a waiting request is ranked again as places free up)."""
         ...
 
     def node_rank(self, meta: PrimitiveMeta | None) -> int:
@@ -48,7 +49,7 @@ class FifoLLMPolicy:
 
     name = "fifo"
 
-    def run_rank(self, meta: PrimitiveMeta | None, arrival_ms: int) -> int:
+    def run_rank(self, meta: PrimitiveMeta | None, arrival_ms: int, now_ms: int) -> int:
         return arrival_ms
 
     def node_rank(self, meta: PrimitiveMeta | None) -> int:
@@ -63,7 +64,7 @@ class TopologyLLMPolicy:
 
     name = "topology"
 
-    def run_rank(self, meta: PrimitiveMeta | None, arrival_ms: int) -> int:
+    def run_rank(self, meta: PrimitiveMeta | None, arrival_ms: int, now_ms: int) -> int:
         return arrival_ms if meta is None else meta_arrival_ms(meta)
 
     def node_rank(self, meta: PrimitiveMeta | None) -> int:
@@ -79,26 +80,29 @@ class ObjectiveLLMPolicy(TopologyLLMPolicy):
 
     name = "objective"
 
-    def run_rank(self, meta: PrimitiveMeta | None, arrival_ms: int) -> int:
+    def run_rank(self, meta: PrimitiveMeta | None, arrival_ms: int, now_ms: int) -> int:
         throughput = meta is not None and meta.objective == "throughput"
-        return int(throughput) * CLASS_SPAN + super().run_rank(meta, arrival_ms)
+        return int(throughput) * CLASS_SPAN + super().run_rank(meta, arrival_ms, now_ms)
 
 
 class DeadlineLLMPolicy(TopologyLLMPolicy):
     """Goodput under overload: earliest deadline first over runs (``meta.deadline``, the run's SLO), and a
-    run already past its deadline behind every run that can still make it. Under ``topology`` the oldest
-    run goes first even when it is already late, so in overload every run it delays turns late too; here a
-    late run yields to the runs that still count toward goodput, and still finishes, oldest first, in
-    the capacity they leave. Within a run, deepest node first (as ``topology``). A request with no
-    deadline (no SLO, or no run) is due at its arrival: a plain chat goes ahead of runs that have time."""
+    late run behind every run that can still make it. Under ``topology`` the oldest run goes first even
+    when it is already late, so in overload every run it delays turns late too; here a late run yields
+    to the runs that still count toward goodput, and still finishes, oldest first, in the capacity they
+    leave. A run is late once it cannot make its deadline even at its fastest: now plus the least time
+    its workflow ever took from this primitive to its end (``meta.remaining``) is past the deadline.
+    The rank depends on the time, so a waiting request is ranked again before it is let in. Within a
+    run, deepest node first (as ``topology``). A request with no deadline (no SLO, or no run) is due at
+    its arrival: a plain chat goes ahead of runs that have time."""
 
     name = "deadline"
 
-    def run_rank(self, meta: PrimitiveMeta | None, arrival_ms: int) -> int:
+    def run_rank(self, meta: PrimitiveMeta | None, arrival_ms: int, now_ms: int) -> int:
         if meta is None or meta.deadline is None:
-            return super().run_rank(meta, arrival_ms)
+            return super().run_rank(meta, arrival_ms, now_ms)
         deadline_ms = int(meta.deadline * 1000)
-        late = arrival_ms > deadline_ms
+        late = now_ms + int((meta.remaining or 0.0) * 1000) > deadline_ms
         return int(late) * CLASS_SPAN + deadline_ms
 
 
@@ -108,11 +112,12 @@ def meta_arrival_ms(meta: PrimitiveMeta) -> int:
 
 
 def priority(engine_policy: LLMPolicy, run_policy: LLMPolicy | None, meta: PrimitiveMeta | None,
-             arrival_ms: int) -> int:
-    """The engine priority of one request: the engine's policy ranks its run, the run's own policy (if it
-    names one) its place within the run."""
+             arrival_ms: int, now_ms: int | None = None) -> int:
+    """The engine priority of one request, ranked at ``now_ms`` (default: its arrival): the engine's policy
+    ranks its run, the run's own policy (if it names one) its place within the run."""
     within = (run_policy or engine_policy).node_rank(meta)
-    return engine_policy.run_rank(meta, arrival_ms) * NODE_RANKS + within
+    now = arrival_ms if now_ms is None else now_ms
+    return engine_policy.run_rank(meta, arrival_ms, now) * NODE_RANKS + within
 
 
 @hookimpl

@@ -30,4 +30,7 @@ class PrimitiveMeta:
     prefix_hash: str | None = None  # the prompt's static prefix (Parrot's PrefixHash); LLM prefills only
     arrival: float = field(default_factory=time.monotonic)  # the run's, on the ``time.monotonic`` clock
     deadline: float | None = None  # arrival + the run's SLO, same clock; None: no SLO
+    # The least time from this primitive's start to its run's end (the fastest run of its workflow so
+    # far, ``graph.remaining``): a run that cannot make its deadline even then is late already. None: unknown.
+    remaining: float | None = None
     policy: str | None = None  # the run's batch policy override; None: the engine's own

@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Collection
+from typing import Callable, Collection
 
 import anyio
 
@@ -30,6 +30,7 @@ class _Waiting:
     order: int
     runs: frozenset[RunId] = field(compare=False)
     let_in: anyio.Event = field(compare=False, default_factory=anyio.Event)
+    rerank: Callable[[], int] | None = field(compare=False, default=None)
 
 
 class RunGate:
@@ -61,13 +62,17 @@ class RunGate:
     def is_in(self, run: RunId) -> bool:
         return run in self._holds
 
-    async def enter(self, runs: Collection[RunId | None], rank: int) -> frozenset[RunId]:
-        """Wait until ``runs`` are in (a request of theirs at ``rank``), and hold them; returns what to ``leave``."""
+    async def enter(self, runs: Collection[RunId | None], rank: int,
+                    rerank: Callable[[], int] | None = None) -> frozenset[RunId]:
+        """Wait until ``runs`` are in (a request of theirs at ``rank``), and hold them; returns what to ``leave``.
+
+        ``rerank``: the request's rank now, for a policy whose ranks change as time passes (a run
+        turning late): asked again each time places free up."""
         runs_ = frozenset(r for r in runs if r is not None)
         if not runs_ or self._passes(runs_):
             self._hold(runs_)
             return runs_
-        waiter = _Waiting(rank, next(self._order), runs_)
+        waiter = _Waiting(rank, next(self._order), runs_, rerank=rerank)
         self._waiting.append(waiter)
         self._waiting.sort()
         try:
@@ -105,6 +110,11 @@ class RunGate:
 
     def _let_in(self) -> None:
         """Let in, most urgent first, every waiter whose run is in already and others while places are free."""
+        if any(waiter.rerank is not None for waiter in self._waiting):
+            for waiter in self._waiting:
+                if waiter.rerank is not None:
+                    waiter.rank = waiter.rerank()
+            self._waiting.sort()
         for waiter in list(self._waiting):
             already = any(run in self._holds for run in waiter.runs)
             if already or not self._limit or len(self._holds) < self._limit:

@@ -39,6 +39,7 @@ from headrace.graph.events import RunEvents
 from headrace.graph.objectives import objectives, task_groups
 from headrace.graph.aggregates import aggregate
 from headrace.graph.ops import NodeError, NotRun, OpContext, run_op
+from headrace.graph.remaining import RemainingWork
 from headrace.graph.store import Failed, Store
 
 log = logging.getLogger(__name__)
@@ -145,6 +146,7 @@ class Executor:
     def __init__(self, resolve: Callable[[str], ResolvedEngine], calls: CallObserver | None = None) -> None:
         self.resolve = resolve
         self.calls = calls
+        self.remaining = RemainingWork()  # what the ``deadline`` policy knows of a run's work left
 
     def _resolver(self, run: Run) -> Callable[[str], ResolvedEngine]:
         """How the run's primitives reach their engines: each call is also told to ``calls``."""
@@ -170,7 +172,7 @@ class Executor:
         ctx = OpContext(run.id, self._resolver(run), on_delta=run.on_delta or _output_deltas(run), policy=run.policy,
                         alone=EngineTurns() if run.isolate else None, arrival=run.arrival,
                         deadline=None if run.slo_seconds is None else run.arrival + run.slo_seconds,
-                        objectives=deduced, task_groups=groups)
+                        objectives=deduced, task_groups=groups, remaining=self.remaining.of(run.workflow))
         run.status, run.started = "running", time.monotonic()
         run.events.publish({"event": "run.started", "run": run.id, "workflow": run.workflow})
         if self.calls is not None:
@@ -208,6 +210,8 @@ class Executor:
             if self.calls is not None:
                 self.calls.run_ended(run.id, run.status)
             if run.status == "succeeded":
+                self.remaining.observe(run.workflow, ((r.node, r.started) for r in run.records
+                                                      if r.state == "done" and r.started is not None), run.finished)
                 run.events.publish({"event": "run.finished", "run": run.id, "result": run.result})
             else:
                 run.events.publish({"event": "run.failed", "run": run.id, "status": run.status, "error": run.error})

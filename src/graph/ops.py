@@ -49,13 +49,14 @@ class OpContext:
     deadline: float | None = None
     objectives: Mapping[str, Objective] = field(default_factory=dict)  # node id -> objective
     task_groups: Mapping[str, str] = field(default_factory=dict)  # node id -> its task group, if any
+    remaining: Mapping[str, float] = field(default_factory=dict)  # node id -> least seconds from its start to the run's end
 
     def meta(self, node: Node, key: tuple = ()) -> PrimitiveMeta:
         """What the engine's scheduler and its batch policy see: the primitive, not an anonymous request."""
         return PrimitiveMeta(
             run=self.run_id, node=node.id, key=key, depth=node.depth, task_group=self.task_groups.get(node.id),
             objective=self.objectives.get(node.id, "latency"), prefix_hash=node.prefix_hash,
-            arrival=self.arrival, deadline=self.deadline, policy=self.policy,
+            arrival=self.arrival, deadline=self.deadline, policy=self.policy, remaining=self.remaining.get(node.id),
         )
 
     def run_meta(self) -> PrimitiveMeta:

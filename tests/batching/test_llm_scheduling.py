@@ -82,6 +82,23 @@ def test_deadline_ranks_by_deadline_and_puts_late_runs_last():
     assert priority(deadline, None, deep, 12_000) < ranks["b"]
 
 
+def test_deadline_counts_a_run_late_once_it_cannot_make_it_even_at_its_fastest():
+    deadline = POLICIES["deadline"]
+    # Both due at 40 s; at 20 s run "slow" still needs at least 25 s of its fastest run ever, "quick" 5 s.
+    slow = PrimitiveMeta(run="slow", node="x", arrival=1.0, deadline=40.0, remaining=25.0)
+    quick = PrimitiveMeta(run="quick", node="x", arrival=2.0, deadline=41.0, remaining=5.0)
+    at_10 = {m.run: priority(deadline, None, m, 10_000) for m in (slow, quick)}
+    assert at_10["slow"] < at_10["quick"]  # at 10 s both can still make it: earliest deadline first
+    # Ranked again at 20 s (the same request, still waiting): slow can no longer make it and goes last,
+    # behind even a run due much later.
+    later = PrimitiveMeta(run="later", node="x", arrival=15.0, deadline=90.0, remaining=5.0)
+    at_20 = {m.run: priority(deadline, None, m, 10_000, 20_000) for m in (slow, quick, later)}
+    assert at_20["quick"] < at_20["later"] < at_20["slow"]
+    # Unknown remaining work counts as none: late only past the deadline itself.
+    unknown = PrimitiveMeta(run="u", node="x", arrival=1.0, deadline=40.0)
+    assert priority(deadline, None, unknown, 10_000, 39_000) < at_20["later"]
+
+
 @pytest.mark.anyio
 async def test_admission_follows_the_rank_when_every_slot_is_taken():
     gate = PriorityGate(1)

@@ -84,3 +84,24 @@ async def test_a_request_of_several_runs_passes_if_one_is_in_and_requests_of_no_
         gate.leave(held)
         assert await gate.enter({None}, 0) == frozenset()
     assert gate.inside == 1
+
+
+async def test_waiters_are_ranked_again_when_a_place_frees_up():
+    gate = RunGate(1)
+    await gate.enter({"a"}, 0)
+    ranks = {"first": 1, "second": 2}
+    order: list[str] = []
+
+    async def one(run: str) -> None:
+        held = await gate.enter({run}, ranks[run], rerank=lambda: ranks[run])
+        order.append(run)
+        gate.leave(held)
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            for run in ("first", "second"):
+                tg.start_soon(one, run)
+                await anyio.wait_all_tasks_blocked()
+            ranks["first"] = 3  # while waiting, "first" turned late (a policy's rank changed with time)
+            gate.leave({"a"})
+    assert order == ["second", "first"]

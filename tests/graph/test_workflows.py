@@ -44,6 +44,10 @@ def test_naive_rag_tree(live):
     assert nodes["embed_question"][0].started < nodes["ingest"][0].finished
     # prefill split: each leaf's instruction and question were prefilled before retrieval finished
     assert nodes["answer_0.prefill.partial"][0].started < nodes["search"][0].finished
+    # What the deadline policy learns from it: from each node's start to the run's end, never more than the run
+    left = svc.executor.remaining.of("naive_rag")
+    assert set(left) >= {"embed_question", "search", "combine_0_0"}
+    assert 0 < left["combine_0_0"] < left["search"] < left["embed_question"] <= run.finished - run.started
 
 
 def test_advanced_rag_streams_expansion_into_embeds(live):

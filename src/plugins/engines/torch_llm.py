@@ -23,7 +23,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ContextManager, Iterator
+from typing import Any, ContextManager
 
 import torch
 
