@@ -229,10 +229,12 @@ def test_deadline_lets_a_late_run_yield_to_one_that_can_still_make_its_slo(busy_
     portal, engine = busy_llm
     now = time.monotonic()
     late = [(f"late{i}", PrimitiveMeta(run="old", node=f"n{i}", arrival=now - 30, deadline=now - 10)) for i in range(2)]
-    on_time = ("on_time", PrimitiveMeta(run="new", node="n", arrival=now, deadline=now + 60))
-    requests = [*late, on_time]
-    assert portal.call(prefill_order, engine, "topology", requests) == ["late0", "late1", "on_time"]
-    assert portal.call(prefill_order, engine, "deadline", requests) == ["on_time", "late0", "late1"]
+    # Not past its deadline, but its workflow never took less than a minute from this node to its end.
+    doomed = ("doomed", PrimitiveMeta(run="mid", node="n", arrival=now - 20, deadline=now + 20, remaining=60.0))
+    on_time = ("on_time", PrimitiveMeta(run="new", node="n", arrival=now, deadline=now + 60, remaining=5.0))
+    requests = [*late, doomed, on_time]
+    assert portal.call(prefill_order, engine, "topology", requests) == ["late0", "late1", "doomed", "on_time"]
+    assert portal.call(prefill_order, engine, "deadline", requests) == ["on_time", "late0", "late1", "doomed"]
 
 
 @pytest.mark.slow

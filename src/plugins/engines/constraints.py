@@ -22,7 +22,6 @@ from typing import Any, Iterable, Sequence
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
 import torch
 
 from headrace.plugins.protocols import JsonSchemaConstraint, LarkConstraint, OutputConstraint
@@ -134,10 +133,13 @@ def bitmask(matchers: Sequence[llguidance.LLMatcher | None], vocab_size: int) ->
     no row is constrained."""
     if all(m is None for m in matchers):
         return None
-    mask = torch.full(llguidance.torch.get_bitmask_shape(len(matchers), vocab_size), -1, dtype=torch.int32)
+    # What llguidance.torch's helpers do, written out: that module imports torch._dynamo, seconds of
+    # start-up for every process that loads the engines, for two lines.
+    mask = torch.full((len(matchers), (vocab_size + 31) // 32), -1, dtype=torch.int32)
     for i, m in enumerate(matchers):
         if m is not None:
-            llguidance.torch.fill_next_token_bitmask(m, mask, i)
+            row = mask[i]
+            m.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
     return mask
 
 
