@@ -98,6 +98,7 @@ class Systems:
         self._policy: str | None = None  # the LLM policy in force now
         self.configured_max_runs: int | None = None  # the daemon's own bound on runs at once, likewise
         self._max_runs: int | None = None
+        self._prefix_caching = False  # the LLM keeps a prefix cache (emptied before each measured query)
 
     async def start(self) -> None:
         kinds = await self.daemon.models()
@@ -109,6 +110,14 @@ class Systems:
             settings = await self.daemon.engine_settings(self.models["llm"])
             self.configured_policy = self._policy = settings["llm_policy"]
             self.configured_max_runs = self._max_runs = settings["max_runs"]
+            self._prefix_caching = bool(settings.get("prefix_caching"))
+
+    async def cold_cache(self) -> None:
+        """Empty the LLM's prefix cache (switched off and on again). Every mode of a repetition asks about the
+        same document: without this the first mode fills the cache and the modes after it reuse its KV."""
+        if self._prefix_caching:
+            await self.daemon.engine_settings(self.models["llm"], prefix_caching=False)
+            await self.daemon.engine_settings(self.models["llm"], prefix_caching=True)
 
     async def finish(self) -> None:
         if self.configured_policy is not None:
@@ -215,6 +224,7 @@ async def single_query(systems: Systems, workload: Workload, modes: list[str], c
         inputs = workload.inputs(corpus, rep)
         order = modes[rep % len(modes):] + modes[: rep % len(modes)]
         for mode in order + ["isolated"]:
+            await systems.cold_cache()
             call = await systems.call(mode, workload, inputs, config)
             if mode == "isolated":
                 graph, tl = await daemon.graph(call.run_id), await daemon.timeline(call.run_id)

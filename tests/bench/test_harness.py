@@ -172,3 +172,31 @@ def test_rag_on_a_collection_indexed_once_against_a_llamaindex_index_kept_across
     ops = {n["op"] for n in graph["nodes"]}
     assert "search" in ops and not {"chunk", "ingest"} & ops
     assert "indexed once as collection 'bench_corpus'" in (tmp_path / "results.txt").read_text()
+
+
+@pytest.mark.anyio
+async def test_each_measured_query_starts_with_an_empty_prefix_cache(server):
+    """Every mode of a repetition asks about the same document: the harness empties the LLM's prefix cache
+    before each measured query, so no mode reuses the KV an earlier mode left."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from headrace.bench.client import Daemon
+    from headrace.bench.harness import Systems
+
+    def usage(text: str, model: str) -> float:
+        return next(s.value for family in text_string_to_metric_families(text) for s in family.samples
+                    if s.name == "headrace_prefix_cache_usage_perc" and s.labels["model"] == model)
+
+    daemon = Daemon(server.base_url, API_KEY)
+    try:
+        systems = Systems(daemon)
+        await systems.start()
+        llm = systems.models["llm"]
+        system = "You answer questions about water mills. " * 40  # a few hundred tokens: whole cache blocks
+        await daemon.chat_stream(llm, [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}], 2)
+        assert usage(await daemon.metrics(), llm) > 0
+        await systems.cold_cache()
+        assert usage(await daemon.metrics(), llm) == 0
+        assert (await daemon.engine_settings(llm))["prefix_caching"] is True  # switched back on
+    finally:
+        await daemon.aclose()
