@@ -144,3 +144,52 @@ async def test_a_lone_surrogate_gets_a_clear_error(tmp_path):
         with pytest.raises(ValueError, match="not valid Unicode"):
             engine.count_tokens(["\udfff"])
         assert (await engine.embed(["fine"])).shape == (1, 384)
+
+
+@pytest.mark.gpu
+@pytest.mark.anyio
+@pytest.mark.parametrize("pack_tokens", [128, 0], ids=["packed", "encode"])
+async def test_on_a_gpu_embeddings_stay_on_the_device_between_engines(tmp_path, pack_tokens):
+    """DyOrc §6.2 on one device: the embedder's batch stays on the GPU, each request gets a view of it (no host
+    round trip, no copy), a consumer on the same device reads it in place, and only a host consumer (the vector
+    store) pays, and counts, one transfer."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from headrace.batching.policies import FifoPolicy
+    from headrace.batching.requests import EmbedRequest, runner_for
+    from headrace.batching.scheduler import BatchScheduler
+    from headrace.plugins.engines.handoff import HandoffStats, float32_rows
+
+    docs = tuple(TEXTS[:4])
+    options = {"device": "cuda", "dtype": "auto", "pack_tokens": pack_tokens}
+    embedder = st_embed.factory(EngineSpec(name="emb", plugin="sentence-transformers", options=options),
+                                make_env(tmp_path, []))
+    on_cpu = st_embed.factory(EngineSpec(name="cpu", plugin="sentence-transformers", options={"dtype": "float32"}),
+                              make_env(tmp_path, []))
+    embeds = BatchScheduler("emb", runner_for(embedder), FifoPolicy(), max_batch_size=8, max_wait_ms=200)
+    got: dict[str, torch.Tensor] = {}
+
+    async def embed(key: str, texts: tuple[str, ...]) -> None:
+        got[key] = await embeds.submit(EmbedRequest(texts), len(texts))
+
+    async with running(embedder, on_cpu):
+        assert embedder._packed == bool(pack_tokens)
+        async with anyio.create_task_group() as tg:
+            await tg.start(embeds.run)
+            async with anyio.create_task_group() as both:  # queued together: one batch, two views
+                both.start_soon(embed, "docs", docs)
+                both.start_soon(embed, "question", ("How much did quarterly revenue grow?",))
+            tg.cancel_scope.cancel()
+        reference = await on_cpu.embed(docs)
+
+    doc_vectors, question = got["docs"], got["question"]
+    for vectors in (doc_vectors, question):
+        assert vectors.device.type == "cuda" and vectors.dtype == torch.float32
+    assert doc_vectors.untyped_storage().data_ptr() == question.untyped_storage().data_ptr()
+    scores = question @ doc_vectors.T  # a consumer on the same device: read in place
+    assert scores.device.type == "cuda" and int(scores.argmax()) == 2
+    stats = HandoffStats()
+    host = float32_rows(doc_vectors, stats)  # the vector store's side: one counted transfer
+    assert host.device.type == "cpu" and stats.copied_bytes == stats.received_bytes == doc_vectors.numel() * 4
+    # The same embeddings as float32 on the CPU, up to a half type's rounding.
+    assert (host * reference).sum(-1).min() > 0.99

@@ -10,6 +10,9 @@ A model made of a BERT-style transformer, mean pooling and normalisation (as
 all-MiniLM-L6-v2 is) runs padding-free: see ``packing.py``. Any other model goes
 through ``SentenceTransformer.encode``. Text that is not valid Unicode (a lone
 surrogate) is refused with a ValueError before the batch is tokenized.
+
+Embeddings come back as float32 rows on ``device``: on a GPU they stay there, so a
+consumer on the same device reads them in place (DyOrc §6.2).
 """
 
 from __future__ import annotations
@@ -123,7 +126,7 @@ class SentenceTransformerEmbedder:
         model = self._require_model()
         texts = list(texts)
         if not texts:
-            return torch.empty((0, self.dimensions), dtype=torch.float32)
+            return torch.empty((0, self.dimensions), dtype=torch.float32, device=self._device)
         check_texts(texts, "text")
         async with self._limiter:  # the batch's compute starts once the worker thread is ours
             start = time.monotonic()
@@ -141,7 +144,9 @@ class SentenceTransformerEmbedder:
             normalize_embeddings=True,
             show_progress_bar=False,
         )
-        out = out.to(device="cpu", dtype=torch.float32)
+        # On the embedder's own device: a co-hosted consumer there takes it as it is, and one on the host
+        # (the vector store) makes, and counts, the one transfer.
+        out = out.to(dtype=torch.float32)
         # encode runs under inference_mode: a tensor made there cannot be modified in place
         # outside it, so only then is it cloned (a float32 model's output); any other dtype's
         # conversion above already made an ordinary tensor, the one handed on by reference.
@@ -160,7 +165,7 @@ class SentenceTransformerEmbedder:
                     attention_mask=batch.attention_mask.to(self._device),
                     token_type_ids=torch.zeros_like(batch.input_ids).to(self._device),
                 ).last_hidden_state
-                out.append(mean_pool(hidden.cpu(), batch.spans))
+                out.append(mean_pool(hidden, batch.spans))
         # Outside inference_mode, so an ordinary tensor: handed on as it is (the store reads this memory).
         return torch.nn.functional.normalize(torch.cat(out), dim=-1)
 
