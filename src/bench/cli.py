@@ -50,6 +50,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--documents", type=int, default=4, help="corpus documents (default 4)")
     p.add_argument("--doc-tokens", type=int, default=2000, help="minimum tokens per document (default 2000)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="skip the unmeasured warm-up run of each mode (a smoke run: the first repetition then "
+                        "pays the cold start)")
     p.add_argument("--url", help="a running daemon's base URL (default: start one with --config)")
     p.add_argument("--api-key", default=os.environ.get("HEADRACE_API_KEY", ""), help="its API key")
     p.add_argument("--config", type=Path,
@@ -87,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
             process = DaemonProcess(args.config).wait_ready()
             base_url, api_key = process.base_url, process.api_key
         ladder = set() if args.ladder is None else set(args.ladder or args.workloads)
-        opts = Options(workloads=args.workloads, modes=args.modes, ladder=ladder, reps=args.reps,
+        opts = Options(workloads=args.workloads, modes=args.modes, ladder=ladder, reps=args.reps, warmup=args.warmup,
                        rates=args.rates, load_fractions=args.load_fractions, arrivals=args.arrivals,
                        load_modes=args.load_modes, chat=args.chat, mixed_chat=args.mixed_chat,
                        system_tokens=args.system_tokens,

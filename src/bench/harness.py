@@ -63,6 +63,7 @@ class Options:
     modes: list[str] | None = None  # None: each workload's defaults
     ladder: set[str] = field(default_factory=set)  # workloads whose passes are switched on in turn (single query)
     reps: int = 3
+    warmup: bool = True  # one unmeasured run per mode before the single-query repetitions
     rates: list[float] = field(default_factory=list)  # req/s
     load_fractions: list[float] = field(default_factory=list)  # x the measured capacity; with rates: both
     arrivals: int | None = None  # arrivals per load point; None: as many as ``duration`` draws
@@ -215,7 +216,7 @@ async def single_query(systems: Systems, workload: Workload, modes: list[str], c
     config = workload_config(workload, opts)
     daemon = systems.daemon
     warm = len(corpus.questions) - 1  # the warm-up input is never measured
-    for mode in modes:  # warms every engine and shape; the isolated runs need no warm-up of their own
+    for mode in modes if opts.warmup else ():  # warms every engine and shape; the isolated runs need none
         await systems.call(mode, workload, workload.inputs(corpus, warm), config)
     runs: list[dict[str, Any]] = []
     bounds: list[dict[str, Any]] = []
@@ -242,7 +243,7 @@ async def single_query(systems: Systems, workload: Workload, modes: list[str], c
                     timeline = tl
             runs.append(record)
         opts.log(f"    rep {rep}: " + ", ".join(f"{r['mode']} {r['latency_s']:.2f}s" for r in runs if r["rep"] == rep))
-    return {**summarize_single(workload, modes, runs, bounds), "timeline": timeline}
+    return {**summarize_single(workload, modes, runs, bounds), "warmup": opts.warmup, "timeline": timeline}
 
 
 def summarize_single(workload: Workload, modes: list[str], runs: list[dict], bounds: list[dict]) -> dict[str, Any]:

@@ -16,7 +16,8 @@ def _f(x: Any, spec: str = ".2f", none: str = "-") -> str:
 def single_table(name: str, section: dict[str, Any]) -> list[str]:
     single = section["single"]
     baseline = next((m for m in section["modes"] if m in ("llamaindex", "chaining", "client")), None)
-    lines = [f"== {name}: single query, mean of {next(iter(single['modes'].values()))['reps']} reps after warm-up "
+    warmup = "after warm-up" if single.get("warmup", True) else "without warm-up (cold first run)"
+    lines = [f"== {name}: single query, mean of {next(iter(single['modes'].values()))['reps']} reps {warmup} "
              f"(config {json.dumps(section['config'])}) =="]
     head = f"{'mode':<24} {'mean s':>7} {'median s':>8}"
     if baseline:

@@ -14,9 +14,7 @@ from headrace import __version__
 from headrace.daemon.config import ConfigError, default_config_path, load_config
 from headrace.daemon.quiet import quiet_libraries
 from headrace.graph.collections import UnknownCollection
-from headrace.graph.executor import first_error
-from headrace.graph.service import UnknownWorkflow
-from headrace.graph.workflow import WorkflowInputError
+from headrace.graph.workflow import UnknownWorkflow, WorkflowInputError
 from headrace.plugins.manager import PluginError, collect
 
 
@@ -92,6 +90,8 @@ def dispatch(args: argparse.Namespace) -> int:
         print(f"headrace: {exc}", file=sys.stderr)
         return 2
     except BaseExceptionGroup as group:  # raised through a task group: report the cause
+        from headrace.graph.executor import first_error
+
         cause = first_error(group)
         if isinstance(cause, (ConfigError, PluginError, WorkflowInputError, UnknownWorkflow, UnknownCollection)):
             print(f"headrace: {cause}", file=sys.stderr)

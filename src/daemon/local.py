@@ -11,8 +11,8 @@ from typing import Any, AsyncIterator
 from headrace.daemon.compose import compose
 from headrace.daemon.config import Config, ConfigError
 from headrace.daemon.pool import EnginePool
-from headrace.graph.service import UnknownWorkflow, WorkflowService, timeline
-from headrace.graph.workflow import WorkflowInputError
+from headrace.graph.service import WorkflowService, timeline
+from headrace.graph.workflow import UnknownWorkflow, WorkflowInputError
 from headrace.plugins.manager import collect
 
 

@@ -16,8 +16,8 @@ from headrace.daemon.schemas import RunEventsQuery, RunListQuery, RunRequest
 from headrace.graph.collections import UnknownCollection
 from headrace.graph.events import EventReader, RunEvent
 from headrace.graph.executor import Run
-from headrace.graph.service import UnknownWorkflow, WorkflowService, seconds, timeline
-from headrace.graph.workflow import WorkflowInputError
+from headrace.graph.service import WorkflowService, seconds, timeline
+from headrace.graph.workflow import UnknownWorkflow, WorkflowInputError
 
 
 def _service(request: Request) -> WorkflowService:

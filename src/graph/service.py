@@ -25,7 +25,7 @@ from headrace.graph.optimizer import Optimized, Optimizer
 from headrace.graph.passes import GraphPass, PassEnv
 from headrace.graph.request import request_graph
 from headrace.graph.tracing import Trace, TracePlan
-from headrace.graph.workflow import MAX_TRACED_STEPS, Workflow, WorkflowInputError
+from headrace.graph.workflow import MAX_TRACED_STEPS, UnknownWorkflow, Workflow, WorkflowInputError
 from headrace.plugins.protocols import SamplingParams, TokenDelta
 
 
@@ -50,11 +50,6 @@ class _Plan:
     isolate: bool
     slo_seconds: float | None
     trace: TracePlan | None = None  # a traced workflow: its graph grows while it runs
-
-
-class UnknownWorkflow(KeyError):
-    def __str__(self) -> str:
-        return f"no workflow named {self.args[0]!r}"
 
 
 class WorkflowService:

@@ -163,3 +163,7 @@ def _check(value: Any, schema: Mapping[str, Any], where: str) -> Any:
         value = _object(value, schema["properties"], tuple(schema.get("required", ())), where)
     return value
 
+
+class UnknownWorkflow(KeyError):
+    def __str__(self) -> str:
+        return f"no workflow named {self.args[0]!r}"

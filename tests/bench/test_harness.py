@@ -12,7 +12,7 @@ from headrace.cli import main
 
 pytestmark = pytest.mark.slow
 
-TINY = ["--reps", "1", "--max-tokens", "4", "--documents", "2", "--doc-tokens", "300"]
+TINY = ["--reps", "1", "--no-warmup", "--max-tokens", "4", "--documents", "2", "--doc-tokens", "300"]
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +49,7 @@ def test_smoke_every_mode_writes_its_results(bench_run):
     assert load["batch_sizes"]["headrace"]  # the daemon's batch-size metrics moved under load
     text = (out / "results.txt").read_text()
     assert "naive_rag: single query" in text and "critical-path bound" in text and "Poisson load" in text
+    assert single["warmup"] is False and "without warm-up" in text
     for png in ("naive_rag-speedup.png", "naive_rag-timeline.png", "naive_rag-latency-vs-load.png",
                 "naive_rag-batch-sizes-headrace.png", "naive_rag-batch-sizes-llamaindex.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG", png
@@ -155,7 +156,8 @@ def test_debate_and_agent_against_their_client_side_loops(server, tmp_path):
 def test_rag_on_a_collection_indexed_once_against_a_llamaindex_index_kept_across_queries(server, tmp_path):
     import httpx
 
-    code = main(["bench", "naive_rag_collection", "--modes", "llamaindex", "headrace", *TINY,
+    warm = [a for a in TINY if a != "--no-warmup"]  # the default warm-up runs here, so that path stays tested
+    code = main(["bench", "naive_rag_collection", "--modes", "llamaindex", "headrace", *warm,
                  "--url", server.base_url, "--api-key", API_KEY, "--out", str(tmp_path)])
     assert code == 0
     results = json.loads((tmp_path / "results.json").read_text())
@@ -171,7 +173,9 @@ def test_rag_on_a_collection_indexed_once_against_a_llamaindex_index_kept_across
                       headers={"Authorization": f"Bearer {API_KEY}"}).json()["graph"]
     ops = {n["op"] for n in graph["nodes"]}
     assert "search" in ops and not {"chunk", "ingest"} & ops
-    assert "indexed once as collection 'bench_corpus'" in (tmp_path / "results.txt").read_text()
+    text = (tmp_path / "results.txt").read_text()
+    assert "indexed once as collection 'bench_corpus'" in text and section["single"]["warmup"] is True
+    assert "reps after warm-up" in text
 
 
 @pytest.mark.anyio
