@@ -238,6 +238,24 @@ def test_deadline_lets_a_late_run_yield_to_one_that_can_still_make_its_slo(busy_
 
 
 @pytest.mark.slow
+def test_work_queued_inside_the_engine_falls_behind_once_its_run_turns_late(busy_llm):
+    """The engine reads a live rank each iteration: a prefill queued while its run could still make the
+    deadline (so ranked first) is overtaken, while it waits behind the blocker, once that run turns late."""
+    portal, engine = busy_llm
+    now = time.monotonic()
+    margin = 0.2  # far less than the blocker's 1500-token prefill takes
+    turning = ("turning", PrimitiveMeta(run="t", node="n", arrival=now, deadline=now + 5.0 + margin, remaining=5.0))
+    on_time = ("on_time", PrimitiveMeta(run="o", node="n", arrival=now, deadline=now + 60, remaining=5.0))
+    sched = LLMScheduler(engine, max_running=64, policy=POLICIES["deadline"], policies=POLICIES)
+    assert sched.priority(turning[1], now) < sched.priority(on_time[1], now)  # queued, it ranks first
+    engine.batches.clear()
+    order = portal.call(prefill_order, engine, "deadline", [turning, on_time])
+    blocker_end = next(end for op, _, end in engine.batches if op == "prefill")
+    assert blocker_end > now + margin, "the blocker's prefill ended before the run turned late"
+    assert order == ["on_time", "turning"]
+
+
+@pytest.mark.slow
 def test_with_one_run_at_a_time_a_runs_decode_goes_on_and_the_next_run_in_is_the_one_still_on_time(busy_llm):
     """max_runs = 1 under deadline: run ``in`` holds a context, so its decode passes the gate at once while a
     late run and an on-time one wait; once ``in`` frees its context the on-time run is let in first."""

@@ -325,7 +325,7 @@ class LlamaCppCore(LLMCore):
         """
         now = time.monotonic()
         # The most urgent first (lowest priority; stable, so oldest first among equals).
-        self._blocked = deque(sorted(self._blocked, key=lambda e: e[1].priority))
+        self._blocked = deque(sorted(self._blocked, key=lambda e: int(e[1].priority)))
         deferred: list[tuple[float, Prefill]] = []
         try:
             self._admit_in_order(now, deferred, out)
@@ -480,7 +480,7 @@ class LlamaCppCore(LLMCore):
     def _admit(self, out: Outbox) -> None:
         """Rows join the batch with the token their prefill's logits give."""
         room = max(0, self.max_batch_tokens // 2 - len(self._rows))  # leave prefills half the budget
-        self._waiting.sort(key=lambda r: r.priority)  # the most urgent join first; stable among equals
+        self._waiting.sort(key=lambda r: int(r.priority))  # the most urgent join first; stable among equals
         joining, self._waiting = self._waiting[:room], self._waiting[room:]
         for r in joining:
             try:
@@ -501,10 +501,13 @@ class LlamaCppCore(LLMCore):
         budget = self.max_batch_tokens - len(self._rows)
         self._drop_abandoned_scoring()
         # The policy's order: the most urgent prefills and scoring jobs first (stable among equals).
-        self._prefills = deque(sorted(self._prefills, key=lambda f: f.prefill.priority))
-        self._scoring = deque(sorted(self._scoring, key=lambda j: j.cmd.priority))
+        # Live priorities are read once here: a late run's work falls behind as soon as it turns late.
+        prefill_rank = {id(f): int(f.prefill.priority) for f in self._prefills}
+        scoring_rank = {id(j): int(j.cmd.priority) for j in self._scoring}
+        self._prefills = deque(sorted(self._prefills, key=lambda f: prefill_rank[id(f)]))
+        self._scoring = deque(sorted(self._scoring, key=lambda j: scoring_rank[id(j)]))
         scoring_first = bool(self._scoring) and (
-            not self._prefills or self._scoring[0].cmd.priority < self._prefills[0].prefill.priority)
+            not self._prefills or scoring_rank[id(self._scoring[0])] < prefill_rank[id(self._prefills[0])])
         # With both waiting at the same urgency, prefills take at most half the budget, so neither starves.
         prefill_budget = budget // 2 if self._scoring and not scoring_first else budget
         used = 0
