@@ -23,6 +23,7 @@ the daemon's own policy is restored at the end.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -99,6 +100,7 @@ class Systems:
         self._policy: str | None = None  # the LLM policy in force now
         self.configured_max_runs: int | None = None  # the daemon's own bound on runs at once, likewise
         self._max_runs: int | None = None
+        self.configured_prefix_caching: bool | None = None  # the daemon's own switch, restored by ``finish``
         self._prefix_caching = False  # the LLM keeps a prefix cache (emptied before each measured query)
 
     async def start(self) -> None:
@@ -111,18 +113,25 @@ class Systems:
             settings = await self.daemon.engine_settings(self.models["llm"])
             self.configured_policy = self._policy = settings["llm_policy"]
             self.configured_max_runs = self._max_runs = settings["max_runs"]
-            self._prefix_caching = bool(settings.get("prefix_caching"))
+            self.configured_prefix_caching = self._prefix_caching = bool(settings.get("prefix_caching"))
 
     async def cold_cache(self) -> None:
         """Empty the LLM's prefix cache (switched off and on again). Every mode of a repetition asks about the
         same document: without this the first mode fills the cache and the modes after it reuse its KV."""
         if self._prefix_caching:
-            await self.daemon.engine_settings(self.models["llm"], prefix_caching=False)
-            await self.daemon.engine_settings(self.models["llm"], prefix_caching=True)
+            await self.use_prefix_caching(False)
+            await self.use_prefix_caching(True)
+
+    async def use_prefix_caching(self, on: bool) -> None:
+        """Switch the LLM's prefix cache on or off; off empties it."""
+        await self.daemon.engine_settings(self.models["llm"], prefix_caching=on)
+        self._prefix_caching = on
 
     async def finish(self) -> None:
         if self.configured_policy is not None:
             await self.use_policy(self.configured_policy, self.configured_max_runs)
+        if self.configured_prefix_caching is not None and self._prefix_caching != self.configured_prefix_caching:
+            await self.use_prefix_caching(self.configured_prefix_caching)
 
     async def use_policy(self, policy: str | None, max_runs: int | None = None) -> None:
         """Put the LLM under ``policy`` and ``max_runs`` (None: the daemon's own) unless it is already."""
@@ -367,9 +376,9 @@ async def chat_phase(systems: Systems, corpus: Corpus, opts: Options) -> dict[st
     out: dict[str, Any] = {"requests": opts.chat, "system_tokens": len(systems.tokenizer(system))
                            if systems.tokenizer else None, "modes": {}}
     for mode, caching in (("no prefix caching", False), ("prefix caching", True)):
-        await systems.daemon.engine_settings(llm, prefix_caching=False)  # empties it
+        await systems.use_prefix_caching(False)  # empties it
         if caching:
-            await systems.daemon.engine_settings(llm, prefix_caching=True)
+            await systems.use_prefix_caching(True)
         ttfts = []
         for i in range(opts.chat):
             ttft, _ = await systems.daemon.chat_stream(llm, chat_messages(system, corpus, i), CHAT_TOKENS)
@@ -378,7 +387,6 @@ async def chat_phase(systems: Systems, corpus: Corpus, opts: Options) -> dict[st
         out["modes"][mode] = {"ttft_s": ttfts, "mean_s": statistics.fmean(warm),
                               "p50_s": percentile(sorted(warm), 50), "p95_s": percentile(sorted(warm), 95)}
         opts.log(f"    chat, {mode}: mean TTFT {out['modes'][mode]['mean_s'] * 1000:.0f} ms over {len(warm)}")
-    await systems.daemon.engine_settings(llm, prefix_caching=True)
     off, on = out["modes"]["no prefix caching"]["mean_s"], out["modes"]["prefix caching"]["mean_s"]
     out["ttft_speedup"] = off / on if on else None
     return out
@@ -449,6 +457,18 @@ async def index_collection(systems: Systems, corpus: Corpus, modes: list[str], o
 
 async def run_all(systems: Systems, corpus: Corpus, opts: Options) -> dict[str, Any]:
     await systems.start()
+    try:
+        results = await _run_phases(systems, corpus, opts)
+    except BaseException:
+        # The daemon's own LLM settings back however a phase failed; the phase's error is the one to report.
+        with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+            await systems.finish()
+        raise
+    await systems.finish()
+    return results
+
+
+async def _run_phases(systems: Systems, corpus: Corpus, opts: Options) -> dict[str, Any]:
     results: dict[str, Any] = {"workloads": {}}
     slos: dict[str, float] = {}
     for name in opts.workloads:
@@ -486,7 +506,6 @@ async def run_all(systems: Systems, corpus: Corpus, opts: Options) -> dict[str, 
         if missing:
             raise BenchError(f"the mixed load needs the single-query phase of {missing} for their SLOs")
         results["mixed"] = await mixed_phase(systems, corpus, opts, slos)
-    await systems.finish()
     return results
 
 

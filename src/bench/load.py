@@ -61,6 +61,9 @@ class LoadResult:
             "p95_s": percentile(done, 95), "p99_s": percentile(done, 99),
             "throughput": len(done) / window, "goodput": good / window, "slo_attainment": good / len(samples) if samples else 0.0,
             "errors": sorted({s.error for s in samples if s.error})[:3],
+            # Each request in arrival order (None: failed): goodput at another SLO, or who made it, from these.
+            "arrivals_s": [round(s.arrival, 3) for s in samples],
+            "latencies_s": [None if s.latency is None else round(s.latency, 3) for s in samples],
         }
 
 

@@ -102,18 +102,22 @@ def dispatch(args: argparse.Namespace) -> int:
 def _local(args: argparse.Namespace) -> int:
     import anyio
 
-    from headrace.daemon import local, profiling
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    quiet_libraries()
-    logging.basicConfig(level="WARNING", format="%(message)s")
-    logging.getLogger("headrace.daemon.pool").setLevel("INFO")  # one line per engine as it loads
+    # The config and the flags are checked before anything imports torch: a typo fails in a blink.
     config = load_config(args.config)
     if args.command == "profile":
         if args.engine not in {e.name for e in config.engines}:
             raise ConfigError("engine", f"no engine named {args.engine!r} in {args.config}")
+    else:
+        run_config = _run_config(args)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    quiet_libraries()
+    logging.basicConfig(level="WARNING", format="%(message)s")
+    logging.getLogger("headrace.daemon.pool").setLevel("INFO")  # one line per engine as it loads
+    from headrace.daemon import local, profiling
+
+    if args.command == "profile":
         return anyio.run(profiling.profile, config, args.engine, args.max_batch)
-    return anyio.run(local.run_workflow, config, args.workflow, args.input, _run_config(args))
+    return anyio.run(local.run_workflow, config, args.workflow, args.input, run_config)
 
 
 def _run_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -166,15 +170,15 @@ def _plugins() -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models come from disk, never a hub
-    quiet_libraries()
-    config = load_config(
+    config = load_config(  # before anything imports torch: a bad key fails in a blink
         args.config,
         overrides={"server.host": args.host, "server.port": args.port, "server.api_key": args.api_key,
                    "data.dir": args.data_dir, "server.log_level": args.log_level},
     )
     if not config.engines:
         raise ConfigError("engines", f"no engines configured in {args.config}")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models come from disk, never a hub
+    quiet_libraries()
     logging.basicConfig(level=config.server.log_level.upper() if config.server.log_level != "trace" else "DEBUG",
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvicorn

@@ -80,11 +80,12 @@ def test_run_names_a_bad_input():
 
 @pytest.mark.slow
 def test_profile_finds_a_max_efficient_batch_size():
-    out = cli("profile", "all-minilm-l6-v2", "--max-batch", "32", "--config", str(ROOT / "configs" / "default.toml"))
+    # Up to 4: three sizes of about 9 s each show the search; more sizes only add time.
+    out = cli("profile", "all-minilm-l6-v2", "--max-batch", "4", "--config", str(ROOT / "configs" / "default.toml"))
     assert out.returncode == 0, out.stderr
     assert "batch    1:" in out.stdout
     size = int(out.stdout.split("max efficient batch size for all-minilm-l6-v2: ")[1].split()[0])
     # Which size wins is a measurement (a loaded machine may find no gain past 1): assert only
     # that the answer is one of the sizes it tried, and that it prints the config to set.
-    assert size in (1, 2, 4, 8, 16, 32) and f"batch {size:>4}:" in out.stdout
+    assert size in (1, 2, 4) and f"batch {size:>4}:" in out.stdout and "batch    8:" not in out.stdout
     assert f"max_efficient_batch_size = {size}" in out.stdout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import os
 import subprocess
@@ -13,7 +14,7 @@ import pytest
 
 from conftest import ROOT, Server
 from headrace.plugins import hookspecs
-from headrace.plugins.manager import DEFAULT_PLUGINS, PluginError, collect, make_manager
+from headrace.plugins.manager import DEFAULT_PLUGINS, PluginError, allowed_entry_points, collect, make_manager
 
 PLUGIN_DIR = ROOT / "plugins-contrib" / "headrace-hashembed"
 
@@ -49,12 +50,20 @@ def test_installed_plugin_is_discovered(hashembed):
     assert "headrace.plugins.engines.torch_llm\n  register_engines: torch" in out
 
 
-def test_allow_list(hashembed):
-    assert "hashembed" not in plugins_output(HEADRACE_PLUGINS="")
-    assert "hashembed" in plugins_output(HEADRACE_PLUGINS="other, hashembed")
-    assert "hashembed" not in plugins_output(HEADRACE_PLUGINS="other")
-    # Built-ins load whatever the allow-list says.
-    assert "register_engines: torch" in plugins_output(HEADRACE_PLUGINS="")
+def test_allow_list(hashembed, monkeypatch):
+    importlib.invalidate_caches()  # the fixture may have just installed it
+
+    def allowed(value: str) -> set[str]:
+        monkeypatch.setenv("HEADRACE_PLUGINS", value)
+        return {ep.name for ep in allowed_entry_points()}
+
+    assert "hashembed" in allowed("other, hashembed")
+    assert "hashembed" not in allowed("other")
+    assert "hashembed" not in allowed("")
+    # Built-ins load whatever the allow-list says (still set to none here), and so does the CLI.
+    assert {"torch", "lancedb"} <= set(collect(make_manager()).engines)
+    out = plugins_output(HEADRACE_PLUGINS="")
+    assert "hashembed" not in out and "register_engines: torch" in out
 
 
 def test_duplicate_registration_names_the_plugin():
