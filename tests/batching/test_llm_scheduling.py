@@ -320,6 +320,49 @@ def test_the_decode_batch_admits_the_most_urgent_rows_first(busy_llm):
     assert order[1:] == sorted(order[1:]) and sorted(order) == [3, 5, 7]
 
 
+class _Rank:
+    """A live priority whose value the test sets, as a policy's rank changes with the clock."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __int__(self) -> int:
+        return self.value
+
+
+@pytest.mark.slow
+def test_a_scoring_job_under_way_keeps_the_rank_it_began_with(busy_llm):
+    """Queued work is ranked again each iteration, but a job the engine has begun is not: its run's remaining
+    work counts from the job's start, so a rank that turns worse mid-way must not stall it behind newer work."""
+    portal, engine = busy_llm
+
+    async def go() -> list[str]:
+        finished: list[str] = []
+        big_rank, small_rank = _Rank(1), _Rank(5)
+        # Ten chunks of 16 prompts, one chunk an iteration (each is past the 96-token budget).
+        big = [prompt(engine, 20 + i, 24) for i in range(160)]
+        yes = engine.encode(" yes")[-1:]
+
+        async def score(name: str, prompts: list[list[int]], rank: _Rank) -> None:
+            await engine.next_token_logits(prompts, yes, priority=rank)
+            finished.append(name)
+
+        engine.batches.clear()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(score, "big", big, big_rank)
+            with anyio.fail_after(120):
+                while not any(op == "score" for op, _, _ in engine.batches):
+                    await anyio.sleep(0.01)
+            big_rank.value = 10  # its run turned late after the job began
+            tg.start_soon(score, "small", [prompt(engine, 400, 24)], small_rank)
+            await anyio.wait_all_tasks_blocked()
+            chunks_at_flip = sum(op == "score" for op, _, _ in engine.batches)
+        assert chunks_at_flip < 8, "the small job was queued too late to overtake"
+        return finished
+
+    assert portal.call(go) == ["big", "small"]
+
+
 class _Scores:
     """A real (tiny) LLM-shaped engine that records the priority each scoring call came with."""
 

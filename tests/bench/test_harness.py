@@ -115,6 +115,9 @@ def test_llm_policy_modes_load_from_capacity_and_the_chat_phase(server, tmp_path
         (point,) = points
         assert point["offered"] == 3 and point["rate"] == pytest.approx(2 * capacity, rel=1e-3)
         assert point["completed"] == 3 and point["p99_s"] >= point["p50_s"] > 0
+        # Each request's own figures, in arrival order: the percentiles above come from these.
+        assert len(point["arrivals_s"]) == 3 and point["arrivals_s"] == sorted(point["arrivals_s"])
+        assert max(point["latencies_s"]) == pytest.approx(point["p99_s"], rel=0.05, abs=0.01)
     chat = results["chat"]
     assert chat["requests"] == 3 and 250 <= chat["system_tokens"] <= 300
     for row in chat["modes"].values():

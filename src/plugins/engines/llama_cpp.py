@@ -90,6 +90,7 @@ class _Fill:
     prefill: Prefill | None = None
     job: _ScoreJob | None = None
     index: int = 0  # the prompt's row in the scoring job
+    rank: int = 0  # a prefill's priority as last read: ranked again until its first chunk runs
     group: _SharedPrefix | None = None  # set on a scoring group's shared-prefix fill
 
     @property
@@ -116,6 +117,7 @@ class _ScoreJob:
     groups: list[_SharedPrefix]  # runs of prompts sharing a prefix (length 0: nothing shared)
     started: int = 0  # prompts given a scratch sequence so far
     finished: int = 0
+    rank: int = 0  # its priority as last read: ranked again until its first prompt starts
     fills: list[_Fill] = field(default_factory=list)  # in flight
 
 
@@ -500,14 +502,18 @@ class LlamaCppCore(LLMCore):
             parts.append(_Part("decode", rows=list(self._rows), count=len(self._rows)))
         budget = self.max_batch_tokens - len(self._rows)
         self._drop_abandoned_scoring()
-        # The policy's order: the most urgent prefills and scoring jobs first (stable among equals).
-        # Live priorities are read once here: a late run's work falls behind as soon as it turns late.
-        prefill_rank = {id(f): int(f.prefill.priority) for f in self._prefills}
-        scoring_rank = {id(j): int(j.cmd.priority) for j in self._scoring}
-        self._prefills = deque(sorted(self._prefills, key=lambda f: prefill_rank[id(f)]))
-        self._scoring = deque(sorted(self._scoring, key=lambda j: scoring_rank[id(j)]))
-        scoring_first = bool(self._scoring) and (
-            not self._prefills or scoring_rank[id(self._scoring[0])] < prefill_rank[id(self._prefills[0])])
+        # The policy's order: the most urgent prefills and scoring jobs first (stable among equals). Work not
+        # begun yet is ranked again (a live priority: a late run's work falls behind once it turns late); work
+        # under way keeps the rank it began with, as its run's remaining work counts from its start.
+        for f in self._prefills:
+            if f.done == 0:
+                f.rank = int(f.prefill.priority)
+        for j in self._scoring:
+            if j.started == 0:
+                j.rank = int(j.cmd.priority)
+        self._prefills = deque(sorted(self._prefills, key=lambda f: f.rank))
+        self._scoring = deque(sorted(self._scoring, key=lambda j: j.rank))
+        scoring_first = bool(self._scoring) and (not self._prefills or self._scoring[0].rank < self._prefills[0].rank)
         # With both waiting at the same urgency, prefills take at most half the budget, so neither starves.
         prefill_budget = budget // 2 if self._scoring and not scoring_first else budget
         used = 0

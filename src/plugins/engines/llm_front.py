@@ -47,7 +47,10 @@ core cannot run all its work in one iteration, it takes the most urgent first,
 in arrival order among equals. The front takes live priorities
 (``live_priority``), so a core reads ``int(priority)`` each time it orders its
 queues: the scheduler's rank of waiting work can change (a run turning late
-ranks behind the runs that can still make their deadline). A core with a prefix cache implements
+ranks behind the runs that can still make their deadline). Work the core has
+begun (a scoring job or a prefill part done) keeps the rank it began with: the
+run's remaining work (``PrimitiveMeta.remaining``) counts from the primitive's
+start, so ranking it again mid-way would call a run late that is on its way. A core with a prefix cache implements
 ``set_prefix_caching`` and ``prefix_caching_enabled`` (the front carries the
 switch to the worker as a command).
 """

@@ -224,9 +224,11 @@ class TorchCore(LLMCore):
     def _fill(self, out: Outbox) -> None:
         """Spend this iteration's token budget on prefills and scoring chunks, lowest key first."""
         budget = self.max_iteration_tokens
-        # Ranked again each iteration: a live priority may have changed since the work was queued.
+        # Queued work is ranked again each iteration (a live priority may have changed since it was queued);
+        # a scoring job under way keeps the rank it began with (its run's remaining work counts from its start).
         self._prefills = [((int(job.priority), order), job) for (_, order), job in self._prefills]
-        self._scoring = [((int(job.priority), order), job) for (_, order), job in self._scoring]
+        self._scoring = [((int(job.priority), order) if job.next == 0 else (rank, order), job)
+                         for (rank, order), job in self._scoring]
         while budget > 0:
             self._scoring = [(key, job) for key, job in self._scoring if not job.reply.abandoned]
             prefill = self._next_prefill()
