@@ -3,12 +3,9 @@
 The engine batches every admitted request per iteration; this scheduler
 
 - ranks each request by its LLM policy (``llm_policies``: ``fifo``, ``topology``,
-  ``objective``, ``deadline``) from the primitive's ``PrimitiveMeta`` (None for a
-  request from outside any run), and hands the rank to the engine as its
-  ``priority``, which every iteration of the engine honours. An engine that takes
-  live priorities (``live_priority``, the built-in ones) gets a ``LiveRank``, the
-  rank as of whenever the engine reads it: work already queued inside the engine
-  falls behind once its run turns late, as waiting work does here;
+  ``objective``) from the primitive's ``PrimitiveMeta`` (None for a request from
+  outside any run), and hands the rank to the engine as its ``priority``, which
+  every iteration of the engine honours;
 - bounds how many runs it serves at once (``max_runs``, ``run_gate``) and how
   many requests are admitted (``max_running``), letting waiting ones in most
   urgent first, in the same order;
@@ -26,7 +23,7 @@ import time
 from collections import Counter
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Mapping, Sequence
+from typing import Any, AsyncIterator, Mapping, Sequence
 
 import anyio
 import torch
@@ -36,7 +33,7 @@ from headrace.batching.meta import PrimitiveMeta
 from headrace.batching.observer import NullObserver, SchedulerObserver
 from headrace.batching.residency import AlwaysResident, Residency
 from headrace.batching.run_gate import RunGate
-from headrace.plugins.protocols import LivePriority, LLMEngine, Priority, SamplingParams, TokenDelta
+from headrace.plugins.protocols import LLMEngine, SamplingParams, TokenDelta
 
 
 @dataclass
@@ -54,22 +51,6 @@ class _Waiter:
     priority: int
     order: int
     admitted: anyio.Event = field(compare=False, default_factory=anyio.Event)
-
-
-class LiveRank:
-    """A request's rank as of now, each time it is read (``int()``): the engine reads it on its own thread
-    whenever it orders its queues. Ranking is a pure function of the request's meta and the clock."""
-
-    __slots__ = ("_rank_at",)
-
-    def __init__(self, rank_at: Callable[[float], int]) -> None:
-        self._rank_at = rank_at
-
-    def __int__(self) -> int:
-        return self._rank_at(time.monotonic())
-
-    def __repr__(self) -> str:
-        return f"LiveRank({int(self)})"
 
 
 class PriorityGate:
@@ -121,7 +102,6 @@ class LLMScheduler:
         # Policies a run may name for its own requests (``PrimitiveMeta.policy``).
         self.policies = dict(policies or {})
         self._slots = PriorityGate(max_running)
-        self._live_ranks = bool(getattr(engine, "live_priority", False))  # a plugin engine may take only ints
         self.run_gate = RunGate(max_runs)  # 0: every run at once
         self._observer = observer or NullObserver()
         self.contexts: dict[str, ContextState] = {}
@@ -152,19 +132,15 @@ class LLMScheduler:
         return any(state.meta is None or state.meta.run != run for state in self.contexts.values())
 
     @asynccontextmanager
-    async def _admitted(self, arrival: float, rank: int, metas: Sequence[PrimitiveMeta | None]
-                        ) -> AsyncIterator[Priority | LivePriority]:
-        """Hold a place for the request through the run gate, the slots and residency; yields the priority to
-        hand the engine: a ``LiveRank`` where the engine takes one, else the rank as of now."""
+    async def _admitted(self, arrival: float, rank: int, metas: Sequence[PrimitiveMeta | None]) -> AsyncIterator[int]:
+        """Hold a place for the request through the run gate, the slots and residency; yields its rank as of now."""
         owners = {meta.run if meta is not None else None for meta in metas} or {None}
         self._requests_by_run.update(owners)
         try:
             self._observer.queued(self.name)
-            def rank_at(now: float) -> int:  # a policy's rank may change while the request waits (a run turning late)
+            def rank_now() -> int:  # a policy's rank may change while the request waits (a run turning late)
+                now = time.monotonic()
                 return min((self.priority(m, arrival, now) for m in metas), default=rank)
-
-            def rank_now() -> int:
-                return rank_at(time.monotonic())
 
             held = await self.run_gate.enter(owners, rank, rerank=rank_now)
             try:
@@ -172,7 +148,7 @@ class LLMScheduler:
                 try:
                     async with self.residency.hold():
                         self._observer.started(self.name, time.monotonic() - arrival)
-                        yield LiveRank(rank_at) if self._live_ranks else rank_now()
+                        yield rank_now()
                 finally:
                     self._slots.release()
             finally:

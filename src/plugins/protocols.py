@@ -178,16 +178,6 @@ arrival order (vLLM's and SGLang's priority scheduling). The LLM scheduler's pol
 
 
 @runtime_checkable
-class LivePriority(Protocol):
-    """A priority that may change while its work waits inside the engine (a run turning late under the
-    ``deadline`` policy): ``int(priority)`` is its value now. The LLM scheduler hands one, instead of a
-    fixed ``Priority``, to an engine whose class sets ``live_priority = True``; such an engine reads it
-    each time it picks work (it may be read on the engine's own thread)."""
-
-    def __int__(self) -> int: ...
-
-
-@runtime_checkable
 class LLMEngine(Engine, Protocol):
     """Fill / Generate / FreeContext, after Parrot's engine API.
 

@@ -238,24 +238,6 @@ def test_deadline_lets_a_late_run_yield_to_one_that_can_still_make_its_slo(busy_
 
 
 @pytest.mark.slow
-def test_work_queued_inside_the_engine_falls_behind_once_its_run_turns_late(busy_llm):
-    """The engine reads a live rank each iteration: a prefill queued while its run could still make the
-    deadline (so ranked first) is overtaken, while it waits behind the blocker, once that run turns late."""
-    portal, engine = busy_llm
-    now = time.monotonic()
-    margin = 0.2  # far less than the blocker's 1500-token prefill takes
-    turning = ("turning", PrimitiveMeta(run="t", node="n", arrival=now, deadline=now + 5.0 + margin, remaining=5.0))
-    on_time = ("on_time", PrimitiveMeta(run="o", node="n", arrival=now, deadline=now + 60, remaining=5.0))
-    sched = LLMScheduler(engine, max_running=64, policy=POLICIES["deadline"], policies=POLICIES)
-    assert sched.priority(turning[1], now) < sched.priority(on_time[1], now)  # queued, it ranks first
-    engine.batches.clear()
-    order = portal.call(prefill_order, engine, "deadline", [turning, on_time])
-    blocker_end = next(end for op, _, end in engine.batches if op == "prefill")
-    assert blocker_end > now + margin, "the blocker's prefill ended before the run turned late"
-    assert order == ["on_time", "turning"]
-
-
-@pytest.mark.slow
 def test_with_one_run_at_a_time_a_runs_decode_goes_on_and_the_next_run_in_is_the_one_still_on_time(busy_llm):
     """max_runs = 1 under deadline: run ``in`` holds a context, so its decode passes the gate at once while a
     late run and an on-time one wait; once ``in`` frees its context the on-time run is let in first."""
@@ -318,49 +300,6 @@ def test_the_decode_batch_admits_the_most_urgent_rows_first(busy_llm):
     order = portal.call(go)
     # The first command batch may start any one row before the rest arrive; after that, by rank.
     assert order[1:] == sorted(order[1:]) and sorted(order) == [3, 5, 7]
-
-
-class _Rank:
-    """A live priority whose value the test sets, as a policy's rank changes with the clock."""
-
-    def __init__(self, value: int) -> None:
-        self.value = value
-
-    def __int__(self) -> int:
-        return self.value
-
-
-@pytest.mark.slow
-def test_a_scoring_job_under_way_keeps_the_rank_it_began_with(busy_llm):
-    """Queued work is ranked again each iteration, but a job the engine has begun is not: its run's remaining
-    work counts from the job's start, so a rank that turns worse mid-way must not stall it behind newer work."""
-    portal, engine = busy_llm
-
-    async def go() -> list[str]:
-        finished: list[str] = []
-        big_rank, small_rank = _Rank(1), _Rank(5)
-        # Ten chunks of 16 prompts, one chunk an iteration (each is past the 96-token budget).
-        big = [prompt(engine, 20 + i, 24) for i in range(160)]
-        yes = engine.encode(" yes")[-1:]
-
-        async def score(name: str, prompts: list[list[int]], rank: _Rank) -> None:
-            await engine.next_token_logits(prompts, yes, priority=rank)
-            finished.append(name)
-
-        engine.batches.clear()
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(score, "big", big, big_rank)
-            with anyio.fail_after(120):
-                while not any(op == "score" for op, _, _ in engine.batches):
-                    await anyio.sleep(0.01)
-            big_rank.value = 10  # its run turned late after the job began
-            tg.start_soon(score, "small", [prompt(engine, 400, 24)], small_rank)
-            await anyio.wait_all_tasks_blocked()
-            chunks_at_flip = sum(op == "score" for op, _, _ in engine.batches)
-        assert chunks_at_flip < 8, "the small job was queued too late to overtake"
-        return finished
-
-    assert portal.call(go) == ["big", "small"]
 
 
 class _Scores:

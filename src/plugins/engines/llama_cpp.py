@@ -90,7 +90,6 @@ class _Fill:
     prefill: Prefill | None = None
     job: _ScoreJob | None = None
     index: int = 0  # the prompt's row in the scoring job
-    rank: int = 0  # a prefill's priority as last read: ranked again until its first chunk runs
     group: _SharedPrefix | None = None  # set on a scoring group's shared-prefix fill
 
     @property
@@ -117,7 +116,6 @@ class _ScoreJob:
     groups: list[_SharedPrefix]  # runs of prompts sharing a prefix (length 0: nothing shared)
     started: int = 0  # prompts given a scratch sequence so far
     finished: int = 0
-    rank: int = 0  # its priority as last read: ranked again until its first prompt starts
     fills: list[_Fill] = field(default_factory=list)  # in flight
 
 
@@ -327,7 +325,7 @@ class LlamaCppCore(LLMCore):
         """
         now = time.monotonic()
         # The most urgent first (lowest priority; stable, so oldest first among equals).
-        self._blocked = deque(sorted(self._blocked, key=lambda e: int(e[1].priority)))
+        self._blocked = deque(sorted(self._blocked, key=lambda e: e[1].priority))
         deferred: list[tuple[float, Prefill]] = []
         try:
             self._admit_in_order(now, deferred, out)
@@ -482,7 +480,7 @@ class LlamaCppCore(LLMCore):
     def _admit(self, out: Outbox) -> None:
         """Rows join the batch with the token their prefill's logits give."""
         room = max(0, self.max_batch_tokens // 2 - len(self._rows))  # leave prefills half the budget
-        self._waiting.sort(key=lambda r: int(r.priority))  # the most urgent join first; stable among equals
+        self._waiting.sort(key=lambda r: r.priority)  # the most urgent join first; stable among equals
         joining, self._waiting = self._waiting[:room], self._waiting[room:]
         for r in joining:
             try:
@@ -502,18 +500,11 @@ class LlamaCppCore(LLMCore):
             parts.append(_Part("decode", rows=list(self._rows), count=len(self._rows)))
         budget = self.max_batch_tokens - len(self._rows)
         self._drop_abandoned_scoring()
-        # The policy's order: the most urgent prefills and scoring jobs first (stable among equals). Work not
-        # begun yet is ranked again (a live priority: a late run's work falls behind once it turns late); work
-        # under way keeps the rank it began with, as its run's remaining work counts from its start.
-        for f in self._prefills:
-            if f.done == 0:
-                f.rank = int(f.prefill.priority)
-        for j in self._scoring:
-            if j.started == 0:
-                j.rank = int(j.cmd.priority)
-        self._prefills = deque(sorted(self._prefills, key=lambda f: f.rank))
-        self._scoring = deque(sorted(self._scoring, key=lambda j: j.rank))
-        scoring_first = bool(self._scoring) and (not self._prefills or self._scoring[0].rank < self._prefills[0].rank)
+        # The policy's order: the most urgent prefills and scoring jobs first (stable among equals).
+        self._prefills = deque(sorted(self._prefills, key=lambda f: f.prefill.priority))
+        self._scoring = deque(sorted(self._scoring, key=lambda j: j.cmd.priority))
+        scoring_first = bool(self._scoring) and (
+            not self._prefills or self._scoring[0].cmd.priority < self._prefills[0].prefill.priority)
         # With both waiting at the same urgency, prefills take at most half the budget, so neither starves.
         prefill_budget = budget // 2 if self._scoring and not scoring_first else budget
         used = 0

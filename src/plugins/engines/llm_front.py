@@ -44,13 +44,7 @@ is for the core to refuse (it knows the parent's length).
 Every request carries the LLM scheduler's ``priority`` (lower first; the
 ``Prefill``, ``Decode`` and ``Logits`` commands and each ``Row`` have it): when a
 core cannot run all its work in one iteration, it takes the most urgent first,
-in arrival order among equals. The front takes live priorities
-(``live_priority``), so a core reads ``int(priority)`` each time it orders its
-queues: the scheduler's rank of waiting work can change (a run turning late
-ranks behind the runs that can still make their deadline). Work the core has
-begun (a scoring job or a prefill part done) keeps the rank it began with: the
-run's remaining work (``PrimitiveMeta.remaining``) counts from the primitive's
-start, so ranking it again mid-way would call a run late that is on its way. A core with a prefix cache implements
+in arrival order among equals. A core with a prefix cache implements
 ``set_prefix_caching`` and ``prefix_caching_enabled`` (the front carries the
 switch to the worker as a command).
 """
@@ -74,7 +68,7 @@ from anyio.from_thread import BlockingPortal
 from headrace.plugins.engines import chat, constraints
 from headrace.plugins.engines.chat import ChatMessages, ToolSpecs
 from headrace.plugins.engines.sampling import Detokenizer, make_generator, sample, token_logprob
-from headrace.plugins.protocols import LivePriority, Priority, SamplingParams, TokenDelta
+from headrace.plugins.protocols import SamplingParams, TokenDelta
 from headrace.types import ContextId, TokenIds
 
 log = logging.getLogger(__name__)
@@ -113,7 +107,7 @@ class Prefill:
     tokens: TokenIds
     parent: ContextId | None
     reply: Reply  # resolved with None once the context holds the tokens
-    priority: Priority | LivePriority = 0  # lower runs first; read with int() when picking work
+    priority: int = 0  # lower runs first (the LLM scheduler's policy sets it)
 
 
 @dataclass
@@ -122,7 +116,7 @@ class Decode:
     params: SamplingParams
     send: Any  # MemoryObjectSendStream[TokenDelta | BaseException]
     free_after: bool  # generate(): the context goes when the decode ends
-    priority: Priority | LivePriority = 0
+    priority: int = 0
 
 
 @dataclass
@@ -142,7 +136,7 @@ class Logits:
     reply: Reply  # resolved with a (len(prompts), len(token_ids)) float32 tensor
     scored: list[torch.Tensor] = field(default_factory=list)  # one tensor per chunk done
     next: int = 0  # the first prompt not scored yet
-    priority: Priority | LivePriority = 0
+    priority: int = 0
 
 
 @dataclass
@@ -200,7 +194,7 @@ class Row:
     params: SamplingParams
     send: Any
     free_after: bool
-    priority: Priority | LivePriority
+    priority: int
     generator: torch.Generator
     detok: Detokenizer
     length: int  # tokens in this row's KV
@@ -433,7 +427,6 @@ class LLMFront:
 
     kind = "llm"
     reports_logprobs = True  # every core samples through emit(), which computes them
-    live_priority = True  # cores read int(priority) whenever they order their queues
 
     def __init__(self, name: str, core: LLMCore) -> None:
         self.name = name
@@ -508,7 +501,7 @@ class LLMFront:
         return f"{self.name}-ctx-{next(self._ctx_ids)}"
 
     async def prefill(self, ctx: ContextId, tokens: Sequence[int], parent: ContextId | None = None, *,
-                      priority: Priority | LivePriority = 0) -> None:
+                      priority: int = 0) -> None:
         self._require_running()
         if ctx in self._live:
             raise EngineError(f"context {ctx!r} already exists")
@@ -528,8 +521,7 @@ class LLMFront:
             self._live.discard(ctx)
             raise
 
-    async def decode(self, ctx: ContextId, params: SamplingParams, *,
-                     priority: Priority | LivePriority = 0) -> AsyncIterator[TokenDelta]:
+    async def decode(self, ctx: ContextId, params: SamplingParams, *, priority: int = 0) -> AsyncIterator[TokenDelta]:
         async for delta in self._decode(ctx, params, free_after=False, priority=priority):
             yield delta
 
@@ -539,7 +531,7 @@ class LLMFront:
             self._commands.put(Stop(ctx, free=True))
 
     async def generate(self, tokens: Sequence[int], params: SamplingParams, *,
-                       priority: Priority | LivePriority = 0) -> AsyncIterator[TokenDelta]:
+                       priority: int = 0) -> AsyncIterator[TokenDelta]:
         ctx = self.new_context_id()
         await self.prefill(ctx, tokens, priority=priority)
         try:
@@ -549,7 +541,7 @@ class LLMFront:
             self._live.discard(ctx)
 
     async def next_token_logits(self, prompts: Sequence[Sequence[int]], token_ids: Sequence[int], *,
-                                priority: Priority | LivePriority = 0) -> torch.Tensor:
+                                priority: int = 0) -> torch.Tensor:
         self._require_running()
         prompts = [list(p) for p in prompts]
         self._check_tokens(token_ids)
@@ -629,7 +621,7 @@ class LLMFront:
         check_token_ids(tokens, self.vocab_size, self.name)
 
     async def _decode(self, ctx: ContextId, params: SamplingParams, free_after: bool,
-                      priority: Priority | LivePriority) -> AsyncIterator[TokenDelta]:
+                      priority: int) -> AsyncIterator[TokenDelta]:
         self._require_running()
         if ctx not in self._live:
             raise EngineError(f"context {ctx!r} does not exist")

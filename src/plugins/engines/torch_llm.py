@@ -219,16 +219,11 @@ class TorchCore(LLMCore):
     # prefill -----------------------------------------------------------------
 
     def add_prefills(self, jobs: list[Prefill], out: Outbox) -> None:
-        self._prefills.extend(((int(job.priority), next(self._arrivals)), job) for job in jobs)
+        self._prefills.extend(((job.priority, next(self._arrivals)), job) for job in jobs)
 
     def _fill(self, out: Outbox) -> None:
         """Spend this iteration's token budget on prefills and scoring chunks, lowest key first."""
         budget = self.max_iteration_tokens
-        # Queued work is ranked again each iteration (a live priority may have changed since it was queued);
-        # a scoring job under way keeps the rank it began with (its run's remaining work counts from its start).
-        self._prefills = [((int(job.priority), order), job) for (_, order), job in self._prefills]
-        self._scoring = [((int(job.priority), order) if job.next == 0 else (rank, order), job)
-                         for (rank, order), job in self._scoring]
         while budget > 0:
             self._scoring = [(key, job) for key, job in self._scoring if not job.reply.abandoned]
             prefill = self._next_prefill()
@@ -396,13 +391,13 @@ class TorchCore(LLMCore):
         super().row_finished(r)
 
     def add_scoring(self, job: Logits) -> None:
-        self._scoring.append(((int(job.priority), next(self._arrivals)), job))
+        self._scoring.append(((job.priority, next(self._arrivals)), job))
 
     def _admit(self, out: Outbox) -> None:
         room = self.max_batch_size - len(self._rows)
         if room <= 0 or not self._waiting:
             return
-        self._waiting.sort(key=lambda r: int(r.priority))  # stable: arrival order among equals
+        self._waiting.sort(key=lambda r: r.priority)  # stable: arrival order among equals
         joining, self._waiting = self._waiting[:room], self._waiting[room:]
         kept: list[Row] = []
         for r in joining:
