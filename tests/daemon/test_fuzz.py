@@ -76,6 +76,10 @@ def check(case, base_url: str) -> None:
     clamp(case.body)
     response = case.call(base_url=base_url, headers=HEADERS, timeout=REQUEST_TIMEOUT)
     assert response.status_code < 500, f"{case.method} {case.path}: {response.status_code} {response.text[:500]}"
+    if response.status_code == 400 and response.text == "Invalid HTTP request received.":
+        # uvicorn's HTTP parser refused the request line itself (a fuzzed path character it cannot carry):
+        # the app never saw the request, so no OpenAI envelope can come back. Seen once on a fresh clone.
+        return
     if response.status_code >= 400:
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"}, response.text
