@@ -104,11 +104,9 @@ def _local(args: argparse.Namespace) -> int:
 
     # The config and the flags are checked before anything imports torch: a typo fails in a blink.
     config = load_config(args.config)
-    if args.command == "profile":
-        if args.engine not in {e.name for e in config.engines}:
-            raise ConfigError("engine", f"no engine named {args.engine!r} in {args.config}")
-    else:
-        run_config = _run_config(args)
+    if args.command == "profile" and args.engine not in {e.name for e in config.engines}:
+        raise ConfigError("engine", f"no engine named {args.engine!r} in {args.config}")
+    run_config = _run_config(args) if args.command == "run" else {}
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     quiet_libraries()
     logging.basicConfig(level="WARNING", format="%(message)s")
