@@ -235,8 +235,12 @@ class ResidencyConfig:
     budget_bytes: int = 0
     pinned: list[str] = field(default_factory=list)  # engines never unloaded (those that cannot unload never are)
     preload: bool = True  # Markov preloading of the predicted next engines (with a budget)
-    # A predicted next engine is preloaded when at least this share of the workflow's past calls went to it.
+    # A predicted engine is preloaded when the workflow's past runs reached it from where a run is now,
+    # within ``preload_steps`` calls, with at least this probability.
     preload_min_probability: float = 0.3
+    # How many calls ahead a run's engines are predicted (1: only the next call's); further ahead, a load
+    # has more of the run's earlier calls to hide behind.
+    preload_steps: int = 8
     # How long a request may wait for room (engines in flight to finish) before its load fails.
     load_wait_seconds: float = 300.0
 
@@ -244,6 +248,7 @@ class ResidencyConfig:
         _check(self.budget_bytes >= 0, "budget_bytes", f"must be >= 0, got {self.budget_bytes}")
         _check(0 < self.preload_min_probability <= 1, "preload_min_probability",
                f"must be in (0, 1], got {self.preload_min_probability}")
+        _check(self.preload_steps >= 1, "preload_steps", f"must be >= 1, got {self.preload_steps}")
         _check(self.load_wait_seconds > 0, "load_wait_seconds", f"must be > 0, got {self.load_wait_seconds}")
 
 

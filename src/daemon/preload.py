@@ -2,8 +2,9 @@
 
 The ``Preloader`` is the executor's ``CallObserver``. It keeps each running run's engine
 sequence; when a run starts and after each call to a new engine it asks the workflow's
-Markov model for the likely next engines (those with at least ``preload_min_probability``
-of the transitions seen) and has the pool load those that are not loaded, within the budget
+Markov model for the engines the run is likely to call within its next ``preload_steps`` calls
+(with at least ``preload_min_probability``), soonest first, and has the pool load those that
+are not loaded, within the budget
 (``EnginePool.preload``: it never unloads an engine a request waits for). When a run ends its
 sequence is learned. Each call also checks the prediction made before it: the most likely
 next state against the one that came, counted per workflow in ``/metrics``.
@@ -34,6 +35,7 @@ class Preloader:
         self.metrics = metrics
         self.model = MarkovModel()
         self.min_probability = config.preload_min_probability
+        self.steps = config.preload_steps
         self.enabled = config.preload and config.budget_bytes > 0
         self._runs: dict[str, _RunCalls] = {}
         # Only registered workflows are learned: a plain OpenAI request and a semantic-call session run
@@ -79,6 +81,6 @@ class Preloader:
         predictions = self.model.predict(calls.workflow, calls.sequence[-1])
         calls.expected = predictions[0].state if predictions else None
         if self.enabled:
-            likely = [p.state for p in predictions if p.state != END and p.probability >= self.min_probability]
             current = calls.sequence[-1]
-            self.pool.preload(likely, after=None if current == START else current)
+            likely = self.model.ahead(calls.workflow, current, self.min_probability, self.steps)
+            self.pool.preload([p.state for p in likely], after=None if current == START else current)

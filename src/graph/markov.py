@@ -3,7 +3,9 @@
 Each workflow has its own transition counts, learned online from the engine sequences of
 its finished runs: ``START -> embedder -> store -> llm -> END``. Consecutive calls to the
 same engine are one step (a map over chunks is one visit to the embedder). The daemon's
-preloader asks it, when a run starts and after each call, which engines are likely next.
+preloader asks it, when a run starts and after each call, which engines the run is likely to
+call in its next few steps (DyOrc predicts a request's whole remaining workflow, §5.2): the
+further ahead an engine is, the longer its load has to hide behind the calls before it.
 """
 
 from __future__ import annotations
@@ -41,3 +43,31 @@ class MarkovModel:
         total = sum(seen.values())
         ranked = sorted(seen.items(), key=lambda item: (-item[1], item[0]))
         return [Prediction(name, count / total) for name, count in ranked]
+
+    def ahead(self, workflow: str, state: str, min_probability: float, steps: int) -> list[Prediction]:
+        """The engines a run now at ``state`` calls within its next ``steps`` calls with at least
+        ``min_probability``, soonest first: ordered by the step at which that probability is first
+        reached, then most likely first, then by name. With ``steps=1`` these are ``predict``'s
+        engines at ``min_probability`` or more.
+
+        Exact for a first-order chain: the chance of reaching a target within k steps from a state is
+        the transition-weighted chance of reaching it within k - 1 from each successor.
+        """
+        rows = {before: {after: n / sum(seen.values()) for after, n in seen.items()}
+                for before, seen in self._counts.get(workflow, {}).items() if seen}
+        if state not in rows:
+            return []
+        targets = {after for row in rows.values() for after in row} - {END, state}
+        found = []
+        for target in targets:
+            reach: dict[str, float] = {}  # within k steps, per state
+            first = None  # the step at which reaching it got likely enough
+            for k in range(1, steps + 1):
+                reach = {before: sum(p * (1.0 if after == target else reach.get(after, 0.0)) for after, p in row.items())
+                         for before, row in rows.items()}
+                if first is None and reach[state] >= min_probability:
+                    first = k
+            if first is not None:
+                found.append((first, Prediction(target, min(1.0, reach[state]))))
+        found.sort(key=lambda item: (item[0], -item[1].probability, item[1].state))
+        return [prediction for _, prediction in found]

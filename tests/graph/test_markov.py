@@ -31,6 +31,31 @@ def test_equally_likely_states_rank_by_name():
     assert [p.state for p in model.predict("w", START)] == ["a", "b"]
 
 
+def test_engines_ahead_are_those_reached_within_the_steps_soonest_first():
+    model = MarkovModel()
+    # naive_rag with its own documents: index (embed, store), then embed the question, search, generate.
+    for _ in range(3):
+        model.learn("rag", [START, "embed", "store", "embed", "store", "llm-a", END])
+    model.learn("rag", [START, "embed", "store", "embed", "store", "llm-b", END])
+    # First-order: from the store the chain goes back to the embedder or on to an LLM, half each.
+    # llm-a is reached within 3 steps from START with 1/2 * 3/4, within 5 with (1/2 + 1/4) * 3/4.
+    ahead = model.ahead("rag", START, min_probability=0.3, steps=5)
+    assert [p.state for p in ahead] == ["embed", "store", "llm-a"]
+    assert [p.probability for p in ahead] == pytest.approx([1.0, 1.0, 0.75 * 0.75])
+    assert model.ahead("rag", START, min_probability=0.3, steps=2) == ahead[:2]  # llm-a is 3 calls away
+    # Within 7 steps (3, 5 or 7 calls away): (1/2 + 1/4 + 1/8) * 3/4; more steps never reach 3/4.
+    assert model.ahead("rag", START, min_probability=0.6, steps=8)[2].probability == pytest.approx(0.875 * 0.75)
+    assert model.ahead("rag", START, min_probability=0.75, steps=8) == ahead[:2]
+    # One step ahead: the next call's engines, as ``predict`` gives them (less END and the unlikely ones).
+    assert [(p.state, p.probability) for p in model.ahead("rag", "store", 0.3, steps=1)] == [
+        ("embed", 0.5), ("llm-a", 0.375)]
+    assert [(p.state, p.probability) for p in model.ahead("rag", "store", 0.1, steps=1)] == [
+        ("embed", 0.5), ("llm-a", 0.375), ("llm-b", 0.125)]
+    assert model.ahead("rag", "llm-a", 0.1, steps=8) == []  # it ends there
+    assert model.ahead("rag", "llm-c", 0.1, steps=8) == []  # never seen
+    assert model.ahead("summary", START, 0.1, steps=8) == []
+
+
 def test_the_preloader_learns_from_ended_runs_and_counts_its_hits():
     metrics = Metrics()
     preloader = Preloader(EnginePool(Config(), registry=_no_plugins(), metrics=metrics), metrics, ResidencyConfig(),
@@ -63,6 +88,34 @@ def test_the_preloader_learns_from_ended_runs_and_counts_its_hits():
     preloader.run_ended("chat", "succeeded")
     assert preloader.model.predict("request", START) == []
     assert 'workflow="request"' not in metrics.render().decode()
+
+
+class RecordingPool(EnginePool):
+    """A real pool (no engines) that records what the preloader asks it to load."""
+
+    def __init__(self) -> None:
+        super().__init__(Config(), registry=_no_plugins(), metrics=Metrics())
+        self.asked: list[tuple[list[str], str | None]] = []
+
+    def preload(self, names, after=None):
+        self.asked.append((list(names), after))
+        return []
+
+
+@pytest.mark.parametrize("steps, at_start", [(8, ["embed", "store", "llm"]), (1, ["embed"])])
+def test_a_run_preloads_the_engines_it_is_predicted_to_reach_within_the_steps(steps, at_start):
+    pool = RecordingPool()
+    preloader = Preloader(pool, pool.metrics, ResidencyConfig(budget_bytes=1, preload_steps=steps), workflows=["rag"])
+    preloader.run_started("r1", "rag")
+    for engine in ["embed", "store", "embed", "store", "llm"]:  # index, then embed the question, search, answer
+        preloader.engine_called("r1", engine)
+    preloader.run_ended("r1", "succeeded")
+    pool.asked.clear()
+    preloader.run_started("r2", "rag")
+    # At the start, the LLM is three calls away: predicted there only when looking that far ahead.
+    assert pool.asked == [(at_start, None)]
+    preloader.engine_called("r2", "embed")
+    assert pool.asked[-1] == (["store", "llm"] if steps > 1 else ["store"], "embed")
 
 
 def _no_plugins():

@@ -129,7 +129,7 @@ class TorchCore(LLMCore):
     def load(self) -> None:
         if self._threads:
             torch.set_num_threads(self._threads)
-        self.model, self.tokenizer = load_causal_lm(self._path, self._cache_dir, self._dtype)
+        self.model, self.tokenizer = load_causal_lm(self._path, self._cache_dir, self._dtype, self.tokenizer)
         eos = self.model.generation_config.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [eos]) | {self.tokenizer.eos_token_id}
         self.eos.discard(None)

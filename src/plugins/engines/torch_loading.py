@@ -94,12 +94,13 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     return target
 
 
-def load_causal_lm(path: Path, cache_dir: Path, dtype: torch.dtype):
-    """Return (model, tokenizer) in eval mode on the CPU."""
+def load_causal_lm(path: Path, cache_dir: Path, dtype: torch.dtype, tokenizer=None):
+    """Return (model, tokenizer) in eval mode on the CPU; a reload passes the tokenizer it kept."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if path.is_file() and path.suffix == ".gguf":
         path = convert_gguf(path, cache_dir)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
