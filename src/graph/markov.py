@@ -37,12 +37,9 @@ class MarkovModel:
 
     def predict(self, workflow: str, state: str) -> list[Prediction]:
         """The states seen after ``state`` in ``workflow``'s runs, most likely first (ties by name); [] if none."""
-        seen = self._counts.get(workflow, {}).get(state)
-        if not seen:
-            return []
-        total = sum(seen.values())
-        ranked = sorted(seen.items(), key=lambda item: (-item[1], item[0]))
-        return [Prediction(name, count / total) for name, count in ranked]
+        row = _probabilities(self._counts.get(workflow, {}).get(state))
+        ranked = sorted(row.items(), key=lambda item: (-item[1], item[0]))
+        return [Prediction(name, probability) for name, probability in ranked]
 
     def ahead(self, workflow: str, state: str, min_probability: float, steps: int) -> list[Prediction]:
         """The engines a run now at ``state`` calls within its next ``steps`` calls with at least
@@ -53,8 +50,7 @@ class MarkovModel:
         Exact for a first-order chain: the chance of reaching a target within k steps from a state is
         the transition-weighted chance of reaching it within k - 1 from each successor.
         """
-        rows = {before: {after: n / sum(seen.values()) for after, n in seen.items()}
-                for before, seen in self._counts.get(workflow, {}).items() if seen}
+        rows = {before: _probabilities(seen) for before, seen in self._counts.get(workflow, {}).items() if seen}
         if state not in rows:
             return []
         targets = {after for row in rows.values() for after in row} - {END, state}
@@ -71,3 +67,9 @@ class MarkovModel:
                 found.append((first, Prediction(target, min(1.0, reach[state]))))
         found.sort(key=lambda item: (item[0], -item[1].probability, item[1].state))
         return [prediction for _, prediction in found]
+
+
+def _probabilities(seen: Counter[str] | None) -> dict[str, float]:
+    """One state's transition counts as probabilities ({} if none were seen)."""
+    total = sum(seen.values()) if seen else 0
+    return {after: n / total for after, n in seen.items()} if total else {}
