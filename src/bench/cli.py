@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from headrace.bench.workloads import WORKLOADS
+from headrace.bench.workloads import MIXED_MODES, WORKLOADS
 from headrace.daemon.config import default_config_path
 
 DEFAULT_OUT = Path("bench-results")
@@ -42,6 +42,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--mixed-rate", type=float, help="req/s of the mixed load (advanced_rag + map_reduce_summary)")
     p.add_argument("--mixed-chat", action="store_true",
                    help="the mixed load carries plain chats on a shared system prompt too (a third of the arrivals)")
+    p.add_argument("--mixed-modes", nargs="+", default=list(MIXED_MODES), metavar="MODE",
+                   help=f"the headrace modes the mixed load runs after its baselines (default {' '.join(MIXED_MODES)}; "
+                        "e.g. headrace-deadline, whose runs state their SLO)")
     p.add_argument("--chat", type=int, default=0, metavar="N",
                    help="chat phase: N chats on a shared system prompt, time to first token with prefix caching "
                         "off, then on (default 0: none)")
@@ -92,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         ladder = set() if args.ladder is None else set(args.ladder or args.workloads)
         opts = Options(workloads=args.workloads, modes=args.modes, ladder=ladder, reps=args.reps, warmup=args.warmup,
                        rates=args.rates, load_fractions=args.load_fractions, arrivals=args.arrivals,
-                       load_modes=args.load_modes, chat=args.chat, mixed_chat=args.mixed_chat,
+                       load_modes=args.load_modes, chat=args.chat, mixed_chat=args.mixed_chat, mixed_modes=args.mixed_modes,
                        system_tokens=args.system_tokens,
                        load_workloads=set(args.load_workloads or args.workloads), duration=args.duration, drain=args.drain,
                        mixed_rate=args.mixed_rate, seed=args.seed, max_tokens=args.max_tokens,

@@ -42,6 +42,7 @@ from headrace.bench.workloads import (
     BENCH_COLLECTION,
     HEADRACE,
     MIXED,
+    MIXED_MODES,
     SEQUENTIAL,
     WORKLOADS,
     Workload,
@@ -74,6 +75,7 @@ class Options:
     drain: float | None = None  # None: 2 x the SLO
     mixed_rate: float | None = None  # req/s over both workflows; None: no mixed load
     mixed_chat: bool = False  # the mixed load carries plain chat traffic too (a third of the arrivals)
+    mixed_modes: list[str] = field(default_factory=lambda: list(MIXED_MODES))  # run after the baselines
     chat: int = 0  # chat requests per caching mode in the chat phase; 0: no chat phase
     system_tokens: int = 1000  # the chat traffic's shared system prompt
     seed: int = 0
@@ -395,9 +397,8 @@ async def chat_phase(systems: Systems, corpus: Corpus, opts: Options) -> dict[st
 async def mixed_phase(systems: Systems, corpus: Corpus, opts: Options, slos: dict[str, float]) -> dict[str, Any]:
     """Ayo §7.2: two workflows at once on the shared LLM (and chat traffic, if asked); each mode its own way."""
     workloads = [WORKLOADS[w] for w in MIXED]
-    headrace_mode = f"{HEADRACE}-topology"
-    modes = {"baselines": {w.name: w.baseline or SEQUENTIAL for w in workloads},
-             headrace_mode: {w.name: headrace_mode for w in workloads}}
+    modes = {"baselines": {w.name: w.baseline or SEQUENTIAL for w in workloads}}
+    modes.update({mode: {w.name: mode for w in workloads} for mode in opts.mixed_modes})
     tags = list(MIXED) + ([CHAT] if opts.mixed_chat else [])
     slos = dict(slos)
     system = system_prompt(corpus, systems.tokenizer, opts.system_tokens) if opts.mixed_chat else ""
@@ -471,6 +472,12 @@ async def run_all(systems: Systems, corpus: Corpus, opts: Options) -> dict[str, 
 async def _run_phases(systems: Systems, corpus: Corpus, opts: Options) -> dict[str, Any]:
     results: dict[str, Any] = {"workloads": {}}
     slos: dict[str, float] = {}
+    if opts.mixed_rate:  # a bad mixed mode fails here, before the hours of the phases ahead of it
+        not_headrace = [m for m in opts.mixed_modes if not is_headrace(m)]
+        if not_headrace:
+            raise BenchError(f"--mixed-modes takes headrace modes (the baselines always run): {not_headrace}")
+        for name in MIXED:
+            check_modes(WORKLOADS[name], opts.mixed_modes)
     for name in opts.workloads:
         workload = WORKLOADS[name]
         modes = opts.modes or default_modes(workload, name in opts.ladder)

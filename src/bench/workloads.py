@@ -77,8 +77,9 @@ WORKLOADS = {
         Workload("agent", "agent", "client", {"max_steps": 3, "max_tokens": 24}),
     )
 }
-MIXED = ("advanced_rag", "map_reduce_summary")
-BENCH_COLLECTION = "bench_corpus"  # the persistent collection the *_collection workloads query  # Ayo §7.2: two workflows co-located, sharing the LLM
+MIXED = ("advanced_rag", "map_reduce_summary")  # Ayo §7.2: two workflows co-located, sharing the LLM
+MIXED_MODES = (f"{HEADRACE}-topology",)  # the headrace modes a mixed load runs against its baselines, by default
+BENCH_COLLECTION = "bench_corpus"  # the persistent collection the *_collection workloads query
 
 
 def server_modes() -> dict[str, dict[str, Any]]:

@@ -193,7 +193,7 @@ class BatchingConfig:
     # Batch size past which throughput stops rising (from `headrace profile`); 0: unknown.
     # Stage decomposition splits a larger batchable primitive into stages of this size.
     max_efficient_batch_size: int = 0
-    # The LLM engines' scheduling policy (fifo, topology, objective; plugins add more). An LLM engine's
+    # The LLM engines' scheduling policy (fifo, topology, objective, deadline; plugins add more). An LLM engine's
     # own [engines.batching] policy overrides it.
     llm_policy: str = "fifo"
 

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from conftest import API_KEY
+from headrace.bench.workloads import MIXED
 from headrace.cli import main
 
 pytestmark = pytest.mark.slow
@@ -142,6 +143,31 @@ def test_the_summaries_run_as_semantic_calls_against_client_chaining(server, tmp
         assert modes["semantic"]["speedup_vs_chaining"] > 0
         runs = results["workloads"][name]["single"]["runs"]
         assert all(r["answer"].strip() for r in runs if r["mode"] == "semantic")
+
+
+def test_the_mixed_load_serves_both_workflows_and_chats_on_one_llm_in_each_mode(server, tmp_path):
+    """Ayo §7.2's co-located load: advanced_rag, map_reduce_summary and plain chats drawn from one Poisson
+    stream, first through the baselines (LlamaIndex, client chaining, chats), then each named headrace mode."""
+    code = main(["bench", *MIXED, "--modes", "sequential", *TINY, "--mixed-rate", "2", "--arrivals", "3",
+                 "--mixed-chat", "--system-tokens", "200", "--mixed-modes", "headrace-deadline", "--drain", "120",
+                 "--url", server.base_url, "--api-key", API_KEY, "--out", str(tmp_path)])
+    assert code == 0
+    mixed = json.loads((tmp_path / "results.json").read_text())["mixed"]
+    assert mixed["workloads"] == [*MIXED, "chat"] and set(mixed["slo_s"]) == {*MIXED, "chat"}
+    assert list(mixed["modes"]) == ["baselines", "headrace-deadline"]
+    for per in mixed["modes"].values():
+        # The arrivals are dealt round the three kinds in turn: one each; every one finished.
+        assert [(per[w]["offered"], per[w]["completed"]) for w in mixed["workloads"]] == [(1, 1)] * 3
+        assert per["all"]["goodput"] == pytest.approx(sum(per[w]["goodput"] for w in mixed["workloads"]))
+    assert "== mixed load: advanced_rag + map_reduce_summary + chat" in (tmp_path / "results.txt").read_text()
+
+
+def test_mixed_modes_must_be_headrace_modes(server, capsys, tmp_path):
+    code = main(["bench", *MIXED, "--modes", "sequential", *TINY, "--mixed-rate", "1", "--mixed-modes", "chaining",
+                 "--url", server.base_url, "--api-key", API_KEY, "--out", str(tmp_path)])
+    assert code == 2
+    assert "--mixed-modes takes headrace modes (the baselines always run): ['chaining']" in capsys.readouterr().err
+    assert not (tmp_path / "results.json").exists()  # refused before any phase ran
 
 
 def test_debate_and_agent_against_their_client_side_loops(server, tmp_path):
