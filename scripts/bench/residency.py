@@ -145,7 +145,7 @@ async def run_mode(config, mode: str, items: list[Item], max_tokens: int, rag_co
                 await pool.resolve(embedder).batch().submit(EmbedRequest((item.text,)), 1)
             latencies[item.kind].append(time.perf_counter() - t0)
             if mode == "load-per-request":
-                await pool.unload_idle()
+                await pool.residency.unload_idle()
         wall = time.perf_counter() - start
         after = pool.metrics.render().decode()
 
@@ -167,7 +167,7 @@ async def run_mode(config, mode: str, items: list[Item], max_tokens: int, rag_co
         "preload_hits": delta("headrace_preload_hits_total"),
         "prediction_accuracy": (delta("headrace_markov_predictions_correct_total") / predictions
                                 if predictions else None),
-        "peak_resident_bytes": pool.peak_resident_bytes,
+        "peak_resident_bytes": pool.residency.peak_resident_bytes,
     }
 
 

@@ -50,8 +50,8 @@ async def pool_of(cfg: Config):
 
 def check_budget(pool) -> None:
     """Never over the budget, and what the pool counts is what the engines hold: 0 for the unloaded ones."""
-    assert pool.peak_resident_bytes <= pool.budget
-    assert all(event.resident_bytes <= pool.budget for event in pool.history)
+    assert pool.residency.peak_resident_bytes <= pool.residency.budget
+    assert all(event.resident_bytes <= pool.residency.budget for event in pool.residency.history)
     for slot in pool.slots.values():
         if slot.footprint_source == "engine":
             held = slot.engine.footprint_bytes()
@@ -76,26 +76,26 @@ def resident(pool) -> set[str]:
 
 
 def events(pool, since: int = 0) -> list[tuple[str, str, str]]:
-    return [(e.engine, e.event, e.reason) for e in list(pool.history)[since:]]
+    return [(e.engine, e.event, e.reason) for e in list(pool.residency.history)[since:]]
 
 
 async def test_least_recently_used_idle_engine_is_evicted(tmp_path):
     # Any two of the three fit in 400 MiB (at most 257 + 131), all three do not (475).
     async with pool_of(config(tmp_path, 400, pinned=[])) as (pool, _):
         sizes = {s.name: s.footprint for s in pool.slots.values()}
-        assert sum(sizes.values()) > pool.budget >= sum(sorted(sizes.values())[-2:])
+        assert sum(sizes.values()) > pool.residency.budget >= sum(sorted(sizes.values())[-2:])
         # Startup measured each engine alone, then loaded back in config order what fits.
         assert resident(pool) == {"smol-torch", "minilm"}
         assert all(s.footprint_source == "engine" for s in pool.slots.values())
 
         await embed(pool, DOCS)
         await generate(pool, "smol-torch")  # minilm is now the least recently used
-        mark = len(pool.history)
+        mark = len(pool.residency.history)
         assert await generate(pool, "smol-llama")
         assert events(pool, mark) == [("minilm", "unloaded", "evicted"), ("smol-llama", "loaded", "demand")]
         assert resident(pool) == {"smol-torch", "smol-llama"}
 
-        mark = len(pool.history)
+        mark = len(pool.residency.history)
         await embed(pool, DOCS)  # smol-torch was used before smol-llama: it goes
         assert events(pool, mark) == [("smol-torch", "unloaded", "evicted"), ("minilm", "loaded", "demand")]
         assert resident(pool) == {"smol-llama", "minilm"}
@@ -113,7 +113,7 @@ async def test_a_queued_request_survives_its_engines_eviction(tmp_path):
     async with pool_of(config(tmp_path, 300, pinned=[], embed_wait_ms=3000)) as (pool, _):
         expected = await embed(pool, DOCS)
         assert "minilm" in resident(pool) and "smol-torch" not in resident(pool)
-        mark = len(pool.history)
+        mark = len(pool.residency.history)
         result: list[torch.Tensor] = []
 
         async def queued_embed() -> None:
@@ -136,7 +136,7 @@ async def test_a_preload_never_evicts_an_engine_a_queued_request_needs(tmp_path)
         assert resident(pool) == {"smol-torch", "minilm"}
         await generate(pool, "smol-torch")
         expected = await pool.resolve("minilm").engine.embed(DOCS)
-        mark = len(pool.history)
+        mark = len(pool.residency.history)
         result: list[torch.Tensor] = []
 
         async def queued_embed() -> None:
@@ -178,7 +178,7 @@ async def test_preloading_loads_the_llm_while_the_run_is_still_retrieving(tmp_pa
         assert first.status == "succeeded", first.error
         await generate(pool, "smol-llama")  # the other LLM evicts smol-torch
         assert llm not in resident(pool)
-        mark = len(pool.history)
+        mark = len(pool.residency.history)
         second = await service.run("naive_rag", {"question": "What carries the water away?", "documents": DOCS},
                                    {"max_tokens": 4})
         assert second.status == "succeeded", second.error
