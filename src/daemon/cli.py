@@ -189,7 +189,7 @@ def _serve(args: argparse.Namespace) -> int:
     # its own grace period then only covers the last writes of requests the drain cut short.
     server = DrainingServer(
         uvicorn.Config(app, host=config.server.host, port=config.server.port, log_level=config.server.log_level,
-                       timeout_graceful_shutdown=5),
+                       timeout_keep_alive=config.server.keep_alive_seconds, timeout_graceful_shutdown=5),
         app.state.lifecycle,
     )
     server.run()

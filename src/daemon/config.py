@@ -73,6 +73,10 @@ class ServerConfig:
     # On SIGTERM the daemon drains: /ready turns 503, new requests get 503, and in-flight
     # requests and runs get this long to finish; whatever is left is then cancelled.
     drain_seconds: float = 30.0
+    # How long an idle keep-alive connection stays open. Longer than clients keep theirs (httpx and the
+    # OpenAI SDK: 5 s), so the client closes first: a server closing at the same moment races a client
+    # reusing the connection, whose request then fails as a connection error.
+    keep_alive_seconds: int = 65
     # More accepted keys, beside api_key (one per client, say). A run belongs to the key
     # that created it: another key cannot see or cancel it.
     api_keys: list[str] = field(default_factory=list)
@@ -87,6 +91,7 @@ class ServerConfig:
         _check(self.log_level in LOG_LEVELS, "log_level",
                f"expected one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         _check(self.drain_seconds >= 0, "drain_seconds", f"must be >= 0, got {self.drain_seconds}")
+        _check(self.keep_alive_seconds >= 1, "keep_alive_seconds", f"must be >= 1, got {self.keep_alive_seconds}")
         _check(self.max_rerank_documents >= 1, "max_rerank_documents",
                f"must be >= 1, got {self.max_rerank_documents}")
         # Ids travel in URL paths: letters, digits, '-' and '_' only.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +23,24 @@ LLM, EMBED, RERANK = "smollm2", "all-minilm-l6-v2", "smollm2-rerank"
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0)
+
+
+def test_an_idle_connection_stays_open_past_the_clients_own_keep_alive(server):
+    """httpx and the OpenAI SDK keep an idle connection 5 s; the daemon keeps it longer, so the client closes it
+    first. A server that also closed at 5 s would race a client reusing the connection, and lose its request."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    try:
+        conn.request("GET", "/health")
+        first = conn.getresponse()
+        first.read()
+        sock = conn.sock
+        time.sleep(6)  # past uvicorn's own default of 5 s
+        conn.request("GET", "/health")
+        second = conn.getresponse()  # RemoteDisconnected had the daemon closed it
+        second.read()
+        assert (first.status, second.status) == (200, 200) and conn.sock is sock
+    finally:
+        conn.close()
 
 
 def test_models_lists_every_engine(client):
