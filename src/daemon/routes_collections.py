@@ -25,8 +25,8 @@ from headrace.batching.requests import EmbedRequest, VectorDrop, VectorIngest
 from headrace.daemon import requests as rq
 from headrace.daemon.collections import Collection, CollectionRegistry, chunk_ids
 from headrace.daemon.errors import APIError, bad_request
-from headrace.daemon.slots import EngineSlot
 from headrace.daemon.schemas import AddDocumentsRequest, CreateCollectionRequest
+from headrace.daemon.slots import EngineSlot
 from headrace.graph.ops import chunk_text
 
 log = logging.getLogger(__name__)
