@@ -237,6 +237,13 @@ class EngineResidency:
         """Requests wait for it: queued on its scheduler, or waiting for it to load."""
         return slot.wanting > 0 or (slot.scheduler is not None and slot.scheduler.waiting > 0)
 
+    def _lru_idle(self, slot: EngineSlot, protect: frozenset[str] | None = None) -> EngineSlot | None:
+        """The least recently used evictable engine other than ``slot`` with nothing in flight; with ``protect``
+        (a preload) never one of those, nor one a request waits for."""
+        victims = [s for s in self.slots.values() if s is not slot and not s.pinned and s.residency == "resident"
+                   and self._idle(s) and (protect is None or (s.name not in protect and not self._queued(s)))]
+        return min(victims, key=lambda s: s.last_used, default=None)
+
     async def make_room(self, slot: EngineSlot, *, protect: frozenset[str] | None = None) -> bool:
         """Unload least recently used idle evictable engines until ``slot`` fits the budget (the lock held).
 
@@ -257,10 +264,9 @@ class EngineResidency:
                 fits = all(s.pinned for s in others)
             if fits:
                 return True
-            victims = [s for s in others if not s.pinned and s.residency == "resident" and self._idle(s)
-                       and (protect is None or (s.name not in protect and not self._queued(s)))]
-            if victims:
-                await self._unload(min(victims, key=lambda s: s.last_used), "evicted")
+            victim = self._lru_idle(slot, protect)
+            if victim is not None:
+                await self._unload(victim, "evicted")
                 continue
             if protect is not None:
                 return False
@@ -304,11 +310,10 @@ class EngineResidency:
         if self.budget and resident > self.budget:
             # Measured larger than it was known to be: unload what is idle, or it cannot stay.
             while resident > self.budget:
-                victims = [s for s in self.slots.values() if s is not slot and not s.pinned
-                           and s.residency == "resident" and self._idle(s)]
-                if not victims:
+                victim = self._lru_idle(slot)
+                if victim is None:
                     break
-                await self._unload(min(victims, key=lambda s: s.last_used), "evicted")
+                await self._unload(victim, "evicted")
                 resident = self.resident_bytes()
             if resident > self.budget:
                 if slot.pinned:
