@@ -34,7 +34,7 @@ def test_run_prints_result_and_node_timings_from_any_directory(tmp_path):
     assert result["status"] == "succeeded" and result["result"]["answer"]
     assert "embed_chunks" in table and "all-minilm-l6-v2" in table
     assert "combine" not in table  # --set synthesis=one_shot overrode the file's tree
-    for engine, plugin in (("smollm2", "torch"), ("all-minilm-l6-v2", "sentence-transformers"), ("lancedb", "lancedb")):
+    for engine, plugin in (("smollm2", "llama-cpp"), ("all-minilm-l6-v2", "sentence-transformers"), ("lancedb", "lancedb")):
         assert f"loading {engine} ({plugin}) ..." in out.stderr
         assert f"loaded {engine} in " in out.stderr
     assert "%|" not in out.stderr and "Warning" not in out.stderr, out.stderr  # no library bars or warnings

