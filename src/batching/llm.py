@@ -13,6 +13,10 @@ The engine batches every admitted request per iteration; this scheduler
   prefill's arrival), inter-token latency and end-to-end latency.
 
 A context keeps the meta of the primitive using it (its prefill, then its decode).
+
+Each run's service on this engine (the prompt and generated tokens of its finished requests) is
+counted, so a policy ranking by attained service (``las``) sees a workflow run's or a session's
+earlier calls as well as a named program's earlier requests (``PrimitiveMeta.attained_tokens``).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import itertools
 import time
 from collections import Counter
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Mapping, Sequence
 
 import anyio
@@ -31,6 +35,7 @@ import torch
 from headrace.batching.llm_policies import FifoLLMPolicy, LLMPolicy, priority
 from headrace.batching.meta import PrimitiveMeta
 from headrace.batching.observer import NullObserver, SchedulerObserver
+from headrace.batching.programs import ProgramRegistry
 from headrace.batching.residency import AlwaysResident, Residency
 from headrace.batching.run_gate import RunGate
 from headrace.plugins.protocols import LLMEngine, SamplingParams, TokenDelta
@@ -107,6 +112,8 @@ class LLMScheduler:
         self.contexts: dict[str, ContextState] = {}
         # Requests waiting or admitted, by run (None: outside any run): who else the engine serves now.
         self._requests_by_run: Counter[str | None] = Counter()
+        # Tokens each run was served here so far (bounded; a run idle for ten minutes is forgotten).
+        self.served = ProgramRegistry()
 
     @property
     def running(self) -> int:
@@ -123,6 +130,10 @@ class LLMScheduler:
         """The engine priority of a request arriving at ``arrival``, ranked at ``now`` (default: then), on
         the ``time.monotonic()`` clock."""
         run_policy = self.policies.get(meta.policy) if meta is not None and meta.policy else None
+        if meta is not None and getattr(self.policy, "ranks_by_attained", False):
+            served = self.served.attained(meta.run)  # this run's earlier requests, on top of its program's
+            if served:
+                meta = replace(meta, attained_tokens=meta.attained_tokens + served)
         return priority(self.policy, run_policy, meta, int(arrival * 1000), None if now is None else int(now * 1000))
 
     def busy_with_other_runs(self, run: str) -> bool:
@@ -183,7 +194,7 @@ class LLMScheduler:
         try:
             async with self._admitted(arrival, rank, (state.meta,)) as rank:
                 deltas = self.engine.decode(ctx, params, priority=rank)
-                async for delta in self._timed(deltas, state.arrival, state.prompt_tokens):
+                async for delta in self._timed(deltas, state.arrival, state.prompt_tokens, state.meta):
                     yield delta
         finally:
             self._forget(ctx)
@@ -205,7 +216,8 @@ class LLMScheduler:
         arrival = time.monotonic()
         rank = self.priority(meta, arrival)
         async with self._admitted(arrival, rank, (meta,)) as rank:
-            async for delta in self._timed(self.engine.generate(tokens, params, priority=rank), arrival, len(tokens)):
+            async for delta in self._timed(self.engine.generate(tokens, params, priority=rank), arrival, len(tokens),
+                                           meta):
                 yield delta
 
     async def next_token_logits(self, prompts: Sequence[Sequence[int]], token_ids: Sequence[int],
@@ -219,7 +231,8 @@ class LLMScheduler:
         async with self._admitted(arrival, rank, metas) as rank:
             return await self.engine.next_token_logits(prompts, token_ids, priority=rank)
 
-    async def _timed(self, deltas: AsyncIterator[TokenDelta], arrival: float, prompt_tokens: int):
+    async def _timed(self, deltas: AsyncIterator[TokenDelta], arrival: float, prompt_tokens: int,
+                     meta: PrimitiveMeta | None = None):
         generated, last = 0, None
         outcome = "abort"  # unless it finishes or fails: the client left, or the run was cancelled
         try:
@@ -238,4 +251,6 @@ class LLMScheduler:
             raise
         finally:
             await deltas.aclose()
+            if meta is not None:
+                self.served.add(meta.run, prompt_tokens + generated)
             self._observer.finished(self.name, time.monotonic() - arrival, prompt_tokens, generated, outcome)

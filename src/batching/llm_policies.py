@@ -106,6 +106,33 @@ class DeadlineLLMPolicy(TopologyLLMPolicy):
         return int(late) * CLASS_SPAN + deadline_ms
 
 
+class LasLLMPolicy(TopologyLLMPolicy):
+    """Autellix (PLAS, program-level least attained service): the request whose program has been served
+    the least so far goes first, so a one-call chat is not queued behind a twelve-step agent. A program
+    is a workflow run, or the OpenAI requests that name one (``prompt_cache_key``, ``user``, the
+    ``X-Headrace-Program`` header); its attained service is ``meta.attained_tokens``, the prompt and
+    generated tokens of its earlier requests, to which the LLM scheduler adds what the run itself was
+    served so far on the engine (a workflow run's or a session's earlier calls). A one-call request
+    naming no program has 0.
+
+    Aging, so nothing starves: each token of attained service counts as ``ms_per_token`` milliseconds
+    of lateness, and the rank is the request's own arrival plus that handicap (at most
+    ``max_handicap_ms``). Ordered at any instant, that is attained service scaled minus time waited:
+    ``rank - now = attained_tokens * ms_per_token - waiting_ms``. A request of a long program is
+    overtaken only by requests arriving within its handicap after it, so it waits at most that long
+    behind newcomers; among equal ranks the earlier arrival goes first. Within a run, deepest node
+    first (as ``topology``). No preemption: a running decode is not paused."""
+
+    name = "las"
+    ranks_by_attained = True  # the scheduler adds the run's own service here to ``meta.attained_tokens``
+    ms_per_token = 1.0  # 1,000 attained tokens weigh as much as one second of waiting
+    max_handicap_ms = 600_000  # ten minutes: the longest a program's history can hold a request back
+
+    def run_rank(self, meta: PrimitiveMeta | None, arrival_ms: int, now_ms: int) -> int:
+        attained = 0 if meta is None else max(0, meta.attained_tokens)
+        return arrival_ms + min(int(attained * self.ms_per_token), self.max_handicap_ms)
+
+
 # The scheduler's clock starts at the monotonic clock's zero: ranks of different schedulers agree.
 def meta_arrival_ms(meta: PrimitiveMeta) -> int:
     return int(meta.arrival * 1000)
@@ -126,3 +153,4 @@ def register_llm_policies(register):
     register("topology", TopologyLLMPolicy)
     register("objective", ObjectiveLLMPolicy)
     register("deadline", DeadlineLLMPolicy)
+    register("las", LasLLMPolicy)

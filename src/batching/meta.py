@@ -4,6 +4,12 @@ The graph fills a ``PrimitiveMeta`` for every engine request of a run; the
 schedulers and their policies read it (Ayo's two-tier scheduling, Parrot's
 performance objectives). A request from outside any run (a plain
 ``/v1/embeddings`` call) carries none.
+
+A run is a program (Autellix's term: the unit whose attained service the ``las``
+policy counts). An OpenAI request is a run of its own; it joins a longer program
+by naming one (``prompt_cache_key``, ``user`` or the ``X-Headrace-Program`` header,
+``headrace.batching.programs``), and then carries that program's id and the
+tokens its earlier requests were served.
 """
 
 from __future__ import annotations
@@ -34,3 +40,13 @@ class PrimitiveMeta:
     # far, ``graph.remaining``): a run that cannot make its deadline even then is late already. None: unknown.
     remaining: float | None = None
     policy: str | None = None  # the run's batch policy override; None: the engine's own
+    # The program the run belongs to across runs (an OpenAI request naming one); None: the run is its program.
+    program: str | None = None
+    # Prompt + generated tokens the program's earlier requests (before this run) were served: its attained
+    # service, which ``las`` ranks by (least first). 0 for a program's first request and for a workflow run.
+    attained_tokens: int = 0
+
+    @property
+    def program_id(self) -> str:
+        """The program this request belongs to: the named one, else its run."""
+        return self.program if self.program is not None else self.run

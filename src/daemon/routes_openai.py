@@ -13,6 +13,7 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from headrace.batching.programs import PROGRAM_HEADER, ProgramRegistry, program_of
 from headrace.daemon import requests as rq
 from headrace.daemon import structured
 from headrace.daemon.errors import APIError, bad_request, internal
@@ -111,7 +112,8 @@ async def chat_completions(request: Request) -> Response:
     size = sum(len(m["content"]) for m in messages) + (len(json.dumps(tools.specs)) if tools else 0)
     tokens = await rq.off_loop_if_large(size, _chat_tokens, slot.engine, messages, tools)
     _check_length(slot, tokens, "messages")
-    return await _respond(request, slot, [tokens], params, body.n or 1, spec, chat=True, tools=tools)
+    return await _respond(request, slot, [tokens], params, body.n or 1, spec, chat=True, tools=tools,
+                          program=_program(request, body))
 
 
 def _chat_tokens(engine: Any, messages: list[dict[str, Any]], tools: structured.ToolPlan | None) -> list[int]:
@@ -143,7 +145,35 @@ async def completions(request: Request) -> Response:
             check_vocab(slot, tokens, where)
         _check_length(slot, tokens, where)
         token_lists.append(tokens)
-    return await _respond(request, slot, token_lists, params, n, spec, chat=False)
+    return await _respond(request, slot, token_lists, params, n, spec, chat=False, program=_program(request, body))
+
+
+def programs(app: Any) -> ProgramRegistry:
+    """The daemon's registry of named programs' attained service (made on first use)."""
+    registry = getattr(app.state, "programs", None)
+    if registry is None:
+        registry = app.state.programs = ProgramRegistry()
+    return registry
+
+
+def _program(request: Request, body: Any) -> str | None:
+    """The program the request joins: ``prompt_cache_key``, else ``user``, else the ``X-Headrace-Program``
+    header (``headrace.batching.programs``), per API key; None: a program of one call."""
+    return program_of(body.prompt_cache_key, body.user, request.headers.get(PROGRAM_HEADER),
+                      getattr(request.state, "principal", None))
+
+
+async def _served(deltas: AsyncIterator[ChoiceDelta], registry: ProgramRegistry, program: str,
+                  n_prompt: int) -> AsyncIterator[ChoiceDelta]:
+    """``deltas``, counting the request's prompt and generated tokens to its program once it ends (however)."""
+    generated = 0
+    try:
+        async with aclosing(deltas):
+            async for c in deltas:
+                generated += len(c.delta.token_ids)
+                yield c
+    finally:
+        registry.add(program, n_prompt + generated)
 
 
 def _encode_all(engine: Any, texts: list[str]) -> list[list[int]]:
@@ -195,14 +225,22 @@ async def _collect(request: Request, deltas: AsyncIterator[ChoiceDelta], count: 
 
 
 async def _respond(request: Request, slot: Any, prompts: list[list[int]], params: SamplingParams, n: int,
-                   spec: rq.StreamSpec, chat: bool, tools: structured.ToolPlan | None = None) -> Response:
+                   spec: rq.StreamSpec, chat: bool, tools: structured.ToolPlan | None = None,
+                   program: str | None = None) -> Response:
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
     count = len(prompts) * n
     n_prompt = sum(map(len, prompts))  # each prompt counted once, however many choices fork it (as vLLM counts)
     strings = TokenStrings(slot.engine.tokenizer) if params.logprobs is not None else None
-    # A one-request run through the graph executor: the same batching path as workflows.
-    deltas = request.app.state.workflows.generate_choices(slot.name, prompts, params, n)
+    # A one-request run through the graph executor: the same batching path as workflows. A named program
+    # brings the tokens its earlier requests were served (``las`` ranks by them) and adds this one's.
+    if program is None:
+        deltas = request.app.state.workflows.generate_choices(slot.name, prompts, params, n)
+    else:
+        registry = programs(request.app)
+        deltas = _served(request.app.state.workflows.generate_choices(
+            slot.name, prompts, params, n, program=program, attained_tokens=registry.attained(program)),
+            registry, program, n_prompt)
     if not spec.stream:
         collected = await _collect(request, deltas, count)
         if collected is None:

@@ -64,7 +64,11 @@ class Sampling(Body):
         None, description="a string (empty: none) or at most 4 non-empty strings")
     stream: bool | None = None
     stream_options: StreamOptions | None = Field(None, description="only with stream: true")
-    user: str | None = None
+    user: str | None = Field(None, description="the end user; names the request's program when "
+                                               "prompt_cache_key does not")
+    prompt_cache_key: str | None = Field(
+        None, description="the program (an agent's or a conversation's turns) the request joins: the `las` LLM "
+                          "policy ranks it by the tokens that program was served so far")
 
 
 class StreamOptions(Body):

@@ -112,6 +112,8 @@ class Run:
     applied: list[tuple[str, list[str]]] = field(default_factory=list)  # what each pass changed
     isolate: bool = False  # one engine at a time: each node's duration is its batched compute alone
     owner: str | None = None  # the principal (API key digest) that created it; None: no auth
+    program: str | None = None  # the program it belongs to across runs (an OpenAI request naming one)
+    attained_tokens: int = 0  # tokens that program's earlier requests were served (``las`` ranks by it)
     growth: Growth | None = None  # set: a growing run, whose node sets arrive while it runs
 
 
@@ -172,7 +174,8 @@ class Executor:
         ctx = OpContext(run.id, self._resolver(run), on_delta=run.on_delta or _output_deltas(run), policy=run.policy,
                         alone=EngineTurns() if run.isolate else None, arrival=run.arrival,
                         deadline=None if run.slo_seconds is None else run.arrival + run.slo_seconds,
-                        objectives=deduced, task_groups=groups, remaining=self.remaining.of(run.workflow))
+                        objectives=deduced, task_groups=groups, remaining=self.remaining.of(run.workflow),
+                        program=run.program, attained_tokens=run.attained_tokens)
         run.status, run.started = "running", time.monotonic()
         run.events.publish({"event": "run.started", "run": run.id, "workflow": run.workflow})
         if self.calls is not None:

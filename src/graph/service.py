@@ -269,7 +269,8 @@ class WorkflowService:
             yield choice.delta
 
     async def generate_choices(self, engine: str, prompts: Sequence[list[int]], params: SamplingParams,
-                               n: int = 1) -> AsyncIterator[ChoiceDelta]:
+                               n: int = 1, program: str | None = None,
+                               attained_tokens: int = 0) -> AsyncIterator[ChoiceDelta]:
         """``n`` choices per prompt as one run of prefill and decode primitives, their deltas streamed back.
 
         Choice ``i * n + j`` is prompt ``i``'s ``j``-th sample (vLLM's and OpenAI's numbering). With
@@ -277,10 +278,13 @@ class WorkflowService:
         so the prompt's KV is computed once; with a seed, choice ``j`` samples with ``seed + j``.
         Plain OpenAI requests take this path so they share the executor, the schedulers and
         cancellation with workflows. Closing the iterator cancels the run and frees its contexts.
+        ``program``: the program the request joins (None: a program of one call), whose earlier requests
+        were served ``attained_tokens``; both reach the LLM scheduler in ``PrimitiveMeta``.
         """
         built = request_graph(engine, prompts, params, n)
         graph, choice_of = built.graph, built.choice_of
-        run = Run(workflow="request", graph=graph, inputs={}, outputs=(), id=self.id_prefix + new_run_id())
+        run = Run(workflow="request", graph=graph, inputs={}, outputs=(), id=self.id_prefix + new_run_id(),
+                  program=program, attained_tokens=attained_tokens)
         output = ChoiceCollector()
 
         async def forward(node: Node, key: tuple, delta: TokenDelta) -> None:

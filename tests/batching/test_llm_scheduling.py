@@ -39,7 +39,7 @@ def test_the_builtin_llm_policies_register():
     registered = {}
     register_llm_policies(register=lambda name, factory: registered.setdefault(name, factory))
     assert {name: factory().name for name, factory in registered.items()} == {
-        "fifo": "fifo", "topology": "topology", "objective": "objective", "deadline": "deadline"}
+        "fifo": "fifo", "topology": "topology", "objective": "objective", "deadline": "deadline", "las": "las"}
 
 
 def test_policy_ranks():
