@@ -1,14 +1,19 @@
 #!/usr/bin/env python3
 """headrace against each of its LLM engines' own standalone servers, on the same weights and settings.
 
-    python scripts/bench/peers.py [--tiny] [--pair llama-cpp|vllm|all] [--out FILE]
+    python scripts/bench/peers.py [--tiny] [--pair llama-cpp|llama-server|vllm|all ...] [--out FILE]
 
 Pairs (one server runs at a time, never two sharing the cores):
-  llama-cpp  `headrace serve --config configs/llama-cpp.toml` vs `python -m llama_cpp.server`
-             (llama-cpp-python's own server) on the same converted GGUF the engine loads;
-  vllm       `headrace serve --config configs/vllm-cpu.toml` vs vLLM's OpenAI server (what
-             `vllm serve` runs) on the same safetensors directory the plugin converts the GGUF
-             to, both from .venv-vllm (scripts/setup-vllm builds it; the pair is skipped without it).
+  llama-cpp     `headrace serve --config configs/llama-cpp.toml` vs `python -m llama_cpp.server`
+                (llama-cpp-python's own server: no parallel slots, so batching vs no batching)
+                on the same converted GGUF the engine loads;
+  llama-server  the same headrace vs llama.cpp's own `llama-server` with 16 parallel slots and
+                continuous batching (the peer a user would pick), on that GGUF, built once from
+                the llama.cpp inside the installed llama-cpp-python's sdist by
+                scripts/build-llama-server (run here when its binary is not cached: minutes);
+  vllm          `headrace serve --config configs/vllm-cpu.toml` vs vLLM's OpenAI server (what
+                `vllm serve` runs) on the same safetensors directory the plugin converts the GGUF
+                to, both from .venv-vllm (scripts/setup-vllm builds it; the pair is skipped without it).
 
 Each server is measured by the same client the same way: streamed POST /v1/completions,
 temperature 0, the same prompt text (rendered here with the model's chat template, so both
@@ -17,8 +22,11 @@ are counted from the text actually received, re-tokenized with the model's token
 llama.cpp peer reports no usage when streaming). Figures: aggregate decode tok/s at each
 concurrency (all tokens received / round wall time, median of rounds; open-ended prompts so
 answers run to max_tokens) and the time to the first token of a long (~1,000-token) prompt,
-each a distinct text so no prefix cache serves it (median of a few). Ratios are
-headrace/peer, peer/headrace for TTFT: above 1 means headrace is better. Target >= 0.95x.
+each a distinct text so no prefix cache serves it (median of a few), and prefill throughput:
+16 concurrent ~400-token plain-text prompts that each start with a different token (so no prefix
+cache serves any), one token each, non-streamed: all prompt tokens / the round's wall time
+(median of rounds, each with prompts of its own). Ratios are headrace/peer, peer/headrace for
+TTFT: above 1 means headrace is better. Target >= 0.95x.
 
 --tiny runs everything with minimal sizes (the time is mostly starting servers); the test
 suite runs it so the script cannot rot. Its figures mean nothing.
@@ -28,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -49,7 +58,7 @@ import anyio
 import httpx
 
 from benchlib import CPUWatch, cpu_note, median, write_results  # beside this script
-from engines import QUESTIONS, stdlib_sentences  # the open-ended prompts engines.py decodes
+from engines import QUESTIONS, prompt_sentences, stdlib_sentences  # the open-ended prompts engines.py decodes
 from headrace.daemon.config import DataConfig
 from headrace.plugins.engines.llama_cpp_files import load_tokenizer, quantized_model
 from headrace.plugins.engines.model_paths import resolve_model
@@ -59,6 +68,7 @@ OUT = ROOT / "bench-results" / "peers.json"
 VLLM_VENV = ROOT / ".venv-vllm"
 LLM = "smollm2"  # the LLM engine's name in both configs, and the model id both servers answer to
 TARGET = 0.95
+LLAMA_SERVER_SLOTS = 16  # llama-server's parallel slots (-np): the widest concurrency measured
 # Drop HEADRACE_* overrides (an API key, a cache dir) so each server runs exactly its config file.
 BASE_ENV = {k: v for k, v in os.environ.items() if not k.startswith("HEADRACE_")}
 CACHE = DataConfig().cache_path(BASE_ENV)  # where the servers' converted models live
@@ -142,6 +152,65 @@ def llama_cpp_pair() -> Pair | str:
         ServerSpec("llama_cpp.server", peer_argv, "/v1/models", body_extra={"repeat_penalty": 1.0}),
         {"model_file": str(gguf), "threads": threads, "quantize": quant},
         ["llama_cpp.server serves one request at a time (no parallel slots); concurrent requests queue"],
+    )
+
+
+def llama_server_binary() -> tuple[str, dict[str, Any]]:
+    """llama.cpp's llama-server built from the llama.cpp of the installed llama-cpp-python (scripts/build-llama-server,
+    which builds it once and caches it); its path and what is known of its build."""
+    script = str(ROOT / "scripts" / "build-llama-server")
+    version = importlib.metadata.version("llama_cpp_python")
+    built_now = subprocess.run([script, "--cached"], capture_output=True, env=BASE_ENV, cwd=ROOT).returncode != 0
+    if built_now:
+        print(f"[llama-server] llama-server is not built yet: running scripts/build-llama-server, which builds it from "
+              f"llama-cpp-python {version}'s llama.cpp (once: about 20 CPU-minutes; cached after)", flush=True)
+    # Its progress goes to stderr (passed through); the last stdout line is the binary's path.
+    built = subprocess.run([script], stdout=subprocess.PIPE, text=True, env=BASE_ENV, cwd=ROOT)
+    if built.returncode != 0:
+        raise SystemExit(f"scripts/build-llama-server failed (exit {built.returncode})")
+    binary = built.stdout.strip().splitlines()[-1]
+    info = {}
+    with contextlib.suppress(OSError):
+        info = dict(line.split("=", 1) for line in (Path(binary).parent / "build-info.txt").read_text().splitlines()
+                    if "=" in line)
+    return binary, {"llama_cpp_python": version, "built_now": built_now,
+                    "build_seconds": float(info["build_seconds"]) if "build_seconds" in info else None}
+
+
+def llama_server_pair() -> Pair | str:
+    """headrace's llama-cpp engine vs llama.cpp's own llama-server with parallel slots and continuous batching."""
+    config = ROOT / "configs" / "llama-cpp.toml"
+    entry = llm_entry(config)
+    if entry["plugin"] != "llama-cpp":
+        raise SystemExit(f"{config}: {LLM} runs on {entry['plugin']!r}, not llama-cpp, which this pair measures")
+    opts = entry.get("options", {})
+    threads, quant = opts["threads"], opts.get("quantize", "Q4_0")
+    gguf = quantized_model(resolve_model(entry["model"]), CACHE, quant, threads)
+    binary, build = llama_server_binary()
+    per_slot, batch = int(opts.get("max_context_tokens", 2048)), str(opts.get("max_batch_tokens", 512))
+    # Flags as `llama-server --help` names them in this llama.cpp. -np 16 slots of per_slot tokens each: an explicit
+    # -np leaves the KV cache per slot (not unified), so -c is split evenly across the slots. Continuous batching is
+    # its default; the flag only says so. Flash attention on, as the engine's "auto" turns it on for the CPU.
+    # Its prompt cache (--cache-prompt: a slot keeps its last prompt's KV and a request reuses the common
+    # prefix; --cache-ram 8192 MiB keeps more) stays at its default, on, as headrace's prefix cache is on
+    # (prefix_cache_tokens 4096 by default); every timed prompt here starts differently, so neither helps.
+    peer_argv = [binary, "-m", str(gguf), "--alias", LLM, "--host", "127.0.0.1", "--port", "{port}",
+                 "-np", str(LLAMA_SERVER_SLOTS), "--cont-batching", "-t", str(threads), "-tb", str(threads),
+                 "-c", str(LLAMA_SERVER_SLOTS * per_slot), "-b", batch, "-ub", batch, "-fa", "on",
+                 "--cache-prompt", "--no-webui"]
+    took = f" in {build['build_seconds']:.0f}s" if build["build_seconds"] is not None else ""
+    built = f"built by this run{took}" if build["built_now"] else f"a cached build, built{took}"
+    return Pair(
+        "llama-server", f"headrace llama-cpp engine vs llama.cpp's llama-server (-np {LLAMA_SERVER_SLOTS}, "
+                        f"continuous batching): {gguf.name}, {threads} threads",
+        headrace_spec(sys.executable, config),
+        # Its sampling defaults are penalty-free already (repeat_penalty 1.0, DRY and XTC off); said explicitly,
+        # as for llama_cpp.server. temperature 0 (the common body) makes it greedy.
+        ServerSpec("llama-server", peer_argv, "/health", body_extra={"repeat_penalty": 1.0}),
+        {"model_file": str(gguf), "threads": threads, "quantize": quant, "slots": LLAMA_SERVER_SLOTS,
+         "slot_context_tokens": per_slot, "batch_tokens": int(batch), "llama_server": binary, **build},
+        [f"llama-server from llama-cpp-python {build['llama_cpp_python']}'s vendored llama.cpp ({built}); "
+         f"{LLAMA_SERVER_SLOTS} slots of {per_slot} tokens, prompt cache on in both servers"],
     )
 
 
@@ -334,7 +403,38 @@ async def measure(base: str, extra: dict[str, Any], work: Workload, args) -> dic
             t0 = perf_counter()
             got = await client.stream(prompt, 1)
             ttfts.append(got.first - t0)
-    return {"levels": levels, "ttft": {"prompt_tokens": long_tokens, "ttft_s": median(ttfts), "ttft_s_reps": ttfts}}
+        # Prefill throughput: prefill_streams requests at once for one token each, every prompt starting
+        # differently (no prefix cache serves any of it), so a round is nearly all prompt processing. Each round
+        # has prompts of its own, after an untimed one; all prompt tokens / the round's wall time, median of rounds.
+        n = args.prefill_streams
+        rounds = [work.prefill[k * n:(k + 1) * n] for k in range(args.rounds + 1)]
+        await prefill_round(client, rounds[0])
+        prefill_rates, prefill_walls, prefill_reported = [], [], []
+        for prompts in rounds[1:]:
+            reported_tokens, wall = await prefill_round(client, prompts)
+            prefill_rates.append(sum(work.count(p) for p in prompts) / wall)
+            prefill_walls.append(wall)
+            prefill_reported.append(sum(reported_tokens))
+    prefill = {"streams": n, "prompt_tokens": sum(work.count(p) for p in rounds[1]),
+               # the prompt tokens of a round as the server counted them (its usage), per round
+               "prompt_tokens_reported_rounds": prefill_reported, "longest_shared_prefix": work.prefill_shared,
+               "tok_s": median(prefill_rates), "tok_s_rounds": prefill_rates, "wall_s_rounds": prefill_walls}
+    return {"levels": levels, "ttft": {"prompt_tokens": long_tokens, "ttft_s": median(ttfts), "ttft_s_reps": ttfts},
+            "prefill": prefill}
+
+
+async def prefill_round(client: Client, prompts: list[str]) -> tuple[list[int], float]:
+    """All ``prompts`` at once, non-streamed, one token each; the prompt tokens the server reported, and the wall time."""
+    counts = [0] * len(prompts)
+    t0 = perf_counter()
+
+    async def one(k: int) -> None:
+        counts[k] = await client.prompt_tokens(prompts[k])
+
+    async with anyio.create_task_group() as tg:
+        for k in range(len(prompts)):
+            tg.start_soon(one, k)
+    return counts, perf_counter() - t0
 
 
 # ----- the prompts --------------------------------------------------------------------------
@@ -344,6 +444,8 @@ async def measure(base: str, extra: dict[str, Any], work: Workload, args) -> dic
 class Workload:
     chat: list[str]  # open-ended questions, rendered with the chat template
     long: list[str]  # distinct long prompts: long[0] warms up, the rest are timed
+    prefill: list[str]  # (rounds + 1) x prefill_streams prompts, each starting differently: round 0 warms up
+    prefill_shared: int  # the longest token prefix any two of them share
     tokenizer: Any
 
     def count(self, text: str) -> int:
@@ -371,7 +473,45 @@ def workload(args) -> Workload:
         room = args.long_tokens - len(tokenizer.encode(prompt(""), add_special_tokens=False))
         passage_ids = tokenizer.encode(" ".join(rotated), add_special_tokens=False)[: max(room, 1)]
         long.append(prompt(tokenizer.decode(passage_ids)))
-    return Workload(chat, long, tokenizer)
+    prefill, shared = prefill_prompts(tokenizer, args.prefill_streams * (args.rounds + 1), args.prefill_tokens)
+    return Workload(chat, long, prefill, shared, tokenizer)
+
+
+def prefill_prompts(tokenizer, n: int, tokens: int) -> tuple[list[str], int]:
+    """``n`` plain-text prompts of about ``tokens`` tokens that start differently: no chat template (its fixed
+    opening would be a prefix all share), each a passage from a docstring sentence whose first token no other
+    prompt starts with (the first two where sentences run out), so a prefix cache can serve none of it.
+    The prompts, and the longest token prefix two of them share (0 when every first token differs)."""
+    sentences = prompt_sentences()
+    ask = "\n\nSummarize the text above in one sentence."
+    room = tokens - len(tokenizer.encode(ask, add_special_tokens=False))
+    prompts: list[list[int]] = []
+    for width in (1, 2):
+        starts = {tuple(p[:width]) for p in prompts}
+        for k in range(len(sentences)):
+            if len(prompts) == n:
+                break
+            passage, j = [], k
+            while sum(map(len, passage)) < 8 * room:  # ample text for room tokens (a token is ~4 characters)
+                passage.append(sentences[j % len(sentences)])
+                j += 1
+            ids = tokenizer.encode(" ".join(passage), add_special_tokens=False)[:max(room, 1)]
+            if tuple(ids[:width]) not in starts:
+                starts.add(tuple(ids[:width]))
+                prompts.append(ids)
+    if len(prompts) < n:
+        raise SystemExit(f"only {len(prompts)} prompts that start differently, need {n}")
+    texts = [tokenizer.decode(ids) + ask for ids in prompts]
+    encoded = [tokenizer.encode(t, add_special_tokens=False) for t in texts]  # as the servers will see them
+    shared = max((common_prefix(a, b) for i, a in enumerate(encoded) for b in encoded[i + 1:]), default=0)
+    return texts, shared
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 # ----- a pair ---------------------------------------------------------------------------------
@@ -392,6 +532,7 @@ def bench_pair(pair: Pair, work: Workload, args, tmp: Path) -> dict:
     out["ratios"] = {
         "tok_s": {c: h["levels"][c]["tok_s"] / p["levels"][c]["tok_s"] for c in args.concurrency},
         "ttft": p["ttft"]["ttft_s"] / h["ttft"]["ttft_s"],  # > 1: headrace's first token came sooner
+        "prefill_tok_s": h["prefill"]["tok_s"] / p["prefill"]["tok_s"],
     }
     return out
 
@@ -405,14 +546,17 @@ def report(res: dict) -> None:
             continue
         h, p, ratios = pair["headrace"], pair["peer"], pair["ratios"]
         print(f"\n== {pair['title']} ==")
-        print(f"{'metric':<34} {'headrace':>10} {'peer':>10} {'ratio':>8}")
+        print(f"{'metric':<38} {'headrace':>10} {'peer':>10} {'ratio':>8}")
         rows = [(f"decode tok/s, {c} stream{'s' if int(c) > 1 else ''}", f"{h['levels'][c]['tok_s']:.1f}",
                  f"{p['levels'][c]['tok_s']:.1f}", ratios["tok_s"][c]) for c in h["levels"]]
         tokens = f"{h['ttft']['prompt_tokens']}/{p['ttft']['prompt_tokens']}"
         rows.append((f"TTFT, {tokens}-token prompt, p50", f"{h['ttft']['ttft_s'] * 1000:.0f}ms",
                      f"{p['ttft']['ttft_s'] * 1000:.0f}ms", ratios["ttft"]))
+        pre = h["prefill"]
+        rows.append((f"prefill tok/s, {pre['streams']}x{pre['prompt_tokens'] // pre['streams']}-token prompts",
+                     f"{pre['tok_s']:.0f}", f"{p['prefill']['tok_s']:.0f}", ratios["prefill_tok_s"]))
         for metric, hv, pv, ratio in rows:
-            print(f"{metric:<34} {hv:>10} {pv:>10} {ratio:>7.2f}x  {'PASS' if ratio >= TARGET else 'MISS'}")
+            print(f"{metric:<38} {hv:>10} {pv:>10} {ratio:>7.2f}x  {'PASS' if ratio >= TARGET else 'MISS'}")
         for c in h["levels"]:
             if h["levels"][c]["tokens"] != p["levels"][c]["tokens"]:
                 print(f"  {c} stream(s): tokens received differ: headrace {h['levels'][c]['tokens']}, "
@@ -425,24 +569,30 @@ def report(res: dict) -> None:
                   f"client {cores['self']:.2f} cores")
 
 
+PAIRS = {"llama-cpp": llama_cpp_pair, "llama-server": llama_server_pair, "vllm": vllm_pair}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="minimal sizes: checks the script works, measures nothing")
-    ap.add_argument("--pair", choices=["llama-cpp", "vllm", "all"], default="all", help="which pair (default all)")
+    ap.add_argument("--pair", choices=[*PAIRS, "all"], nargs="+", default=["all"],
+                    help="which pairs (default all)")
     ap.add_argument("--out", type=Path, default=OUT, help=f"where the JSON goes (default {OUT.relative_to(ROOT)})")
     args = ap.parse_args()
     if args.tiny:
         args.concurrency, args.max_tokens, args.rounds, args.long_tokens, args.ttft_reps = [1, 2], 4, 1, 64, 1
+        args.prefill_streams, args.prefill_tokens = 2, 32
     else:
         args.concurrency, args.max_tokens, args.rounds, args.long_tokens, args.ttft_reps = [1, 4, 16], 128, 3, 1000, 5
+        args.prefill_streams, args.prefill_tokens = 16, 400
     args.ready_timeout = 900  # vLLM's server takes minutes to start on 2 busy cores
 
     t_start = perf_counter()
     work = workload(args)
     pairs: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="headrace-peers-") as tmp_s:
-        for name, make in (("llama-cpp", llama_cpp_pair), ("vllm", vllm_pair)):
-            if args.pair not in (name, "all"):
+        for name, make in PAIRS.items():
+            if name not in args.pair and "all" not in args.pair:
                 continue
             pair = make()
             if isinstance(pair, str):
@@ -452,7 +602,8 @@ def main() -> None:
                 pairs[name] = bench_pair(pair, work, args, Path(tmp_s))
     res = {"tiny": args.tiny, "endpoint": "/v1/completions", "stream": True, "temperature": 0,
            "max_tokens": args.max_tokens, "rounds": args.rounds, "concurrency": args.concurrency,
-           "long_prompt_tokens_target": args.long_tokens, "ttft_reps": args.ttft_reps, "target": TARGET,
+           "long_prompt_tokens_target": args.long_tokens, "ttft_reps": args.ttft_reps,
+           "prefill_streams": args.prefill_streams, "prefill_prompt_tokens_target": args.prefill_tokens, "target": TARGET,
            "pairs": pairs}
     write_results(res, args.out, t_start)
     report(res)

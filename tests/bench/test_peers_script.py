@@ -1,4 +1,10 @@
-"""scripts/bench/peers.py runs end to end (--tiny, the llama-cpp pair) and writes every figure, so it cannot rot."""
+"""scripts/bench/peers.py runs end to end (--tiny, the llama-cpp and llama-server pairs, in one run) and writes every
+figure, so it cannot rot.
+
+The llama-server pair needs llama.cpp's llama-server, which scripts/build-llama-server builds once and caches:
+about 20 CPU-minutes (24 minutes on the 2-core dev machine), too long for a test. Where it is not built, the run
+covers the llama-cpp pair alone and the llama-server test is skipped, saying how to build it.
+"""
 
 from __future__ import annotations
 
@@ -14,23 +20,37 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "bench" / "peers.py"
+BUILD = ROOT / "scripts" / "build-llama-server"
 
 
 def positive(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
-def test_tiny_llama_cpp_pair_writes_every_figure(tmp_path):
-    out = tmp_path / "peers.json"
-    # Two servers start one after the other; HF_HUB_OFFLINE comes from conftest's environment.
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--pair", "llama-cpp", "--out", str(out)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=900)
+def llama_server_built() -> bool:
+    return subprocess.run([str(BUILD), "--cached"], capture_output=True, cwd=ROOT).returncode == 0
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """One --tiny run of the llama-cpp pair, and of the llama-server pair where its binary is built: the JSON, stdout."""
+    pairs = ["llama-cpp", "llama-server"] if llama_server_built() else ["llama-cpp"]
+    out = tmp_path_factory.mktemp("peers") / "peers.json"
+    # The servers start one after the other; HF_HUB_OFFLINE comes from conftest's environment.
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--pair", *pairs, "--out", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300 + 450 * len(pairs))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     res = json.loads(out.read_text())
     assert res["tiny"] is True and res["endpoint"] == "/v1/completions"
-    assert list(res["pairs"]) == ["llama-cpp"]  # only the pair asked for
+    assert list(res["pairs"]) == pairs  # only the pairs asked for
+    assert positive(res["meta"]["elapsed_s"])
+    # The table printed after the JSON was written, with a prefill row per pair.
+    assert "decode tok/s, 1 stream" in proc.stdout and "TTFT" in proc.stdout
+    assert proc.stdout.count(f"prefill tok/s, {res['prefill_streams']}x") == len(pairs)
+    return res, proc.stdout
 
-    pair = res["pairs"]["llama-cpp"]
+
+def check_pair(res: dict, pair: dict) -> None:
     assert "skipped" not in pair, pair
     levels = [str(c) for c in res["concurrency"]]
     for role in ("headrace", "peer"):
@@ -41,13 +61,38 @@ def test_tiny_llama_cpp_pair_writes_every_figure(tmp_path):
             assert positive(figures["tokens"]) and positive(figures["tok_s"]), (role, conc, figures)
         assert positive(measured["ttft"]["ttft_s"]) and positive(measured["ttft"]["prompt_tokens"]), measured["ttft"]
         assert len(measured["ttft"]["ttft_s_reps"]) == res["ttft_reps"]
+        # Prefill: prefill_streams concurrent one-token requests a round, no two prompts sharing a prefix.
+        prefill = measured["prefill"]
+        assert prefill["streams"] == res["prefill_streams"], prefill
+        assert positive(prefill["tok_s"]) and len(prefill["tok_s_rounds"]) == res["rounds"], prefill
+        assert all(positive(w) for w in prefill["wall_s_rounds"]), prefill
+        assert prefill["prompt_tokens"] >= prefill["streams"] * res["prefill_prompt_tokens_target"] // 2, prefill
+        assert all(positive(n) for n in prefill["prompt_tokens_reported_rounds"]), prefill
+        assert prefill["longest_shared_prefix"] == 0, prefill
         assert "other_processes" in measured["cpu_cores"]
-    # headrace reports its usage when streaming; llama_cpp.server does not.
+    # headrace reports its usage when streaming.
     assert all(positive(f["tokens_reported"]) for f in pair["headrace"]["levels"].values())
     # Both servers load the same converted GGUF.
     assert pair["settings"]["model_file"] in pair["peer"]["argv"]
     assert sorted(pair["ratios"]["tok_s"]) == sorted(levels)
     assert all(positive(r) for r in pair["ratios"]["tok_s"].values()) and positive(pair["ratios"]["ttft"])
-    assert positive(res["meta"]["elapsed_s"])
-    # The table printed after the JSON was written.
-    assert "decode tok/s, 1 stream" in proc.stdout and "TTFT" in proc.stdout
+    assert positive(pair["ratios"]["prefill_tok_s"])
+
+
+def test_tiny_llama_cpp_pair_writes_every_figure(tiny_run):
+    res, _ = tiny_run
+    check_pair(res, res["pairs"]["llama-cpp"])
+
+
+def test_tiny_llama_server_pair_writes_every_figure(tiny_run):
+    res, stdout = tiny_run
+    if "llama-server" not in res["pairs"]:
+        pytest.skip("llama-server is not built: run scripts/build-llama-server once (about 20 CPU-minutes)")
+    pair = res["pairs"]["llama-server"]
+    check_pair(res, pair)
+    # llama.cpp's own server from the installed llama-cpp-python's sources, with 16 slots, already built.
+    settings, argv = pair["settings"], pair["peer"]["argv"]
+    assert Path(settings["llama_server"]).is_file() and argv[0] == settings["llama_server"]
+    assert argv[argv.index("-np") + 1] == "16" and "--cont-batching" in argv
+    assert settings["built_now"] is False and positive(settings["build_seconds"])
+    assert "llama.cpp's llama-server" in stdout
