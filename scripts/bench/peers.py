@@ -17,9 +17,10 @@ Pairs (one server runs at a time, never two sharing the cores):
 
 Each server is measured by the same client the same way: streamed POST /v1/completions,
 temperature 0, the same prompt text (rendered here with the model's chat template, so both
-servers tokenize identical text and neither applies a template of its own). Generated tokens
-are counted from the text actually received, re-tokenized with the model's tokenizer (the
-llama.cpp peer reports no usage when streaming). Figures: aggregate decode tok/s at each
+servers tokenize identical text and neither applies a template of its own; the prefill prompts
+are plain text). Generated tokens are counted from the text actually received, re-tokenized
+with the model's tokenizer (llama_cpp.server reports no usage when streaming; llama-server
+does). Figures: aggregate decode tok/s at each
 concurrency (all tokens received / round wall time, median of rounds; open-ended prompts so
 answers run to max_tokens) and the time to the first token of a long (~1,000-token) prompt,
 each a distinct text so no prefix cache serves it (median of a few), and prefill throughput:
