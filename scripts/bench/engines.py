@@ -24,7 +24,7 @@ round instead, and a fork on vLLM is itself a prefix-cache hit.
     python scripts/bench/engines.py [--quick | --tiny] [--llm torch llama-cpp vllm] [--skip-http] [--out FILE]
 
 Each LLM runs SmolLM2-135M as the first file in configs/ that serves `smollm2` on
-that plugin configures it (configs/default.toml first). `vllm` runs in
+that plugin configures it (configs/default.toml, then configs/<plugin>.toml). `vllm` runs in
 .venv-vllm (scripts/setup-vllm builds it; --vllm-venv or $HEADRACE_VLLM_VENV
 names another), in a child process of this script. Every engine named by --llm
 is checked before anything is measured; the JSON is rewritten after each part,
@@ -94,8 +94,12 @@ def engine_spec(name: str) -> EngineSpec:
 
 
 def llm_spec(plugin: str) -> tuple[EngineSpec, Path]:
-    """`smollm2` on ``plugin``, as the first config serving it so configures it (default.toml first)."""
-    for path in [CONFIG, *sorted((ROOT / "configs").glob("*.toml"))]:
+    """`smollm2` on ``plugin``, as the first config serving it so configures it (default.toml, then
+    configs/<plugin>.toml, then the rest by name)."""
+    # The engine's own config (configs/torch.toml, configs/llama-cpp.toml) before the others: residency.toml
+    # serves smollm2 on torch in bf16, which is 5x slower than the default's "auto" on an AVX2-only CPU.
+    own = ROOT / "configs" / f"{plugin}.toml"
+    for path in dict.fromkeys([CONFIG, *([own] if own.exists() else []), *sorted((ROOT / "configs").glob("*.toml"))]):
         for e in tomllib.loads(path.read_text()).get("engines", []):
             if e["name"] == "smollm2" and e["plugin"] == plugin:
                 return EngineSpec(name="smollm2", plugin=plugin, model=e.get("model", ""),

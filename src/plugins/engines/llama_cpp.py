@@ -298,7 +298,8 @@ class LlamaCppCore(LLMCore):
         lc = llama()
         params = lc.llama_context_default_params()
         params.n_ctx = self._n_ctx
-        params.n_batch = params.n_ubatch = self.max_batch_tokens  # one ubatch: a failed decode leaves no trace
+        # Unified: one ubatch per decode. A stream per sequence splits a batch by sequence runs (_undo).
+        params.n_batch = params.n_ubatch = self.max_batch_tokens
         params.n_seq_max = self._sequences()
         params.kv_unified = self._kv_unified
         params.n_threads = params.n_threads_batch = self._threads
