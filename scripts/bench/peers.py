@@ -117,6 +117,18 @@ def headrace_spec(python: str, config: Path, env: dict[str, str] | None = None) 
                                    "--port", "{port}", "--data-dir", "{tmp}/data"], "/ready", env or {})
 
 
+def llama_cpp_engine() -> tuple[Path, dict[str, Any], Path]:
+    """configs/llama-cpp.toml, its LLM's options and the very GGUF the engine loads (its converted copy, made
+    here once if no server made it yet): what both llama.cpp peers are given."""
+    config = ROOT / "configs" / "llama-cpp.toml"
+    entry = llm_entry(config)
+    if entry["plugin"] != "llama-cpp":
+        raise SystemExit(f"{config}: {LLM} runs on {entry['plugin']!r}, not llama-cpp, which this pair measures")
+    opts = entry.get("options", {})
+    gguf = quantized_model(resolve_model(entry["model"]), CACHE, opts.get("quantize", "Q4_0"), opts["threads"])
+    return config, opts, gguf
+
+
 def llama_cpp_pair() -> Pair | str:
     """headrace's llama-cpp engine vs llama-cpp-python's server; a reason string when it cannot run."""
     missing = [m for m in ("fastapi", "sse_starlette", "starlette_context", "pydantic_settings")
@@ -124,14 +136,8 @@ def llama_cpp_pair() -> Pair | str:
     if missing:
         return (f"llama_cpp.server needs {', '.join(missing)}: run scripts/setup "
                 "(the bench extra installs llama-cpp-python[server])")
-    config = ROOT / "configs" / "llama-cpp.toml"
-    entry = llm_entry(config)
-    if entry["plugin"] != "llama-cpp":
-        raise SystemExit(f"{config}: {LLM} runs on {entry['plugin']!r}, not llama-cpp, which this pair measures")
-    opts = entry.get("options", {})
+    config, opts, gguf = llama_cpp_engine()
     threads, quant = opts["threads"], opts.get("quantize", "Q4_0")
-    # The very file the engine loads: its converted copy, made here once if no server made it yet.
-    gguf = quantized_model(resolve_model(entry["model"]), CACHE, quant, threads)
     batch = str(opts.get("max_batch_tokens", 512))
     # llama_cpp.server's settings (llama_cpp/server/settings.py): one Llama behind a lock, no parallel
     # slots, so requests run one at a time and one context of the engine's per-context size suffices.
@@ -180,13 +186,8 @@ def llama_server_binary() -> tuple[str, dict[str, Any]]:
 
 def llama_server_pair() -> Pair | str:
     """headrace's llama-cpp engine vs llama.cpp's own llama-server with parallel slots and continuous batching."""
-    config = ROOT / "configs" / "llama-cpp.toml"
-    entry = llm_entry(config)
-    if entry["plugin"] != "llama-cpp":
-        raise SystemExit(f"{config}: {LLM} runs on {entry['plugin']!r}, not llama-cpp, which this pair measures")
-    opts = entry.get("options", {})
+    config, opts, gguf = llama_cpp_engine()
     threads, quant = opts["threads"], opts.get("quantize", "Q4_0")
-    gguf = quantized_model(resolve_model(entry["model"]), CACHE, quant, threads)
     binary, build = llama_server_binary()
     per_slot, batch = int(opts.get("max_context_tokens", 2048)), str(opts.get("max_batch_tokens", 512))
     # Flags as `llama-server --help` names them in this llama.cpp. -np 16 slots of per_slot tokens each: an explicit

@@ -30,6 +30,7 @@ rows together, or one prefill, or one scoring job.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import time
@@ -682,19 +683,14 @@ class LlamaCppCore(LLMCore):
         # By sequence id (stable: a sequence's tokens stay in order). With a stream per sequence llama.cpp
         # splits a batch into ubatches of consecutive sequence ids, so this makes as few as it can.
         order = sorted(range(len(entries)), key=lambda k: entries[k][0])
+        rank = list(itertools.accumulate(e[3] for e in entries))  # rank[k] - 1: entry k's logits row, part order
         out_rank: list[int] = []  # for each logits row llama.cpp returns (sorted order), its row in part order
-        outputs = 0
-        ranks = {}
-        for k, (_, _, _, wants) in enumerate(entries):
-            if wants:
-                ranks[k] = outputs
-                outputs += 1
         for i, k in enumerate(order):
             seq, token, pos, wants = entries[k]
             _put(batch, i, token, pos, seq, wants)
             if wants:
-                out_rank.append(ranks[k])
-        i = len(entries)
+                out_rank.append(rank[k] - 1)
+        outputs, i = len(out_rank), len(entries)
         batch.n_tokens = i
         start = time.monotonic()
         rc = lc.llama_decode(self._ctx, batch)
