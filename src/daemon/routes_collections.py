@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from headrace.batching.requests import EmbedRequest, VectorDrop, VectorIngest
-from headrace.daemon import requests as rq
+from headrace.daemon import bodies as rq
 from headrace.daemon.collections import Collection, CollectionRegistry, chunk_ids
 from headrace.daemon.errors import APIError, bad_request
 from headrace.daemon.schemas import AddDocumentsRequest, CreateCollectionRequest

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from headrace.batching.llm import LLMScheduler
-from headrace.daemon import requests as rq
+from headrace.daemon import bodies as rq
 from headrace.daemon.errors import APIError, bad_request
 from headrace.daemon.schemas import EngineSettingsRequest
 from headrace.plugins.engines.llm_front import EngineError

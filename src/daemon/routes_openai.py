@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from headrace.batching.programs import PROGRAM_HEADER, ProgramRegistry, program_of
-from headrace.daemon import requests as rq
+from headrace.daemon import bodies as rq
 from headrace.daemon import structured
 from headrace.daemon.errors import APIError, bad_request, internal
 from headrace.daemon.logprobs import CompletionLogprobs, TokenStrings, chat_content

@@ -12,7 +12,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from headrace.daemon import requests as rq
+from headrace.daemon import bodies as rq
 from headrace.daemon.errors import APIError
 from headrace.daemon.schemas import (CreateSessionRequest, CreateVariableRequest, OutputSampling,
                                      SemanticCallRequest, SetVariableRequest, VariableQuery)

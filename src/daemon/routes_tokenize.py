@@ -13,7 +13,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from headrace.daemon import requests as rq
+from headrace.daemon import bodies as rq
 from headrace.daemon import structured
 from headrace.daemon.routes_openai import check_vocab, engine_for
 from headrace.daemon.schemas import DetokenizeRequest, TokenizeChatRequest, TokenizeRequest

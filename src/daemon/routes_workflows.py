@@ -10,7 +10,7 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from headrace.daemon import requests as rq
+from headrace.daemon import bodies as rq
 from headrace.daemon.errors import APIError, bad_request
 from headrace.daemon.schemas import RunEventsQuery, RunListQuery, RunRequest
 from headrace.graph.collections import UnknownCollection

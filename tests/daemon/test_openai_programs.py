@@ -12,7 +12,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from headrace.batching.programs import ProgramRegistry
-from headrace.daemon import requests as rq
+from headrace.daemon import bodies as rq
 from headrace.daemon.app import create_app
 from headrace.daemon.config import load_config
 from headrace.daemon.errors import APIError

@@ -12,7 +12,7 @@ from headrace.daemon import schemas
 from headrace.daemon.app import create_app
 from headrace.daemon.config import Config
 from headrace.daemon.openapi import REF
-from headrace.daemon.requests import parse_json, validate
+from headrace.daemon.bodies import parse_json, validate
 from headrace.daemon.errors import APIError
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from headrace.daemon import schemas, structured
 from headrace.daemon.errors import APIError
-from headrace.daemon.requests import parse_json, validate
+from headrace.daemon.bodies import parse_json, validate
 from headrace.plugins.engines.chat import format_tool_call
 from headrace.plugins.protocols import LarkConstraint
 
