@@ -110,7 +110,7 @@ def _local(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     quiet_libraries()
     logging.basicConfig(level="WARNING", format="%(message)s")
-    logging.getLogger("headrace.daemon.residency").setLevel("INFO")  # one line per engine as it loads
+    logging.getLogger("headrace.daemon.engine_residency").setLevel("INFO")  # one line per engine as it loads
     from headrace.daemon import local, profiling
 
     if args.command == "profile":

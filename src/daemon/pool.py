@@ -36,7 +36,7 @@ from headrace.batching.scheduler import BatchScheduler
 from headrace.daemon import systemd
 from headrace.daemon.config import Config, ConfigError
 from headrace.daemon.metrics import Metrics
-from headrace.daemon.residency import EngineResidency
+from headrace.daemon.engine_residency import EngineResidency
 from headrace.daemon.slots import EngineSlot
 from headrace.plugins.manager import Registry
 from headrace.plugins.protocols import EngineEnv, EngineSpec, WorkerHeartbeat
