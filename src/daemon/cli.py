@@ -13,7 +13,7 @@ from typing import Any, Sequence
 from headrace import __version__
 from headrace.daemon.config import ConfigError, default_config_path, load_config
 from headrace.daemon.quiet import quiet_libraries
-from headrace.graph.collections import UnknownCollection
+from headrace.graph.collection_refs import UnknownCollection
 from headrace.graph.workflow import UnknownWorkflow, WorkflowInputError
 from headrace.plugins.manager import PluginError, collect
 

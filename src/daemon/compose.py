@@ -13,7 +13,7 @@ from typing import AsyncIterator
 
 import anyio
 
-from headrace.daemon.collections import CollectionRegistry
+from headrace.daemon.collection_registry import CollectionRegistry
 from headrace.daemon.config import Config
 from headrace.daemon.metrics import Metrics
 from headrace.daemon.pool import EnginePool

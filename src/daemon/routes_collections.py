@@ -4,7 +4,7 @@ A collection is indexed once and searched by many runs (``inputs.collection`` of
 workflows). Documents are chunked by the workflows' own chunker, embedded through the embed
 engine's scheduler (so concurrent uploads and runs batch together) and ingested through the
 vector store's scheduler. Re-posting a document id replaces its chunks. The registry
-(``headrace.daemon.collections``) is saved under the data dir after every change, so
+(``headrace.daemon.collection_registry``) is saved under the data dir after every change, so
 collections survive a restart; every change holds its lock, and the part that touches the
 store and the registry is shielded from cancellation, so the two never disagree because a
 client left or the drain ran out.
@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 
 from headrace.batching.requests import EmbedRequest, VectorDrop, VectorIngest
 from headrace.daemon import bodies as rq
-from headrace.daemon.collections import Collection, CollectionRegistry, chunk_ids
+from headrace.daemon.collection_registry import Collection, CollectionRegistry, chunk_ids
 from headrace.daemon.errors import APIError, bad_request
 from headrace.daemon.schemas import AddDocumentsRequest, CreateCollectionRequest
 from headrace.daemon.slots import EngineSlot

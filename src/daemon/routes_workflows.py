@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from headrace.daemon import bodies as rq
 from headrace.daemon.errors import APIError, bad_request
 from headrace.daemon.schemas import RunEventsQuery, RunListQuery, RunRequest
-from headrace.graph.collections import UnknownCollection
+from headrace.graph.collection_refs import UnknownCollection
 from headrace.graph.events import EventReader, RunEvent
 from headrace.graph.executor import Run
 from headrace.graph.service import WorkflowService, seconds, timeline

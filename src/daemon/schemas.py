@@ -248,7 +248,7 @@ class RunRequest(Body):
     background: bool | None = Field(None, description="answer 202 at once; the run goes on without the client")
 
 
-COLLECTION_NAME = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"  # headrace.graph.collections.NAME
+COLLECTION_NAME = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"  # headrace.graph.collection_refs.NAME
 
 
 class CreateCollectionRequest(Body):

@@ -15,8 +15,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Iterator, 
 import anyio
 
 from headrace.batching.protocols import ResolvedEngine
-from headrace.graph import collections
-from headrace.graph.collections import CollectionLookup, UnknownCollection
+from headrace.graph import collection_refs
+from headrace.graph.collection_refs import CollectionLookup, UnknownCollection
 from headrace.graph.collector import ChoiceCollector, ChoiceDelta
 from headrace.graph.events import EVENT_LOG, RunEvents
 from headrace.graph.executor import CallObserver, Executor, Run, new_run_id
@@ -186,7 +186,7 @@ class WorkflowService:
         if "collection" not in workflow.inputs or "collection" not in inputs:
             return {}
         name = inputs["collection"]
-        problem = collections.check_name(name)
+        problem = collection_refs.check_name(name)
         if problem:
             raise WorkflowInputError("inputs.collection", problem)
         info = self._collections(name) if self._collections is not None else None

@@ -32,7 +32,7 @@ from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence
 
 import anyio
 
-from headrace.graph import collections
+from headrace.graph import collection_refs
 from headrace.graph.executor import Growth, Run
 from headrace.graph.graph import LLM_MAX_TOKENS, Graph, Node, Op
 from headrace.graph.objectives import objectives, task_groups
@@ -222,7 +222,7 @@ class Trace:
         collection = collection if collection is not None else self.inputs.get("collection")
         if not collection:
             raise ValueError("search needs a collection (the run's inputs.collection, or collection=)")
-        problem = collections.check_name(collection)
+        problem = collection_refs.check_name(collection)
         if problem:
             raise ValueError(f"collection {problem}")
         step = self._step(name)
@@ -231,7 +231,7 @@ class Trace:
         self._add(Node(f"{name}.{step}.embed", Op.EMBED, engine=self._engine("embed"),
                        inputs=(self._bind(query, step, "query"),), outputs=(vectors,), component=f"{name}.embed",
                        batchable=True, size=size))
-        table = self._bind(collections.table_name(collection), step, "collection")
+        table = self._bind(collection_refs.table_name(collection), step, "collection")
         self._add(Node(f"{name}.{step}", Op.SEARCH, engine=self._engine("vector_store"), inputs=(vectors, table),
                        outputs=(out,), params={"k": k}, component=name, batchable=True, size=size))
         return self._handle(out)

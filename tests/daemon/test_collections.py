@@ -27,7 +27,7 @@ from starlette.testclient import TestClient
 
 from conftest import ROOT, free_port
 from headrace.daemon.app import create_app
-from headrace.daemon.collections import Collection, CollectionRegistry
+from headrace.daemon.collection_registry import Collection, CollectionRegistry
 from headrace.daemon.config import ConfigError, load_config
 
 pytestmark = pytest.mark.slow

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from headrace.graph import collections
+from headrace.graph import collection_refs
 from headrace.graph.components import Component, GraphBuilder, Template
 from headrace.graph.workflow import Workflow
 from headrace.graph.workflows import common
@@ -24,10 +24,10 @@ def index_or_collection(b: GraphBuilder, inputs: dict[str, Any], config: dict[st
     Returns the indexing components the run's template holds. The service has already checked
     that the collection exists (and chosen the engines that embedded it).
     """
-    if collections.source(inputs, "documents") == "documents":
+    if collection_refs.source(inputs, "documents") == "documents":
         common.index(b, inputs, config)
         return [common.chunk, common.embed_chunks, common.ingest]
-    inputs["collection"] = collections.table_name(inputs["collection"])  # the search reads it as a variable
+    inputs["collection"] = collection_refs.table_name(inputs["collection"])  # the search reads it as a variable
     return []
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping
 
-from headrace.graph import collections
+from headrace.graph import collection_refs
 from headrace.graph.components import Component, GraphBuilder, Template
 from headrace.graph.workflow import Workflow
 from headrace.graph.workflows import common
@@ -79,14 +79,14 @@ def build_search_gen(inputs: dict[str, Any], config: dict[str, Any], engines: Ma
     b = GraphBuilder("search_gen", engines)
     inputs["search_mode"] = config["search"]  # read by the decide function
     indexing = []
-    if collections.source(inputs, "corpus") == "corpus":
+    if collection_refs.source(inputs, "corpus") == "corpus":
         n = common.count_chunks(inputs, "corpus", config)
         b.emit(corpus_chunk, size=n, words=config["chunk_size"], overlap=config["chunk_overlap"])
         b.emit(embed_passages, size=n)
         b.emit(ingest_passages, size=n)
         indexing = [corpus_chunk, embed_passages, ingest_passages]
     else:  # a persistent collection: its table already has the full-text index; nothing to index here
-        inputs["collection"] = collections.table_name(inputs["collection"])
+        inputs["collection"] = collection_refs.table_name(inputs["collection"])
     b.emit(proxy, max_tokens=config["max_tokens"])
     b.emit(judge, max_tokens=JUDGE_TOKENS)
     b.emit(decide_)

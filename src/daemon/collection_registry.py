@@ -1,7 +1,7 @@
 """The registry of persistent collections: a small JSON file in the data dir.
 
 The chunks themselves live in the vector store (one table per collection, see
-``headrace.graph.collections``); the registry records each collection's settings
+``headrace.graph.collection_refs``); the registry records each collection's settings
 and, per document, how many chunks it made (chunk ``i`` of document ``d`` is the
 row ``d:i``), so a document can be replaced or deleted by id and the listing has
 counts without scanning tables. It is rewritten atomically (a temporary file
@@ -27,7 +27,7 @@ import anyio
 from filelock import FileLock, Timeout
 
 from headrace.daemon.config import ConfigError
-from headrace.graph.collections import CollectionInfo, table_name
+from headrace.graph.collection_refs import CollectionInfo, table_name
 
 FILE_NAME = "collections.json"
 VERSION = 1
