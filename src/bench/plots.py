@@ -1,6 +1,6 @@
 """Benchmark figures as PNG files: latency and goodput against load, batch sizes, speedups, a run's Gantt.
 
-Built on ``matplotlib.figure.Figure`` with an Agg canvas (via ``daemon.plots.figure_png``), never pyplot,
+Built on ``matplotlib.figure.Figure`` with an Agg canvas (via ``daemon.timeline_plot.figure_png``), never pyplot,
 so one benchmark process can draw many figures without state leaking between them.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from headrace.daemon.plots import figure_png, timeline_png
+from headrace.daemon.timeline_plot import figure_png, timeline_png
 
 DPI = 100
 MAX_PANELS = 8  # batch-size histograms; more than this is unreadable at one figure's size

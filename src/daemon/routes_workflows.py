@@ -178,7 +178,7 @@ async def get_timeline(request: Request) -> Response:
 
 
 async def get_timeline_png(request: Request) -> Response:
-    from headrace.daemon.plots import timeline_png  # matplotlib loads on first use, not at startup
+    from headrace.daemon.timeline_plot import timeline_png  # matplotlib loads on first use, not at startup
 
     data = run_timeline(request, _run(request))
     png = await anyio.to_thread.run_sync(timeline_png, data)  # rendering takes ~100 ms of CPU: off the event loop

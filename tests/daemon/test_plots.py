@@ -5,7 +5,7 @@ import io
 import pytest
 from PIL import Image
 
-from headrace.daemon.plots import EXECUTOR, assign_lanes, figure_png, op_colour, timeline_png, timeline_rows
+from headrace.daemon.timeline_plot import EXECUTOR, assign_lanes, figure_png, op_colour, timeline_png, timeline_rows
 
 
 def node(name, op, engine, start, end, key=(), pieces=(), state="done"):
@@ -95,7 +95,7 @@ def test_every_state_a_bar_shows_is_in_the_legend():
     # A cancelled bar once took a style the legend lacked: each styled bar's edge and hatch must be a legend entry.
     from matplotlib.colors import to_rgba
 
-    from headrace.daemon.plots import timeline_figure
+    from headrace.daemon.timeline_plot import timeline_figure
 
     timeline = run([node("ok", "embed", "minilm", 0.0, 0.5),
                     node("gone", "decode", "smollm2", 0.1, 0.7, state="cancelled"),
