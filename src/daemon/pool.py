@@ -30,7 +30,7 @@ from typing import Any, Awaitable, Callable, Collection
 import anyio
 
 from headrace.batching.llm import LLMScheduler
-from headrace.batching.protocols import ResolvedEngine
+from headrace.batching.resolved import ResolvedEngine
 from headrace.batching.requests import runner_for
 from headrace.batching.scheduler import BatchScheduler
 from headrace.daemon import systemd

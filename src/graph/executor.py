@@ -32,7 +32,7 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from headrace.batching.meta import Objective
-from headrace.batching.protocols import ResolvedEngine
+from headrace.batching.resolved import ResolvedEngine
 from headrace.batching.requests import VectorDrop
 from headrace.graph.graph import Graph, Node, Op
 from headrace.graph.events import RunEvents

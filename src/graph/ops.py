@@ -16,7 +16,7 @@ import anyio
 import torch
 
 from headrace.batching.meta import Objective, PrimitiveMeta
-from headrace.batching.protocols import ResolvedEngine
+from headrace.batching.resolved import ResolvedEngine
 from headrace.batching.requests import EmbedRequest, RerankRequest, VectorIngest, VectorSearch, VectorSearchText
 from headrace.graph.graph import LLM_MAX_TOKENS, Node, Op
 from headrace.graph.parsers import make_parser

@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Iterator, 
 
 import anyio
 
-from headrace.batching.protocols import ResolvedEngine
+from headrace.batching.resolved import ResolvedEngine
 from headrace.graph import collection_refs
 from headrace.graph.collection_refs import CollectionLookup, UnknownCollection
 from headrace.graph.collector import ChoiceCollector, ChoiceDelta

@@ -28,7 +28,7 @@ import anyio
 import anyio.abc
 from anyio.streams.memory import MemoryObjectSendStream
 
-from headrace.batching.protocols import ResolvedEngine
+from headrace.batching.resolved import ResolvedEngine
 from headrace.graph.executor import Executor, Growth, Run
 from headrace.graph.graph import Graph, Node, Op
 from headrace.graph.objectives import awaited_objectives, task_groups

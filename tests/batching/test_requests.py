@@ -9,7 +9,7 @@ import torch
 from headrace.batching.llm import LLMScheduler
 from headrace.batching.meta import PrimitiveMeta
 from headrace.batching.policies import FifoPolicy
-from headrace.batching.protocols import ResolvedEngine
+from headrace.batching.resolved import ResolvedEngine
 from headrace.batching.requests import (
     EmbedRequest,
     RerankRequest,

@@ -8,7 +8,7 @@ import anyio
 import pytest
 import torch
 
-from headrace.batching.protocols import ResolvedEngine
+from headrace.batching.resolved import ResolvedEngine
 from headrace.graph.executor import Executor, Run
 from headrace.graph.events import RunEvents
 from headrace.graph.graph import Graph, Node, Op

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from headrace.batching.policies import FifoPolicy
-from headrace.batching.protocols import ResolvedEngine
+from headrace.batching.resolved import ResolvedEngine
 from headrace.batching.requests import runner_for
 from headrace.batching.scheduler import BatchScheduler
 from headrace.graph.executor import Executor, Run
