@@ -17,7 +17,7 @@ from headrace.daemon.config import load_config
 
 
 def cli(*args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "headrace.daemon.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "headrace.daemon.commands", *args], capture_output=True, text=True,
                           env={**os.environ, **env}, timeout=120)
 
 

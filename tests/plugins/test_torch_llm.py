@@ -252,7 +252,7 @@ def test_out_of_vocabulary_tokens_fail_their_prefill_only(llm):
         async def unchecked(tokens):
             # Past the engine's own check (as if it had a bug): the batched prefill must still
             # fail only this job, retried one by one.
-            from headrace.plugins.engines.llm_front import Prefill, Reply
+            from headrace.plugins.engines.llm_messages import Prefill, Reply
 
             reply = Reply()
             engine._commands.put(Prefill("unchecked", tokens, None, reply))

@@ -42,19 +42,10 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from headrace.plugins.engines.llm_front import (
-    Decode,
-    EngineError,
-    LLMCore,
-    LLMFront,
-    Logits,
-    Outbox,
-    Prefill,
-    Row,
-    sample_row,
-    sample_rows,
-)
 from headrace.plugins.engines.llama_cpp_files import QUANT_TYPES, llama, load_tokenizer, quantized_model
+from headrace.plugins.engines.llm_core import LLMCore, Row, sample_row, sample_rows
+from headrace.plugins.engines.llm_front import LLMFront
+from headrace.plugins.engines.llm_messages import Decode, EngineError, Logits, Outbox, Prefill
 from headrace.plugins.engines.model_paths import resolve_model
 from headrace.plugins.engines.prefix_cache import PrefixCache, PrefixCacheStats, cache_stats, common_prefix
 from headrace.plugins.hookspecs import hookimpl

@@ -28,18 +28,9 @@ from typing import Any, ContextManager
 import torch
 
 from headrace.plugins.engines import kv
-from headrace.plugins.engines.llm_front import (
-    Decode,
-    EngineError,
-    LLMCore,
-    LLMFront,
-    Logits,
-    Outbox,
-    Prefill,
-    Row,
-    sample_row,
-    sample_rows,
-)
+from headrace.plugins.engines.llm_core import LLMCore, Row, sample_row, sample_rows
+from headrace.plugins.engines.llm_front import LLMFront
+from headrace.plugins.engines.llm_messages import Decode, EngineError, Logits, Outbox, Prefill
 from headrace.plugins.engines.model_paths import resolve_model
 from headrace.plugins.engines.prefix_cache import (
     CachedPrefix,

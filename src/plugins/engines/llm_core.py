@@ -1,0 +1,275 @@
+"""The worker-thread half of an in-process LLM engine: the :class:`LLMCore` base and its rows.
+
+How a core plugs in (the torch engine in ``torch_llm.py`` is the reference):
+
+1. Subclass :class:`LLMCore` and implement ``load`` (load the model, then set
+   ``tokenizer``, ``vocab_size``, ``eos`` and cap ``max_context_tokens``), and the
+   worker-side hooks: ``add_prefills``, ``add_scoring``, ``start_decode``,
+   ``stop``, ``release``, ``step``, ``has_work``, ``recover``, ``abandon``,
+   ``stats``. Override ``serving`` for per-thread setup (torch: inference mode).
+2. Each worker iteration the front calls ``core.iterate(commands, out)``: the
+   base class applies the new commands one by one (a command that raises fails
+   its own request only), then calls ``step(out)``, the engine's one iteration
+   (torch: queued scoring chunk, admissions, one decode step; llama.cpp: one
+   ``llama_decode`` holding decode tokens and prefill chunks). Everything for
+   the event loop goes into ``out`` (an :class:`Outbox`): reply results and
+   token deltas, delivered together after the iteration.
+3. Decoding rows are :class:`Row` objects made by ``new_row``; feed each sampled
+   token to ``emit`` (detokenizing, stop strings, EOS, ``max_tokens`` and the
+   context limit are handled there), fail a row with ``fail_row``, sample a
+   batch with :func:`sample_rows` (a row whose sampling fails, fails alone).
+   ``emit`` calls ``row_finished`` when a row ends (the default releases a
+   ``generate`` context); ``fail_row`` and a failed ``Decode`` call ``release``.
+4. The engine class the plugin registers subclasses :class:`LLMFront`
+   (``llm_front``), parses its options into a core and calls
+   ``super().__init__(name, core)``.
+
+The front checks token ids against ``core.vocab_size`` and scoring prompts
+against ``core.max_context_tokens`` before queueing; a prefill over the context
+is for the core to refuse (it knows the parent's length).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ContextManager, Sequence
+
+import torch
+
+from headrace.plugins.engines import constraints
+from headrace.plugins.engines.llm_messages import (CacheControl, Command, Decode, EngineError, Heartbeat, Logits,
+                                                   Outbox, Prefill, Stop)
+from headrace.plugins.engines.sampling import Detokenizer, make_generator, sample, token_logprob
+from headrace.plugins.protocols import SamplingParams, TokenDelta
+from headrace.types import ContextId
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Row:
+    """One decoding request, as the core's batch holds it."""
+
+    ctx: ContextId
+    params: SamplingParams
+    send: Any
+    free_after: bool
+    priority: int
+    generator: torch.Generator
+    detok: Detokenizer
+    length: int  # tokens in this row's KV
+    pending: int = -1  # sampled token not yet in the KV
+    produced: int = 0
+    matcher: Any = None  # a constrained decode's llguidance matcher, advanced with each sampled token
+
+
+class LLMCore(ABC):
+    """One engine's worker-thread half: model, KV state, batching. See the module docstring."""
+
+    reloadable = False  # True once ``unload`` drops the model and ``load`` may run again
+
+    def __init__(self, name: str, max_context_tokens: int) -> None:
+        self.name = name
+        self.max_context_tokens = max_context_tokens
+        # Set by load():
+        self.tokenizer: Any = None  # an HF tokenizer: encode, apply_chat_template, decode
+        self.vocab_size = 0
+        self.eos: set[int] = set()
+        self._constrainer: constraints.Constrainer | None = None  # made on the first constrained decode
+
+    # ----- what a core implements --------------------------------------------------------
+
+    @abstractmethod
+    def load(self) -> None:
+        """Load the model and tokenizer (on a worker thread, before serving)."""
+
+    def serving(self) -> ContextManager[Any]:
+        """Entered once on the worker thread around all iterations."""
+        return contextlib.nullcontext()
+
+    @abstractmethod
+    def has_work(self) -> bool:
+        """Whether to iterate again without waiting for a command."""
+
+    @abstractmethod
+    def add_prefills(self, jobs: list[Prefill], out: Outbox) -> None:
+        """Run or queue this iteration's new prefills; reply to each (or fail it) when done."""
+
+    @abstractmethod
+    def add_scoring(self, job: Logits) -> None:
+        """Queue a scoring job; ``step`` scores it (skipping it once ``job.reply.abandoned``)."""
+
+    @abstractmethod
+    def start_decode(self, cmd: Decode, out: Outbox) -> None:
+        """Make a ``Row`` for a prefilled context (``new_row``) and queue it to join the batch."""
+
+    @abstractmethod
+    def stop(self, ctx: ContextId, free: bool) -> None:
+        """Take the context's row (and any queued prefill of it) out of the batch; free its KV if asked."""
+
+    @abstractmethod
+    def release(self, ctx: ContextId) -> None:
+        """Drop a context's KV (no error if it has none)."""
+
+    @abstractmethod
+    def step(self, out: Outbox) -> None:
+        """One iteration of the engine: whatever batch it runs."""
+
+    @abstractmethod
+    def recover(self, exc: BaseException, out: Outbox) -> None:
+        """An iteration raised past the core's own isolation: fail what it ran, return to a sound state."""
+
+    @abstractmethod
+    def abandon(self, error: BaseException, out: Outbox) -> None:
+        """The worker has stopped: drop all state, answering what the core holds with ``error``.
+
+        Runs on the event loop. The front then answers whatever still waits (a reply whose
+        result died with the worker's last iteration, say), so answering here is optional.
+        """
+
+    @abstractmethod
+    def stats(self) -> dict[str, int]:
+        """At least ``contexts`` (live KV contexts), ``decoding`` and ``waiting`` (rows)."""
+
+    def unload(self) -> None:
+        """Drop the model's memory once the worker has stopped (after ``abandon``), keeping the tokenizer,
+        ``vocab_size``, ``eos`` and ``max_context_tokens``, so that requests are still checked and a later
+        ``load`` serves again. The default keeps everything: such a core's engine stays pinned."""
+
+    def footprint_bytes(self) -> int:
+        """Bytes the loaded model holds (weights, preallocated caches); 0 when not loaded."""
+        return 0
+
+    def wake_after(self) -> float | None:
+        """Seconds until the core wants an iteration though no command comes (a wait to time out); None: never."""
+        return None
+
+    def set_prefix_caching(self, enabled: bool) -> None:
+        """Switch the prefix cache on or off (off: drop what it holds). A core without one refuses."""
+        raise EngineError(f"engine {self.name!r} has no prefix cache")
+
+    def prefix_caching_enabled(self) -> bool:
+        return False
+
+    # ----- given to every core -------------------------------------------------------------
+
+    def iterate(self, commands: list[Command], out: Outbox) -> None:
+        self.apply(commands, out)
+        self.step(out)
+
+    def apply(self, commands: list[Command], out: Outbox) -> None:
+        prefills: list[Prefill] = []
+        for cmd in commands:
+            try:
+                if isinstance(cmd, Prefill):
+                    prefills.append(cmd)
+                elif isinstance(cmd, Logits):
+                    self.add_scoring(cmd)
+                elif isinstance(cmd, Decode):
+                    self.start_decode(cmd, out)
+                elif isinstance(cmd, Stop):
+                    # A prefill cancelled before it ran never runs.
+                    prefills = [p for p in prefills if p.ctx != cmd.ctx]
+                    self.stop(cmd.ctx, cmd.free)
+                elif isinstance(cmd, CacheControl):
+                    self.set_prefix_caching(cmd.enabled)
+                    out.reply(cmd.reply)
+                elif isinstance(cmd, Heartbeat):
+                    out.reply(cmd.reply)
+            except Exception as exc:  # this command's request fails, no other
+                log.exception("engine %s: %s failed", self.name, type(cmd).__name__)
+                if isinstance(cmd, Decode):
+                    out.fail_stream(cmd.send, self.error(exc))
+                    self.release(cmd.ctx)
+                elif isinstance(cmd, (Logits, CacheControl)):
+                    out.reply(cmd.reply, error=self.error(exc))
+        if prefills:
+            self.add_prefills(prefills, out)
+
+    def error(self, exc: BaseException) -> EngineError:
+        """``exc`` as the request's error: an EngineError as it is, anything else named by its type."""
+        return exc if isinstance(exc, EngineError) else EngineError(f"engine {self.name}: {type(exc).__name__}: {exc}")
+
+    def context_too_long(self, total: int) -> EngineError | None:
+        if total >= self.max_context_tokens:
+            return EngineError(f"the prompt is {total} tokens; engine {self.name!r} holds at most "
+                               f"{self.max_context_tokens}")
+        return None
+
+    def new_row(self, cmd: Decode, length: int) -> Row:
+        """A decoding row; a constrained one gets its matcher (compiled here, on the worker, cached per constraint)."""
+        matcher = None
+        if cmd.params.constraint is not None:
+            if self._constrainer is None:
+                self._constrainer = constraints.Constrainer(self.tokenizer, self.vocab_size, self.eos)
+            try:
+                matcher = self._constrainer.matcher(cmd.params.constraint)
+            except constraints.ConstraintError as exc:
+                raise EngineError(f"the output constraint does not compile: {exc}") from None
+        return Row(ctx=cmd.ctx, params=cmd.params, send=cmd.send, free_after=cmd.free_after, priority=cmd.priority,
+                   generator=make_generator(cmd.params.seed), detok=Detokenizer(self.tokenizer, cmd.params.stop),
+                   length=length, matcher=matcher)
+
+    def emit(self, r: Row, token: int, out: Outbox, logits: torch.Tensor | None = None) -> bool:
+        """Record one sampled token of ``r`` (its KV holds ``r.length`` tokens); True when the row is finished.
+
+        ``logits``: the row (V,) the token was sampled from, for a request that asked for logprobs."""
+        r.produced += 1
+        wanted = r.params.logprobs
+        logprobs = (token_logprob(logits, token, wanted),) if wanted is not None and logits is not None else ()
+        finish = None
+        if token in self.eos:
+            text, finish = r.detok.flush(), "stop"
+        else:
+            if r.matcher is not None:
+                try:
+                    constraints.advance(r.matcher, token)
+                except constraints.ConstraintError as exc:
+                    raise EngineError(str(exc)) from None
+            text, hit_stop = r.detok.add(token)
+            if hit_stop or (r.matcher is not None and r.matcher.is_stopped()):
+                # A stop string, or a grammar with nothing left to add: the row is done.
+                text, finish = text + ("" if hit_stop else r.detok.flush()), "stop"
+            elif r.produced >= r.params.max_tokens or r.length + 1 >= self.max_context_tokens:
+                text, finish = text + r.detok.flush(), "length"
+        r.pending = token
+        out.deltas.append((r.send, TokenDelta(text=text, token_ids=[token], finish_reason=finish,
+                                                      logprobs=logprobs), finish is not None))
+        if finish is not None:
+            self.row_finished(r)
+        return finish is not None
+
+    def row_finished(self, r: Row) -> None:
+        """A row ended normally (its last delta is in the outbox)."""
+        if r.free_after:
+            self.release(r.ctx)
+
+    def fail_row(self, r: Row, exc: BaseException, out: Outbox) -> None:
+        out.fail_stream(r.send, self.error(exc))
+        self.release(r.ctx)
+
+
+def sample_rows(rows: Sequence[Row], logits: torch.Tensor) -> list[int | BaseException]:
+    """One token per row of ``logits`` (constrained rows masked to what their grammar allows); should sampling
+    the batch fail, each row on its own, failing alone."""
+    try:
+        mask = constraints.bitmask([r.matcher for r in rows], logits.shape[-1])
+        return list(sample(logits, [r.params for r in rows], [r.generator for r in rows], mask))
+    except Exception:
+        tokens: list[int | BaseException] = []
+        for i, r in enumerate(rows):
+            try:
+                tokens.append(sample_row(r, logits[i]))
+            except Exception as exc:
+                tokens.append(exc)
+        return tokens
+
+
+def sample_row(r: Row, logits: torch.Tensor) -> int:
+    """One token for one row from its logits (V,): a decode's first token, from its prefill."""
+    mask = constraints.bitmask([r.matcher], logits.shape[-1])
+    return sample(logits.unsqueeze(0), [r.params], [r.generator], mask)[0]
+

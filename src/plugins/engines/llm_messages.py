@@ -1,0 +1,124 @@
+"""What the LLM front and an engine's core pass each other: the commands the front posts to the
+worker thread, the replies and token deltas the worker hands back (an :class:`Outbox` per
+iteration), and the one error type every LLM engine raises.
+
+See ``llm_front`` for the two halves, ``llm_core`` for how a core plugs in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import torch
+
+from headrace.plugins.protocols import SamplingParams, TokenDelta
+from headrace.types import ContextId, TokenIds
+
+
+class EngineError(RuntimeError):
+    """A request the engine cannot serve (unknown context, context too long...)."""
+
+
+class Reply:
+    """A result the worker hands back to one awaiting task."""
+
+    def __init__(self) -> None:
+        self.done = anyio.Event()
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.abandoned = False  # the awaiting task left: the worker may skip the work
+
+    def resolve(self, value: Any, error: BaseException | None) -> None:
+        self.value, self.error = value, error
+        self.done.set()
+
+    async def wait(self) -> Any:
+        await self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+@dataclass
+class Prefill:
+    ctx: ContextId
+    tokens: TokenIds
+    parent: ContextId | None
+    reply: Reply  # resolved with None once the context holds the tokens
+    priority: int = 0  # lower runs first (the LLM scheduler's policy sets it)
+
+
+@dataclass
+class Decode:
+    ctx: ContextId
+    params: SamplingParams
+    send: Any  # MemoryObjectSendStream[TokenDelta | BaseException]
+    free_after: bool  # generate(): the context goes when the decode ends
+    priority: int = 0
+
+
+@dataclass
+class Stop:
+    """Stop the context's decode (if any); with ``free``, drop its KV too."""
+
+    ctx: ContextId
+    free: bool
+
+
+@dataclass
+class Logits:
+    """A prefill-only scoring job; a core may score it a chunk at a time."""
+
+    prompts: list[TokenIds]
+    token_ids: list[int]
+    reply: Reply  # resolved with a (len(prompts), len(token_ids)) float32 tensor
+    scored: list[torch.Tensor] = field(default_factory=list)  # one tensor per chunk done
+    next: int = 0  # the first prompt not scored yet
+    priority: int = 0
+
+
+@dataclass
+class CacheControl:
+    """Switch the core's prefix cache on or off (off drops what it holds)."""
+
+    enabled: bool
+    reply: Reply
+
+
+@dataclass
+class Heartbeat:
+    """Answered as soon as the worker takes it, so the answer comes after the iteration in progress."""
+
+    reply: Reply
+
+
+Command = Prefill | Decode | Stop | Logits | CacheControl | Heartbeat
+
+
+@dataclass
+class Outbox:
+    """What one worker iteration hands back to the event loop in a single call."""
+
+    deltas: list[tuple[Any, TokenDelta | BaseException, bool]] = field(default_factory=list)
+    replies: list[tuple[Reply, Any, BaseException | None]] = field(default_factory=list)
+
+    def reply(self, reply: Reply, value: Any = None, error: BaseException | None = None) -> None:
+        self.replies.append((reply, value, error))
+
+    def fail_stream(self, send: Any, error: BaseException) -> None:
+        self.deltas.append((send, error, True))
+
+
+def deliver_on_loop(out: Outbox) -> None:
+    for reply, value, error in out.replies:
+        reply.resolve(value, error)
+    for send, item, last in out.deltas:
+        try:
+            send.send_nowait(item)
+            if last:
+                send.close()
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass  # the reader went away; its Stop is already queued
+
