@@ -14,7 +14,7 @@ import anyio
 import torch
 
 from headrace.plugins.hookspecs import hookimpl
-from headrace.plugins.protocols import EngineEnv, EngineSpec
+from headrace.plugins.api import EngineEnv, EngineSpec
 
 __all__ = ["HashEmbedder", "factory", "register_engines", "trigrams"]
 

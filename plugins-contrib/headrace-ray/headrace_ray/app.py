@@ -16,7 +16,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from headrace.daemon.config import default_config_path, load_config
+from headrace.plugins.api import default_config_path, load_config
 from headrace_ray.ingress import HeadraceIngress
 from headrace_ray.keys import BLOCK_CHARS
 from headrace_ray.policy import PolicyConfig

@@ -17,7 +17,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from headrace.daemon.errors import APIError
+from headrace.plugins.api import APIError
 from headrace_ray.keys import route_key
 from headrace_ray.messages import ForwardedRequest, ResponseStart
 

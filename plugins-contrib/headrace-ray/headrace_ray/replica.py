@@ -13,9 +13,7 @@ from typing import Any, AsyncIterator
 import anyio
 from ray import serve
 
-from headrace.daemon.app import create_app
-from headrace.daemon.config import load_config
-from headrace.daemon.errors import APIError
+from headrace.plugins.api import APIError, create_app, load_config
 from headrace_ray.keys import PIN_HEADER, id_prefix
 from headrace_ray.messages import ForwardedRequest, ResponseStart
 

@@ -45,15 +45,10 @@ from typing import Any, AsyncIterator, Awaitable, Sequence, TypeVar
 import anyio
 import torch
 
-from headrace.plugins.engines.constraints import json_schema_text
-from headrace.plugins.engines.llm_front import EngineError, LLMFront, check_token_ids  # the same errors as every engine
-from headrace.plugins.engines.model_paths import resolve_model
-from headrace.plugins.engines.sampling import Detokenizer, is_greedy
-from headrace.plugins.engines.torch_loading import convert_gguf
+from headrace.plugins.api import (ContextId, Detokenizer, EngineEnv, EngineError, EngineSpec, JsonSchemaConstraint,
+                                  LarkConstraint, LLMFront, SamplingParams, TokenDelta, TokenIds, check_token_ids,
+                                  convert_gguf, is_greedy, json_schema_text, resolve_model)
 from headrace.plugins.hookspecs import hookimpl
-from headrace.plugins.protocols import (EngineEnv, EngineSpec, JsonSchemaConstraint, LarkConstraint, SamplingParams,
-                                        TokenDelta)
-from headrace.types import ContextId, TokenIds
 
 __all__ = ["EngineError", "SGLangEngine", "SGLangOptions", "register_engines", "sampling_params", "sglang_is_installed"]
 

@@ -47,17 +47,11 @@ import anyio
 import torch
 from anyio.from_thread import BlockingPortal
 
-from headrace.plugins.engines import chat
-from headrace.plugins.engines.chat import ChatMessages, ToolSpecs
-from headrace.plugins.engines.constraints import json_schema_text
-from headrace.plugins.engines.llm_front import EngineError, check_token_ids  # the same errors as every engine
-from headrace.plugins.engines.model_paths import resolve_model
-from headrace.plugins.engines.torch_loading import convert_gguf
+from headrace.plugins.api import (LOGPROB_FLOOR, ChatMessages, ContextId, EngineEnv, EngineError, EngineSpec,
+                                  JsonSchemaConstraint, LarkConstraint, OutputConstraint, SamplingParams, TokenDelta,
+                                  TokenIds, TokenLogprob, ToolSpecs, apply_template, check_token_ids, convert_gguf,
+                                  json_schema_text, resolve_model)
 from headrace.plugins.hookspecs import hookimpl
-from headrace.plugins.engines.sampling import LOGPROB_FLOOR
-from headrace.plugins.protocols import (EngineEnv, EngineSpec, JsonSchemaConstraint, LarkConstraint, OutputConstraint,
-                                        SamplingParams, TokenDelta, TokenLogprob)
-from headrace.types import ContextId, TokenIds
 
 __all__ = ["EngineError", "VLLMEngine", "register_engines"]
 
@@ -282,11 +276,11 @@ class VLLMEngine:
 
     def chat_tokens(self, messages: ChatMessages, tools: ToolSpecs | None = None,
                     add_generation_prompt: bool = True) -> TokenIds:
-        return chat.apply_template(self.tokenizer, messages, tools, tokenize=True,
+        return apply_template(self.tokenizer, messages, tools, tokenize=True,
                                    add_generation_prompt=add_generation_prompt)
 
     def chat_prompt(self, messages: ChatMessages, tools: ToolSpecs | None = None) -> str:
-        return chat.apply_template(self.tokenizer, messages, tools, tokenize=False)
+        return apply_template(self.tokenizer, messages, tools, tokenize=False)
 
     def new_context_id(self) -> ContextId:
         return f"{self.name}-ctx-{next(self._ids)}"
