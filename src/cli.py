@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from headrace.bench import cli as bench_cli
-from headrace.daemon import cli as daemon_cli
+from headrace.daemon import commands as daemon_cli
 
 
 def main(argv: Sequence[str] | None = None) -> int:

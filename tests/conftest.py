@@ -38,7 +38,7 @@ class Server:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log = tmp / "server.log"
-        args = [sys.executable, "-m", "headrace.daemon.cli", "serve", "--config", str(config),
+        args = [sys.executable, "-m", "headrace.daemon.commands", "serve", "--config", str(config),
                 "--port", str(self.port), "--data-dir", str(tmp / "data")]
         if api_key:
             args += ["--api-key", api_key]

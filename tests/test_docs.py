@@ -87,7 +87,7 @@ def test_the_api_reference_names_every_route():
 
 def _parsers() -> dict[str, argparse.ArgumentParser]:
     from headrace.bench import cli as bench_cli
-    from headrace.daemon import cli as daemon_cli
+    from headrace.daemon import commands as daemon_cli
 
     parser, sub = daemon_cli.build_parser()
     bench_cli.add_parser(sub)

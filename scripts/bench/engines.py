@@ -498,7 +498,7 @@ def bench_http(args, tmp: Path) -> dict:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     log = tmp / "server.log"
-    cmd = [sys.executable, "-m", "headrace.daemon.cli", "serve", "--config", str(CONFIG), "--port", str(port),
+    cmd = [sys.executable, "-m", "headrace.daemon.commands", "serve", "--config", str(CONFIG), "--port", str(port),
            "--data-dir", str(tmp / "data")]
     # Drop HEADRACE_* overrides (an API key, say) so the server runs exactly configs/default.toml.
     server_env = {k: v for k, v in os.environ.items() if not k.startswith("HEADRACE_")}

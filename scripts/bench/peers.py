@@ -113,7 +113,7 @@ class Pair:
 
 def headrace_spec(python: str, config: Path, env: dict[str, str] | None = None) -> ServerSpec:
     # --data-dir is filled in at start (a fresh one per run); the cache stays the default, shared with the peer.
-    return ServerSpec("headrace", [python, "-m", "headrace.daemon.cli", "serve", "--config", str(config),
+    return ServerSpec("headrace", [python, "-m", "headrace.daemon.commands", "serve", "--config", str(config),
                                    "--port", "{port}", "--data-dir", "{tmp}/data"], "/ready", env or {})
 
 

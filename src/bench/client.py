@@ -35,7 +35,7 @@ class DaemonProcess:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log = log or Path(self._tmp.name) / "daemon.log"
-        args = [sys.executable, "-m", "headrace.daemon.cli", "serve", "--config", str(config), "--port", str(self.port),
+        args = [sys.executable, "-m", "headrace.daemon.commands", "serve", "--config", str(config), "--port", str(self.port),
                 "--data-dir", str(Path(self._tmp.name) / "data"), "--api-key", api_key, "--log-level", "warning"]
         self._log_file = self.log.open("w")
         self.proc = subprocess.Popen(args, stdout=self._log_file, stderr=subprocess.STDOUT,

@@ -55,7 +55,7 @@ def test_a_missing_input_file_is_one_line():
 
 
 def test_run_flags_say_what_they_set(tmp_path):
-    from headrace.daemon.cli import _run_config, build_parser
+    from headrace.daemon.commands import _run_config, build_parser
 
     run_config = tmp_path / "run.json"
     run_config.write_text(json.dumps({"top_k": 2, "optimize": {"passes": ["prefill_split"]}}))

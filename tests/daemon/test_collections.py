@@ -389,7 +389,7 @@ async def test_daemons_sharing_a_data_dir_see_and_keep_each_others_changes(tmp_p
 
 
 def ingest(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "headrace.daemon.cli", "ingest", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "headrace.daemon.commands", "ingest", *args], capture_output=True,
                           text=True, timeout=300, env={**os.environ, "HEADRACE_API_KEY": ""})
 
 

@@ -31,7 +31,7 @@ def hashembed():
 
 
 def plugins_output(**env: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "headrace.daemon.cli", "plugins"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "headrace.daemon.commands", "plugins"], capture_output=True, text=True,
                          env={**os.environ, **env}, check=True)
     return out.stdout
 
