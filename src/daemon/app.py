@@ -21,16 +21,7 @@ from headrace.daemon.lifecycle import DrainMiddleware, Lifecycle
 from headrace.daemon.openapi import openapi_json
 from headrace.daemon.pool import EnginePool
 from headrace.daemon.docs import docs_asset, docs_page
-from headrace.daemon.routes_openai import chat_completions, completions, get_model, list_models
-from headrace.daemon.routes_tokenize import detokenize, tokenize
-from headrace.daemon.routes_collections import (add_documents, create_collection, delete_collection,
-                                                 delete_document, get_collection, list_collections)
-from headrace.daemon.routes_engines import update_engine
-from headrace.daemon.routes_retrieval import embeddings, rerank
-from headrace.daemon.routes_sessions import (create_call, create_session, create_variable, delete_session,
-                                              get_session, get_variable, set_variable)
-from headrace.daemon.routes_workflows import (cancel_run, create_run, get_run, get_timeline, get_timeline_png,
-                                               list_runs, list_workflows, run_events, run_graph)
+from headrace.daemon.routes import API_ROUTES
 from headrace.plugins.manager import Registry
 
 
@@ -136,39 +127,7 @@ def create_app(config: Config, registry: Registry | None = None) -> Starlette:
             Route("/openapi.json", openapi_json),
             Route("/docs", docs_page),
             Route("/docs/assets/{file}", docs_asset),
-            Route("/tokenize", tokenize, methods=["POST"]),
-            Route("/detokenize", detokenize, methods=["POST"]),
-            Route("/v1/models", list_models),
-            # :path, so an id with '/' (an org/model name) is answered "model not found", not "no route"
-            Route("/v1/models/{model:path}", get_model),
-            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-            Route("/v1/completions", completions, methods=["POST"]),
-            Route("/v1/embeddings", embeddings, methods=["POST"]),
-            Route("/v1/rerank", rerank, methods=["POST"]),
-            Route("/v1/collections", list_collections),
-            Route("/v1/collections", create_collection, methods=["POST"]),
-            Route("/v1/collections/{collection}", get_collection),
-            Route("/v1/collections/{collection}", delete_collection, methods=["DELETE"]),
-            Route("/v1/collections/{collection}/documents", add_documents, methods=["POST"]),
-            # :path, because an id may hold '/' (headrace ingest names documents by relative path)
-            Route("/v1/collections/{collection}/documents/{document_id:path}", delete_document, methods=["DELETE"]),
-            Route("/v1/engines/{engine}", update_engine, methods=["PATCH"]),
-            Route("/v1/sessions", create_session, methods=["POST"]),
-            Route("/v1/sessions/{session_id}", get_session),
-            Route("/v1/sessions/{session_id}", delete_session, methods=["DELETE"]),
-            Route("/v1/sessions/{session_id}/variables", create_variable, methods=["POST"]),
-            Route("/v1/sessions/{session_id}/variables/{variable}", get_variable),
-            Route("/v1/sessions/{session_id}/variables/{variable}", set_variable, methods=["PUT"]),
-            Route("/v1/sessions/{session_id}/calls", create_call, methods=["POST"]),
-            Route("/v1/workflows", list_workflows),
-            Route("/v1/workflows/{name}/runs", create_run, methods=["POST"]),
-            Route("/v1/runs", list_runs),
-            Route("/v1/runs/{run_id}", get_run),
-            Route("/v1/runs/{run_id}", cancel_run, methods=["DELETE"]),
-            Route("/v1/runs/{run_id}/events", run_events),
-            Route("/v1/runs/{run_id}/graph", run_graph),
-            Route("/v1/runs/{run_id}/timeline", get_timeline),
-            Route("/v1/runs/{run_id}/timeline.png", get_timeline_png),
+            *API_ROUTES,
         ],
         exception_handlers={APIError: api_error_handler, 404: not_found, 405: method_not_allowed,
                             Exception: internal_error_handler},

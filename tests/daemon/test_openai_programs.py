@@ -16,7 +16,7 @@ from headrace.daemon import bodies as rq
 from headrace.daemon.app import create_app
 from headrace.daemon.config import load_config
 from headrace.daemon.errors import APIError
-from headrace.daemon.routes_openai import _program, _served
+from headrace.daemon.routes.openai_api import _program, _served
 from headrace.daemon.schemas import ChatCompletionRequest, CompletionRequest
 from headrace.graph.collector import ChoiceDelta
 from headrace.graph.ops import OpContext

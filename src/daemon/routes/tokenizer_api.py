@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 
 from headrace.daemon import bodies as rq
 from headrace.daemon import structured
-from headrace.daemon.routes_openai import check_vocab, engine_for
+from headrace.daemon.routes.openai_api import check_vocab, engine_for
 from headrace.daemon.schemas import DetokenizeRequest, TokenizeChatRequest, TokenizeRequest
 
 

@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 from headrace.batching import requests as engine_requests
 from headrace.daemon import bodies as rq
 from headrace.daemon.errors import bad_request
-from headrace.daemon.routes_openai import engine_for
+from headrace.daemon.routes.openai_api import engine_for
 from headrace.daemon.schemas import EmbeddingRequest, RerankRequest
 from headrace.plugins.protocols import TokenInput
 
