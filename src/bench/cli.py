@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from headrace.bench.agents import AGENT_MODES, AGENTS, DEFAULT_AGENT_MODES, SHAPES
 from headrace.bench.workloads import MIXED_MODES, WORKLOADS
 from headrace.daemon.config import default_config_path
 
@@ -20,11 +21,13 @@ def add_parser(sub: Any) -> None:
                        description="Run each workload in each mode against one daemon (a running one with --url, "
                                    "or one started here with --config) and write results.json, results.txt and "
                                    "PNG plots to --out.")
-    p.add_argument("workloads", nargs="+", metavar="WORKLOAD", help=f"one or more of {', '.join(WORKLOADS)}")
+    p.add_argument("workloads", nargs="+", metavar="WORKLOAD",
+                   help=f"one or more of {', '.join(WORKLOADS)}, {AGENTS} (the agents benchmark: --agents-...)")
     p.add_argument("--modes", nargs="+", help="modes for the single-query phase (default: the workload's baseline, "
                    "sequential, headrace); server modes: sequential, +<pass>..., headrace, headrace-fifo, "
-                   "headrace-topology, headrace-objective (headrace under that LLM policy); baselines: llamaindex "
-                   "(RAG), chaining (summaries), client (debate, agent: the loop as an openai-SDK client)")
+                   "headrace-topology, headrace-objective, headrace-deadline, headrace-las (headrace under that LLM "
+                   "policy); baselines: llamaindex (RAG), chaining (summaries), client (debate, agent: the loop as an "
+                   "openai-SDK client)")
     p.add_argument("--ladder", nargs="*", metavar="WORKLOAD",
                    help="single query: also switch each pass on in turn (for the named workloads; none named: all)")
     p.add_argument("--reps", type=int, default=3, help="measured repetitions per mode (default 3; 0 skips the phase)")
@@ -50,6 +53,19 @@ def add_parser(sub: Any) -> None:
                         "off, then on (default 0: none)")
     p.add_argument("--system-tokens", type=int, default=1000, help="the chats' shared system prompt (default 1000)")
     p.add_argument("--max-tokens", type=int, help="override every workload's output length")
+    p.add_argument("--agents-size", choices=list(SHAPES), default="full",
+                   help="the agents benchmark's sizes: full (1,000-token system prompt, 2-12 turns, tools 0.2-3 s) or "
+                        "smoke (a short prompt, 2-3 turns, quick tools)")
+    p.add_argument("--agents-fractions", type=float, nargs="*",
+                   help="agents load points as fractions of the capacity a closed-loop probe measures "
+                        "(default 0.5 0.7 0.9 unless --agents-rates)")
+    p.add_argument("--agents-rates", type=float, nargs="*", default=[], help="agents load points in agents/s")
+    p.add_argument("--agents-programs", type=int, default=60, help="Poisson agent arrivals per point (default 60)")
+    p.add_argument("--agents-modes", nargs="+", default=list(DEFAULT_AGENT_MODES), metavar="MODE",
+                   help=f"modes of the agents benchmark, from {', '.join(AGENT_MODES)} "
+                        f"(default {' '.join(DEFAULT_AGENT_MODES)})")
+    p.add_argument("--agents-probe", type=int, metavar="N",
+                   help="agents at once in the capacity probe (default: the size's, 8 for full)")
     p.add_argument("--documents", type=int, default=4, help="corpus documents (default 4)")
     p.add_argument("--doc-tokens", type=int, default=2000, help="minimum tokens per document (default 2000)")
     p.add_argument("--seed", type=int, default=0)
@@ -76,10 +92,17 @@ def run(args: argparse.Namespace) -> int:
     from headrace.bench.harness import Options, Systems, run_all
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    unknown = [w for w in [*args.workloads, *(args.ladder or ()), *(args.load_workloads or ())] if w not in WORKLOADS]
+    unknown = [w for w in [*args.workloads, *(args.ladder or ()), *(args.load_workloads or ())]
+               if w not in WORKLOADS and w != AGENTS]
     if unknown:
-        print(f"headrace bench: unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}", file=sys.stderr)
+        print(f"headrace bench: unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}, {AGENTS}",
+              file=sys.stderr)
         return 2
+    agents = agents_options(args) if AGENTS in args.workloads else None
+    if isinstance(agents, str):
+        print(f"headrace bench: {agents}", file=sys.stderr)
+        return 2
+    workloads = [w for w in args.workloads if w != AGENTS]
     t0 = time.perf_counter()
     process = None
     try:
@@ -92,13 +115,13 @@ def run(args: argparse.Namespace) -> int:
             print(f"starting a daemon with {args.config} ...", flush=True)
             process = DaemonProcess(args.config).wait_ready()
             base_url, api_key = process.base_url, process.api_key
-        ladder = set() if args.ladder is None else set(args.ladder or args.workloads)
-        opts = Options(workloads=args.workloads, modes=args.modes, ladder=ladder, reps=args.reps, warmup=args.warmup,
+        ladder = set() if args.ladder is None else set(args.ladder or workloads)
+        opts = Options(workloads=workloads, modes=args.modes, ladder=ladder, reps=args.reps, warmup=args.warmup,
                        rates=args.rates, load_fractions=args.load_fractions, arrivals=args.arrivals,
                        load_modes=args.load_modes, chat=args.chat, mixed_chat=args.mixed_chat, mixed_modes=args.mixed_modes,
                        system_tokens=args.system_tokens,
-                       load_workloads=set(args.load_workloads or args.workloads), duration=args.duration, drain=args.drain,
-                       mixed_rate=args.mixed_rate, seed=args.seed, max_tokens=args.max_tokens,
+                       load_workloads=set(args.load_workloads or workloads), duration=args.duration, drain=args.drain,
+                       mixed_rate=args.mixed_rate, seed=args.seed, max_tokens=args.max_tokens, agents=agents,
                        log=lambda line: print(line, flush=True))
         cpu = CPUWatch(pids=[process.proc.pid] if process else ())
 
@@ -125,6 +148,25 @@ def run(args: argparse.Namespace) -> int:
     print(report.text_report(results))
     print(f"wrote {', '.join(str(f) for f in files)}")
     return 0
+
+
+def agents_options(args: argparse.Namespace) -> Any:
+    """The agents benchmark's options from the flags, or what is wrong with them."""
+    from headrace.bench.agents import AgentsOptions
+
+    fractions = args.agents_fractions
+    if fractions is None:
+        fractions = [] if args.agents_rates else [0.5, 0.7, 0.9]
+    opts = AgentsOptions(shape=SHAPES[args.agents_size], fractions=fractions, rates=args.agents_rates,
+                         programs=args.agents_programs, modes=args.agents_modes, probe_agents=args.agents_probe,
+                         drain_s=300.0 if args.drain is None else args.drain, seed=args.seed)
+    try:
+        opts.check()
+    except ValueError as exc:
+        return str(exc)
+    if not opts.fractions and not opts.rates:
+        return "the agents benchmark needs --agents-fractions or --agents-rates"
+    return opts
 
 
 def machine() -> str:

@@ -80,6 +80,7 @@ class Options:
     system_tokens: int = 1000  # the chat traffic's shared system prompt
     seed: int = 0
     max_tokens: int | None = None  # override every workload's output length
+    agents: Any = None  # an agents.AgentsOptions: run the agents benchmark (agents_phase.py) after the rest
     log: Callable[[str], None] = print
 
 
@@ -513,6 +514,10 @@ async def _run_phases(systems: Systems, corpus: Corpus, opts: Options) -> dict[s
         if missing:
             raise BenchError(f"the mixed load needs the single-query phase of {missing} for their SLOs")
         results["mixed"] = await mixed_phase(systems, corpus, opts, slos)
+    if opts.agents is not None:
+        from headrace.bench.agents_phase import agents_phase
+
+        results["agents"] = await agents_phase(systems, corpus, opts.agents, opts.log)
     return results
 
 

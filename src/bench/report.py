@@ -120,6 +120,10 @@ def text_report(results: dict[str, Any]) -> str:
         lines += chat_table(results["chat"]) + [""]
     if "mixed" in results:
         lines += mixed_table(results["mixed"]) + [""]
+    if "agents" in results:
+        from headrace.bench.agents_phase import agents_table
+
+        lines += agents_table(results["agents"]) + [""]
     meta = results.get("meta", {})
     if meta:
         lines.append(f"machine: {meta.get('machine')}; other processes used {meta.get('cpu_other', 0):.2f} cores "

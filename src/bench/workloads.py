@@ -6,7 +6,7 @@ mode is a way to run it against the daemon under test:
 - ``headrace``: the workflow server-side, every pass on, topology-aware batching,
   under the LLM policy the daemon is configured with;
 - ``headrace-<policy>``: the same under one LLM policy (``fifo``, ``topology``,
-  ``objective``), set on the daemon's LLM before the mode runs;
+  ``objective``, ``deadline``, ``las``), set on the daemon's LLM before the mode runs;
 - ``sequential``: server-side, no pass, FIFO batching: the module chain inside
   the daemon (the internal baseline);
 - ``+<pass>``: the ablation ladder from ``sequential``, switching each pass on in
@@ -36,7 +36,7 @@ PASSES = ("prune_dependencies", "stage_decomposition", "prefill_split", "decode_
 HEADRACE = "headrace"
 SEQUENTIAL = "sequential"
 SEMANTIC = "semantic"
-LLM_POLICIES = ("fifo", "topology", "objective", "deadline")
+LLM_POLICIES = ("fifo", "topology", "objective", "deadline", "las")
 
 
 @dataclass(frozen=True)

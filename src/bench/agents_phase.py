@@ -1,0 +1,298 @@
+"""The ``agents`` benchmark's phase: capacity probe, Poisson load points per mode, and its figures.
+
+Capacity is measured, not assumed: a closed loop of ``probe_agents`` agents (each starting the next
+agent as soon as its last ends) with instant tools, in the ``per-request`` mode, counts the turns
+the daemon answers while every probe agent is busy; turns per second over the mean turns per agent
+(of the shape's distribution) is programs per second. Tools cost the engine nothing, so this is the
+engine's own rate at that concurrency. Each load point is ``programs`` Poisson arrivals at a
+fraction of it (or at a rate given), the same seeded arrivals and the same agents in every mode.
+
+Per point and mode: job completion time (mean, p95; an agent's first request to its last answer,
+its tool time included), each turn's latency as the client saw it (mean, p95) and time to first
+token from the daemon's ``headrace_time_to_first_token_seconds`` histogram (mean exact from its sum,
+p95 interpolated within its buckets), the prefix cache's hit rate (``headrace_prefix_cache_hits`` /
+``headrace_prefix_cache_queries``, before/after deltas), tokens prefilled per job (prompt tokens
+from each response's ``usage`` less the cache's hits), completed agents, and the oldest waits (the
+longest turns and jobs). Each mode starts with an empty prefix cache.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+import time
+import uuid
+from typing import Any, Callable
+
+import anyio
+
+from headrace.bench.agents import (AGENT_MODES, BASE_MODE, AgentClient, AgentRecord, AgentsOptions, Program,
+                                   build_prompts, draw_programs, mean_turns)
+from headrace.bench.client import BenchError
+from headrace.bench.corpus import Corpus
+from headrace.bench.load import percentile, poisson
+
+_SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)$')
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+TTFT = "headrace_time_to_first_token_seconds"
+E2E = "headrace_e2e_request_latency_seconds"  # observed once per finished request: the daemon's request count
+
+
+def samples(text: str, model: str) -> dict[tuple[str, str], float]:
+    """(metric name, its ``le`` label or "") -> value, for the samples of ``model`` in Prometheus text."""
+    out: dict[tuple[str, str], float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m or line.startswith("#"):
+            continue
+        labels = dict(_LABEL.findall(m["labels"] or ""))
+        if labels.get("model") == model:
+            out[(m["name"], labels.get("le", ""))] = float(m["value"])
+    return out
+
+
+def deltas(before: str, after: str, model: str) -> dict[tuple[str, str], float]:
+    old = samples(before, model)
+    return {key: value - old.get(key, 0.0) for key, value in samples(after, model).items()}
+
+
+def histogram_quantile(delta: dict[tuple[str, str], float], name: str, q: float) -> float | None:
+    """Prometheus's ``histogram_quantile`` over the delta of one histogram's buckets."""
+    buckets = sorted((math.inf if le == "+Inf" else float(le), count)
+                     for (metric, le), count in delta.items() if metric == f"{name}_bucket")
+    total = buckets[-1][1] if buckets else 0
+    if total <= 0:
+        return None
+    rank, lower, below = q * total, 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if math.isinf(bound):
+                return lower  # past the last finite bound: that bound, as Prometheus answers
+            return lower + (bound - lower) * (rank - below) / max(count - below, 1e-12)
+        lower, below = bound, count
+    return lower
+
+
+async def agents_phase(systems: Any, corpus: Corpus, opts: AgentsOptions, log: Callable[[str], None]) -> dict[str, Any]:
+    """The whole benchmark against ``systems``' daemon (a started ``harness.Systems``)."""
+    try:
+        opts.check()
+    except ValueError as exc:
+        raise BenchError(str(exc)) from None
+    if "llm" not in systems.models:
+        raise BenchError("the agents benchmark needs an LLM engine")
+    daemon, llm, shape = systems.daemon, systems.models["llm"], opts.shape
+
+    async def post(path: str, body: dict[str, Any]) -> dict[str, Any]:
+        response = await daemon.http.post(path, json=body)
+        if response.status_code >= 400:
+            raise BenchError(f"POST {path}: HTTP {response.status_code}: {response.text[:500]}")
+        return response.json()
+
+    async def tokenize(text: str) -> list[int]:
+        return (await post("/tokenize", {"model": llm, "prompt": text, "add_special_tokens": False}))["tokens"]
+
+    async def detokenize(tokens: list[int]) -> str:
+        return (await post("/detokenize", {"model": llm, "tokens": tokens}))["prompt"]
+
+    system, snippets, sizes = await build_prompts(corpus, shape, tokenize, detokenize, seed=opts.seed)
+    programs = draw_programs(opts.programs, shape, corpus, snippets, opts.seed)
+    run_tag = uuid.uuid4().hex[:8]  # program ids never repeat across runs: the daemon keeps attained service
+    out: dict[str, Any] = {"shape": {**vars(shape), **sizes, "mean_turns": mean_turns(shape)},
+                           "modes": list(opts.modes), "programs": opts.programs, "seed": opts.seed,
+                           "drain_s": opts.drain_s, "points": []}
+    log(f"  agents ({shape.name}): system prompt {sizes['system_tokens']} tokens with the tool schemas, "
+        f"{opts.programs} agents per point, {sum(p.turns for p in programs)} turns, modes {', '.join(opts.modes)}")
+    client = AgentClient(daemon.base_url, daemon.api_key, llm, shape, system)
+    try:
+        await use_mode(systems, BASE_MODE, {})
+        await client.warm_up(programs[0].task)
+        capacity = None
+        if opts.fractions:
+            probe = draw_programs(shape.probe_programs, shape, corpus, snippets, opts.seed + 1)
+            out["capacity"] = await probe_capacity(client, probe, opts.probe_agents or shape.probe_agents,
+                                                   mean_turns(shape), f"bench-{run_tag}-probe")
+            capacity = out["capacity"]["programs_per_s"]
+            log(f"    capacity: {capacity:.4f} agents/s ({out['capacity']['turns_per_s']:.3f} turns/s, "
+                f"{out['capacity']['agents']} agents at once in a closed loop, tools instant)")
+        points = [{"fraction": f, "rate": round(f * capacity, 5)} for f in opts.fractions] + \
+                 [{"fraction": None, "rate": r} for r in opts.rates]
+        for p, point in enumerate(points):
+            rows = {}
+            # The order rotates from point to point, so drift (other load on the machine) hits every mode alike.
+            for mode in opts.modes[p % len(opts.modes):] + opts.modes[:p % len(opts.modes)]:
+                restore = await use_mode(systems, mode, {})
+                try:
+                    rows[mode] = await run_point(systems, client, programs, point["rate"], opts,
+                                                 f"bench-{run_tag}-p{p}-{mode}")
+                finally:
+                    await use_mode(systems, None, restore)
+                log(f"    agents {point['rate']:g}/s, {mode}: " + point_line(rows[mode]))
+            point["order"] = list(rows)
+            point["modes"] = {mode: rows[mode] for mode in opts.modes}
+            point["ratios"] = ratios(point["modes"])
+            out["points"].append(point)
+    finally:
+        await client.aclose()
+    return out
+
+
+async def use_mode(systems: Any, mode: str | None, restore: dict[str, Any]) -> dict[str, Any]:
+    """Put the LLM in ``mode``'s settings with an empty prefix cache; returns the other settings it changed, with
+    their old values (``mode`` None: put those back)."""
+    llm = systems.models["llm"]
+    if mode is None:
+        if restore:
+            await systems.daemon.engine_settings(llm, **restore)
+        return {}
+    settings = dict(AGENT_MODES[mode])
+    await systems.use_policy(settings.pop("llm_policy", "fifo"))
+    caching = settings.pop("prefix_caching", True)
+    await systems.use_prefix_caching(False)  # empties it: each mode starts cold
+    if caching:
+        await systems.use_prefix_caching(True)
+    if not settings:
+        return {}
+    current = await systems.daemon.engine_settings(llm)
+    await systems.daemon.engine_settings(llm, **settings)
+    return {key: current.get(key) for key in settings}
+
+
+async def probe_capacity(client: AgentClient, probe: list[Program], agents: int, turns_per_agent: float,
+                         key: str) -> dict[str, Any]:
+    """Agents per second at saturation: turns answered while all ``agents`` closed-loop agents were busy, per
+    second, over the mean turns per agent."""
+    queue = iter(probe)
+    done = {"turns": 0}
+    window: dict[str, float] = {}
+    t0 = time.perf_counter()
+
+    def turn() -> None:
+        done["turns"] += 1
+
+    async def agent() -> None:
+        for program in queue:
+            await client.run(program, f"{key}-{program.index}", AgentRecord(program.index, program.turns),
+                             tools_wait=False, on_turn=turn)
+        if not window:  # the first agent out of work ends the window in which all were busy
+            window.update(seconds=time.perf_counter() - t0, turns=done["turns"])
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(min(agents, len(probe))):
+            tg.start_soon(agent)
+    turns_per_s = window["turns"] / window["seconds"] if window["turns"] else done["turns"] / (time.perf_counter() - t0)
+    return {"agents": min(agents, len(probe)), "programs": len(probe), "window_s": window["seconds"],
+            "window_turns": window["turns"], "turns_per_s": turns_per_s,
+            "programs_per_s": turns_per_s / turns_per_agent, "elapsed_s": time.perf_counter() - t0}
+
+
+async def run_point(systems: Any, client: AgentClient, programs: list[Program], rate: float, opts: AgentsOptions,
+                    key: str) -> dict[str, Any]:
+    records = [AgentRecord(p.index, p.turns) for p in programs]
+
+    async def agent(i: int) -> None:
+        await client.run(programs[i], f"{key}-{i}", records[i])
+
+    llm = systems.models["llm"]
+    before = await systems.daemon.metrics()
+    result = await poisson({"agents": agent}, rate, 0.0, 0.0, opts.seed, opts.drain_s, count=len(programs))
+    delta = deltas(before, await systems.daemon.metrics(), llm)
+    return summarize(records, result, delta)
+
+
+def summarize(records: list[AgentRecord], result: Any, delta: dict[tuple[str, str], float]) -> dict[str, Any]:
+    jobs = sorted(r.job_s for r in records if r.job_s is not None)
+    turns = [(r.program, t) for r in records for t in r.turns]
+    latencies = sorted(t.latency_s for _, t in turns)
+    prompt = sum(t.prompt_tokens for _, t in turns)
+    queries = delta.get(("headrace_prefix_cache_queries_total", ""), 0.0)
+    hits = delta.get(("headrace_prefix_cache_hits_total", ""), 0.0)
+    ttft_n = delta.get((f"{TTFT}_count", ""), 0.0)
+    requests = delta.get((f"{E2E}_count", ""), 0.0)
+    done = [r for r in records if r.job_s is not None]
+    longest_turns = sorted(turns, key=lambda pt: -pt[1].latency_s)[:3]
+    return {
+        "rate": result.rate, "arrivals": len(records), "completed": len(done),
+        "errors": sorted({s.error for s in result.samples if s.error})[:3],
+        "turns_planned": sum(r.planned_turns for r in records),
+        "turns_sent": sum(r.sent for r in records), "turns_answered": len(turns),
+        "turns_of_completed": sum(r.planned_turns for r in done), "daemon_requests": int(requests),
+        "job_mean_s": statistics.fmean(jobs) if jobs else None, "job_p50_s": percentile(jobs, 50),
+        "job_p95_s": percentile(jobs, 95), "job_max_s": jobs[-1] if jobs else None,
+        "tool_mean_s": statistics.fmean(r.tool_s for r in done) if done else None,
+        "turn_mean_s": statistics.fmean(latencies) if latencies else None,
+        "turn_p95_s": percentile(latencies, 95),
+        "ttft_mean_s": delta.get((f"{TTFT}_sum", ""), 0.0) / ttft_n if ttft_n else None,
+        # Each turn's TTFT is within its latency, so the turns' p95 bounds the histogram's coarse interpolation.
+        "ttft_p95_s": _at_most(histogram_quantile(delta, TTFT, 0.95), percentile(latencies, 95)),
+        "prefix_queries": int(queries), "prefix_hits": int(hits), "hit_rate": hits / queries if queries else None,
+        "prompt_tokens": prompt, "daemon_prompt_tokens": int(delta.get(("headrace_prompt_tokens_total", ""), 0.0)),
+        "tokens_prefilled": int(prompt - hits),
+        "prefilled_per_job": (prompt - hits) / len(records) if records else None,
+        "max_context_tokens": max((t.prompt_tokens for _, t in turns), default=0),
+        "makespan_s": result.makespan,
+        # The oldest waits: the longest any turn waited for its answer, and the slowest agents.
+        "longest_turns": [{"program": p, "turn": t.index, "seconds": round(t.latency_s, 3)} for p, t in longest_turns],
+        "longest_jobs": [{"program": r.program, "turns": r.planned_turns, "seconds": round(r.job_s, 3),
+                          "tool_s": round(r.tool_s, 3)}
+                         for r in sorted(done, key=lambda r: -(r.job_s or 0))[:3]],
+    }
+
+
+def _at_most(x: float | None, bound: float | None) -> float | None:
+    return x if x is None or bound is None else min(x, bound)
+
+
+def ratios(modes: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Each mode against ``per-request`` (the base's figure over the mode's: above 1 is better)."""
+    base = modes.get(BASE_MODE)
+    if base is None:
+        return {}
+
+    def over(key: str, row: dict[str, Any]) -> float | None:
+        return base[key] / row[key] if base.get(key) and row.get(key) else None
+
+    return {mode: {"job_mean": over("job_mean_s", row), "job_p95": over("job_p95_s", row),
+                   "ttft_mean": over("ttft_mean_s", row), "prefilled_per_job": over("prefilled_per_job", row)}
+            for mode, row in modes.items() if mode != BASE_MODE}
+
+
+def _f(x: Any, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def point_line(row: dict[str, Any]) -> str:
+    return (f"{row['completed']}/{row['arrivals']} agents done, job mean {_f(row['job_mean_s'])}s p95 "
+            f"{_f(row['job_p95_s'])}s, TTFT mean {_f(row['ttft_mean_s'])}s, hit rate {_f(row['hit_rate'], '.1%')}, "
+            f"{_f(row['prefilled_per_job'], '.0f')} tokens prefilled per job")
+
+
+def agents_table(agents: dict[str, Any]) -> list[str]:
+    """The benchmark's text table (results.txt)."""
+    shape = agents["shape"]
+    cap = agents.get("capacity")
+    lines = [f"== agents ({shape['name']}): client-side tool-calling agents, {agents['programs']} Poisson arrivals "
+             f"per point and mode, turns {shape['turns'][0]}-{shape['turns'][1]} (mean {shape['mean_turns']:.2f}), "
+             f"tools {shape['tool_s'][0]:g}-{shape['tool_s'][1]:g}s, system prompt {shape['system_tokens']} tokens =="]
+    if cap:
+        lines.append(f"capacity {cap['programs_per_s']:.4f} agents/s: {cap['turns_per_s']:.3f} turns/s with "
+                     f"{cap['agents']} closed-loop agents busy (tools instant), over {shape['mean_turns']:.2f} turns "
+                     "per agent")
+    lines.append(f"{'load':>5} {'mode':<16} {'rate/s':>7} {'arrived':>7} {'done':>4} {'job mean':>8} {'job p95':>8} "
+                 f"{'TTFT mean':>9} {'TTFT p95':>8} {'turn p95':>8} {'hit rate':>8} {'prefill/job':>11} "
+                 f"{'oldest turn':>11}")
+    for point in agents["points"]:
+        load = "-" if point["fraction"] is None else f"{point['fraction']:g}"
+        for mode, r in point["modes"].items():
+            oldest = r["longest_turns"][0]["seconds"] if r["longest_turns"] else None
+            lines.append(f"{load:>5} {mode:<16} {point['rate']:7.4f} {r['arrivals']:7d} {r['completed']:4d} "
+                         f"{_f(r['job_mean_s']):>8} {_f(r['job_p95_s']):>8} {_f(r['ttft_mean_s']):>9} "
+                         f"{_f(r['ttft_p95_s']):>8} {_f(r['turn_p95_s']):>8} {_f(r['hit_rate'], '.1%'):>8} "
+                         f"{_f(r['prefilled_per_job'], '.0f'):>11} {_f(oldest):>11}")
+        for mode, v in point["ratios"].items():
+            lines.append(f"      {mode} vs {BASE_MODE}: job mean {_f(v['job_mean'])}x, p95 {_f(v['job_p95'])}x, "
+                         f"TTFT {_f(v['ttft_mean'])}x, tokens prefilled {_f(v['prefilled_per_job'])}x fewer")
+    lines.append("seconds; job: first request to last answer, tools included; TTFT from the daemon's histogram "
+                 "(p95 within its buckets); oldest turn: the longest one turn waited")
+    return lines

@@ -1,0 +1,106 @@
+"""The agents benchmark (``headrace bench agents``): its drawn agents, its metric arithmetic, and a smoke run on the
+real default model whose counts must agree with one another and with the daemon's."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import httpx
+import pytest
+
+from conftest import API_KEY
+from headrace.bench.agents import SHAPES, TOOLS, draw_programs, mean_turns, turn_weights
+from headrace.bench.agents_phase import deltas, histogram_quantile
+from headrace.bench.corpus import build_corpus
+from headrace.cli import main
+
+MODES = ["per-request", "las"]
+
+
+def test_agents_are_drawn_from_the_seed_with_heavy_tailed_turns():
+    corpus = build_corpus(0, n_documents=2, min_tokens=300, count_tokens=lambda text: len(text.split()))
+    shape = SHAPES["full"]
+    snippets = [f"result {i}" for i in range(8)]
+    programs = draw_programs(2000, shape, corpus, snippets, seed=3)
+    assert programs == draw_programs(2000, shape, corpus, snippets, seed=3)  # every mode serves the same agents
+    assert programs != draw_programs(2000, shape, corpus, snippets, seed=4)
+    turns = Counter(p.turns for p in programs)
+    assert set(turns) <= set(range(2, 13)) and turns[2] > turns[6] > turns[12] > 0  # most short, a few long
+    assert abs(sum(p.turns for p in programs) / len(programs) - mean_turns(shape)) < 0.3
+    assert abs(sum(turn_weights(shape).values()) - 1) < 1e-9
+    names = {t["function"]["name"] for t in TOOLS}
+    for p in programs[:50]:
+        assert len(p.tools) == len(p.tool_s) == len(p.results) == p.turns - 1 and set(p.tools) <= names
+        assert all(0.2 <= s <= 3.0 for s in p.tool_s)
+    assert len({p.task for p in programs[:8]}) == 8  # each agent's own task: prompts part after the system prompt
+
+
+def test_metric_deltas_and_the_histogram_quantile():
+    def text(hits: float, buckets: dict[str, float], total: float) -> str:
+        lines = [f'headrace_prefix_cache_hits_total{{model="m"}} {hits}',
+                 f'headrace_prefix_cache_hits_total{{model="other"}} {hits * 9}']
+        lines += [f'headrace_time_to_first_token_seconds_bucket{{le="{le}",model="m"}} {n}' for le, n in buckets.items()]
+        lines += [f'headrace_time_to_first_token_seconds_sum{{model="m"}} {total}', "# HELP x y"]
+        return "\n".join(lines)
+
+    before = text(10, {"1.0": 2, "2.0": 2, "+Inf": 2}, 1.0)
+    after = text(25, {"1.0": 2, "2.0": 12, "+Inf": 12}, 16.0)
+    d = deltas(before, after, "m")
+    assert d[("headrace_prefix_cache_hits_total", "")] == 15  # the other model's samples are not mixed in
+    assert d[("headrace_time_to_first_token_seconds_sum", "")] == 15
+    # All ten new observations are in (1, 2]: the median interpolates to the middle of that bucket.
+    assert histogram_quantile(d, "headrace_time_to_first_token_seconds", 0.5) == pytest.approx(1.5)
+    assert histogram_quantile(d, "headrace_time_to_first_token_seconds", 0.95) == pytest.approx(1.95)
+    beyond = deltas(text(0, {"1.0": 0, "+Inf": 0}, 0), text(0, {"1.0": 1, "+Inf": 5}, 0), "m")
+    assert histogram_quantile(beyond, "headrace_time_to_first_token_seconds", 0.95) == 1.0  # the last finite bound
+    assert histogram_quantile({}, "headrace_time_to_first_token_seconds", 0.95) is None
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--agents-modes", "per-request", "retain-forever"], "unknown agents mode"),
+    (["--agents-fractions"], "needs --agents-fractions or --agents-rates"),
+    (["--agents-rates", "0"], "must be > 0"),
+])
+def test_bad_agents_flags_stop_before_anything_runs(flags, message, capsys, tmp_path):
+    code = main(["bench", "agents", *flags, "--url", "http://127.0.0.1:9", "--out", str(tmp_path)])
+    assert code == 2 and message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # a server start, a capacity probe and two load points: several tests' work in one
+def test_smoke_every_agent_completes_and_the_counts_agree(server, tmp_path):
+    out = tmp_path / "agents"
+    # Twice the probed capacity: the three agents overlap (their turns queue), and the run stays short.
+    code = main(["bench", "agents", "--agents-size", "smoke", "--agents-programs", "3", "--agents-fractions", "2",
+                 "--agents-modes", *MODES, "--documents", "2", "--doc-tokens", "300", "--drain", "300",
+                 "--url", server.base_url, "--api-key", API_KEY, "--out", str(out)])
+    assert code == 0
+    agents = json.loads((out / "results.json").read_text())["agents"]
+    capacity = agents["capacity"]
+    assert capacity["programs_per_s"] > 0 and capacity["window_turns"] > 0
+    (point,) = agents["points"]
+    assert point["fraction"] == 2 and point["rate"] == pytest.approx(2 * capacity["programs_per_s"], rel=1e-3)
+    assert list(point["modes"]) == MODES
+    planned = {mode: row["turns_planned"] for mode, row in point["modes"].items()}
+    assert len(set(planned.values())) == 1 and planned["las"] >= 3 * 2  # the same agents, 2-3 turns each
+    for mode, row in point["modes"].items():
+        assert row["arrivals"] == 3 and row["completed"] == 3 and row["errors"] == [], (mode, row)
+        # Every turn the client sent was answered, the daemon counted each once, and the prompts agree.
+        assert row["turns_sent"] == row["turns_answered"] == row["turns_planned"] == row["daemon_requests"], row
+        assert row["prompt_tokens"] == row["daemon_prompt_tokens"] > 0
+        assert 0 < row["tokens_prefilled"] <= row["prompt_tokens"]
+        assert row["tokens_prefilled"] == row["prompt_tokens"] - row["prefix_hits"]
+        assert row["prefix_hits"] <= row["prefix_queries"] and 0 < row["hit_rate"] <= 1  # the shared prompt hits
+        assert agents["shape"]["system_tokens"] < row["max_context_tokens"] < 2048
+        assert row["job_mean_s"] > row["tool_mean_s"] > 0 and row["job_p95_s"] >= row["job_p50_s"]
+        assert 0 < row["ttft_mean_s"] <= row["turn_mean_s"] and row["ttft_p95_s"] <= row["turn_p95_s"]
+        assert len(row["longest_turns"]) == 3 and len(row["longest_jobs"]) == 3
+    assert set(point["ratios"]) == {"las"} and point["ratios"]["las"]["job_mean"] > 0
+    text = (out / "results.txt").read_text()
+    assert "== agents (smoke)" in text and "las vs per-request" in text and "capacity" in text
+    # The daemon's own LLM settings are back (the server runs fifo with its prefix cache on).
+    settings = httpx.patch(f"{server.base_url}/v1/engines/smollm2", json={},
+                           headers={"Authorization": f"Bearer {API_KEY}"}).json()
+    assert settings["llm_policy"] == "fifo" and settings["prefix_caching"] is True
