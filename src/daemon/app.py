@@ -19,9 +19,9 @@ from headrace.daemon.config import Config
 from headrace.daemon.errors import APIError, api_error_handler, internal_error_handler
 from headrace.daemon.lifecycle import DrainMiddleware, Lifecycle
 from headrace.daemon.openapi import openapi_json
-from headrace.daemon.pool import EnginePool
 from headrace.daemon.docs import docs_asset, docs_page
 from headrace.daemon.routes import API_ROUTES
+from headrace.daemon.services import Services, services
 from headrace.plugins.manager import Registry
 
 
@@ -67,7 +67,7 @@ class APIKeyMiddleware:
 
 async def health(request: Request) -> Response:
     """Liveness: 503 once a loop the daemon needs is dead, so a watchdog or probe restarts it."""
-    state = request.app.state.lifecycle.health()
+    state = services(request).lifecycle.health()
     body = {"status": "ok" if state.alive else "unhealthy", "version": __version__,
             **({"problems": state.problems} if state.problems else {})}
     return JSONResponse(body, status_code=200 if state.alive else 503)
@@ -75,8 +75,7 @@ async def health(request: Request) -> Response:
 
 async def ready(request: Request) -> Response:
     """Readiness: 503 while an engine is not ready or the daemon drains."""
-    pool: EnginePool = request.app.state.pool
-    lifecycle: Lifecycle = request.app.state.lifecycle
+    pool, lifecycle = services(request).pool, services(request).lifecycle
     engines = {
         s.name: {"state": s.state, **({"error": s.error} if s.error else {}),
                  **({"load_seconds": round(s.load_seconds, 3)} if s.load_seconds is not None else {})}
@@ -88,7 +87,7 @@ async def ready(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    return Response(request.app.state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    return Response(services(request).metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 async def not_found(request: Request, exc: Exception) -> Response:
@@ -133,9 +132,8 @@ def create_app(config: Config, registry: Registry | None = None) -> Starlette:
                             Exception: internal_error_handler},
         lifespan=lifespan,
     )
-    app.state.config, app.state.pool, app.state.metrics = config, daemon.pool, daemon.metrics
-    app.state.registry, app.state.workflows, app.state.collections = daemon.registry, daemon.workflows, daemon.collections
-    app.state.sessions, app.state.lifecycle = daemon.sessions, lifecycle
+    Services(config, daemon.registry, daemon.metrics, daemon.pool, daemon.collections, daemon.workflows,
+             daemon.sessions, lifecycle).install(app)
     app.add_middleware(APIKeyMiddleware, api_keys=config.server.keys())
     app.add_middleware(DrainMiddleware, lifecycle=lifecycle)  # outermost: a drain refuses before anything
     return app

@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, Response
 
 from headrace import __version__
 from headrace.daemon import schemas as s
+from headrace.daemon.services import services
 from headrace.graph.workflow import Workflow
 
 REF = "#/components/schemas/{model}"
@@ -199,7 +200,7 @@ def document(workflows: Mapping[str, Workflow]) -> dict[str, Any]:
 
 
 async def openapi_json(request: Request) -> Response:
-    state = request.app.state
-    if getattr(state, "openapi", None) is None:  # the workflows are fixed once the app exists
-        state.openapi = document(state.workflows.workflows)
-    return JSONResponse(state.openapi)
+    daemon = services(request)
+    if daemon.openapi is None:  # the workflows are fixed once the app exists
+        daemon.openapi = document(daemon.workflows.workflows)
+    return JSONResponse(daemon.openapi)

@@ -19,13 +19,14 @@ from headrace.daemon import structured
 from headrace.daemon.errors import APIError, bad_request, internal
 from headrace.daemon.logprobs import CompletionLogprobs, TokenStrings, chat_content
 from headrace.daemon.schemas import COMPLETIONS_MAX_TOKENS, MAX_CHOICES, ChatCompletionRequest, CompletionRequest
+from headrace.daemon.services import owner, services
 from headrace.graph.collector import ChoiceDelta
 from headrace.plugins.protocols import DEFAULT_MAX_TOKENS, ReportsLogprobs, SamplingParams, TokenDelta, TokenLogprob
 
 
 def engine_for(request: Request, model: str, kind: str, what: str) -> Any:
     """The ready engine slot serving ``model``; 404/400/503 otherwise."""
-    pool = request.app.state.pool
+    pool = services(request).pool
     slot = pool.slots.get(model)
     if slot is None:
         raise APIError(404, f"the model '{model}' does not exist", param="model", code="model_not_found")
@@ -47,13 +48,13 @@ def _model_card(slot: Any) -> dict[str, Any]:
 
 
 async def list_models(request: Request) -> Response:
-    return JSONResponse({"object": "list", "data": [_model_card(s) for s in request.app.state.pool.slots.values()]})
+    return JSONResponse({"object": "list", "data": [_model_card(s) for s in services(request).pool.slots.values()]})
 
 
 async def get_model(request: Request) -> Response:
     """One model's card, whatever its state (OpenAI's retrieve-model); 404 for an unknown id."""
     model = request.path_params["model"]
-    slot = request.app.state.pool.slots.get(model)
+    slot = services(request).pool.slots.get(model)
     if slot is None:
         raise APIError(404, f"the model '{model}' does not exist", param="model", code="model_not_found")
     return JSONResponse(_model_card(slot))
@@ -93,7 +94,7 @@ def check_vocab(slot: Any, tokens: list[int], param: str = "prompt") -> None:
 
 
 async def _llm_request(request: Request, model: type[rq.Model], what: str) -> tuple[rq.Model, Any]:
-    raw = await rq.read_json(request, request.app.state.config.server.max_body_bytes)
+    raw = await rq.read_json(request, services(request).config.server.max_body_bytes)
     body = rq.validate(model, raw)
     return body, engine_for(request, body.model, "llm", what)  # type: ignore[attr-defined]
 
@@ -148,19 +149,10 @@ async def completions(request: Request) -> Response:
     return await _respond(request, slot, token_lists, params, n, spec, chat=False, program=_program(request, body))
 
 
-def programs(app: Any) -> ProgramRegistry:
-    """The daemon's registry of named programs' attained service (made on first use)."""
-    registry = getattr(app.state, "programs", None)
-    if registry is None:
-        registry = app.state.programs = ProgramRegistry()
-    return registry
-
-
 def _program(request: Request, body: Any) -> str | None:
     """The program the request joins: ``prompt_cache_key``, else ``user``, else the ``X-Headrace-Program``
     header (``headrace.batching.programs``), per API key; None: a program of one call."""
-    return program_of(body.prompt_cache_key, body.user, request.headers.get(PROGRAM_HEADER),
-                      getattr(request.state, "principal", None))
+    return program_of(body.prompt_cache_key, body.user, request.headers.get(PROGRAM_HEADER), owner(request))
 
 
 async def _served(deltas: AsyncIterator[ChoiceDelta], registry: ProgramRegistry, program: str,
@@ -235,10 +227,10 @@ async def _respond(request: Request, slot: Any, prompts: list[list[int]], params
     # A one-request run through the graph executor: the same batching path as workflows. A named program
     # brings the tokens its earlier requests were served (``las`` ranks by them) and adds this one's.
     if program is None:
-        deltas = request.app.state.workflows.generate_choices(slot.name, prompts, params, n)
+        deltas = services(request).workflows.generate_choices(slot.name, prompts, params, n)
     else:
-        registry = programs(request.app)
-        deltas = _served(request.app.state.workflows.generate_choices(
+        registry = services(request).programs
+        deltas = _served(services(request).workflows.generate_choices(
             slot.name, prompts, params, n, program=program, attained_tokens=registry.attained(program)),
             registry, program, n_prompt)
     if not spec.stream:

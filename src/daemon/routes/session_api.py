@@ -16,20 +16,17 @@ from headrace.daemon import bodies as rq
 from headrace.daemon.errors import APIError
 from headrace.daemon.schemas import (CreateSessionRequest, CreateVariableRequest, OutputSampling,
                                      SemanticCallRequest, SetVariableRequest, VariableQuery)
-from headrace.graph.sessions import Call, Session, SessionClosed, SessionError, SessionManager
+from headrace.daemon.services import owner, services
+from headrace.graph.sessions import Call, Session, SessionClosed, SessionError
 from headrace.plugins.protocols import SamplingParams
 
 REQUEST_TIMEOUT = 408  # the value was not ready within the request's timeout: ask again
 FAILED_DEPENDENCY = 424  # the variable's producer failed
 
 
-def _manager(request: Request) -> SessionManager:
-    return request.app.state.sessions
-
-
 def _session(request: Request) -> Session:
     session_id = request.path_params["session_id"]
-    session = _manager(request).get(session_id, getattr(request.state, "principal", None))
+    session = services(request).sessions.get(session_id, owner(request))
     if session is None:
         raise APIError(404, f"no session {session_id!r}", param="session_id", code="session_not_found")
     return session
@@ -64,22 +61,22 @@ async def create_session(request: Request) -> Response:
     # The body may be left out: a session has no settings yet.
     empty = request.headers.get("content-length") == "0" or not ({"content-length", "transfer-encoding"}
                                                                 & set(request.headers.keys()))
-    raw = {} if empty else await rq.read_json(request, request.app.state.config.server.max_body_bytes)
+    raw = {} if empty else await rq.read_json(request, services(request).config.server.max_body_bytes)
     rq.validate(CreateSessionRequest, raw)
-    manager = _manager(request)
-    session = manager.create(getattr(request.state, "principal", None))
+    manager = services(request).sessions
+    session = manager.create(owner(request))
     return JSONResponse(session_json(session, manager.idle_seconds))
 
 
 async def get_session(request: Request) -> Response:
     session = _session(request)
     async with session.in_use():
-        return JSONResponse(session_json(session, _manager(request).idle_seconds))
+        return JSONResponse(session_json(session, services(request).sessions.idle_seconds))
 
 
 async def delete_session(request: Request) -> Response:
     session = _session(request)
-    await _manager(request).close(session)
+    await services(request).sessions.close(session)
     return JSONResponse({"id": session.id, "object": "session.deleted", "deleted": True})
 
 
@@ -97,7 +94,7 @@ async def _write_variable(request: Request, model: Any, write: Any) -> Response:
     """Read and validate the body, apply ``write(session, body)``, answer with the variable."""
     session = _session(request)
     async with session.in_use():
-        raw = await rq.read_json(request, request.app.state.config.server.max_body_bytes)
+        raw = await rq.read_json(request, services(request).config.server.max_body_bytes)
         body = rq.validate(model, raw)
         try:
             variable = write(session, body)
@@ -130,9 +127,9 @@ async def get_variable(request: Request) -> Response:
 async def create_call(request: Request) -> Response:
     session = _session(request)
     async with session.in_use():
-        raw = await rq.read_json(request, request.app.state.config.server.max_body_bytes)
+        raw = await rq.read_json(request, services(request).config.server.max_body_bytes)
         body = rq.validate(SemanticCallRequest, raw)
-        manager = _manager(request)
+        manager = services(request).sessions
         try:
             engine = manager.llm_engine(body.model)
             call = session.add_call(body.template, {name: _sampling(s) for name, s in body.outputs.items()},
