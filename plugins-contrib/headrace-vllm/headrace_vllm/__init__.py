@@ -3,15 +3,15 @@
 vLLM 0.32's ``AsyncLLM`` always runs its engine core in a subprocess (it refuses an
 in-process core in asyncio mode), so this plugin runs the engine core in-process the way
 vLLM itself does for offline use: an ``LLMEngine`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
-(an ``InprocClient`` and the single-process executor), stepped by one worker thread the
-plugin owns. The event-loop side plays ``AsyncLLM``'s part: it posts add/abort commands
-and receives each request's outputs on a bounded stream, delivered through a
-``BlockingPortal``.
+(an ``InprocClient`` and the single-process executor). It stands on headrace's shared LLM
+front, as the built-in engines do: ``LLMFront`` serves the protocol on the event loop and owns
+the worker thread, and ``VLLMCore`` (this plugin's only half) builds vLLM on that thread and
+steps it, one ``LLMEngine.step`` an iteration.
 
 The headrace protocol on a stock vLLM (no fork of it):
 
 - a KV context is its token list (the parent's tokens plus its own). ``prefill`` runs a
-  one-token request on it, which leaves its KV blocks in vLLM's automatic prefix cache
+  one-token request on it (``generate`` does not: its decode is the one request), which leaves its KV blocks in vLLM's automatic prefix cache
   (Ayo's prefill/decode split); ``decode`` runs the real request on the full token list,
   a prefix-cache hit, and streams deltas; ``free`` forgets the token list (its blocks
   stay cached until vLLM evicts them);
@@ -30,26 +30,21 @@ the engine.
 
 from __future__ import annotations
 
-import concurrent.futures
+import contextlib
 import itertools
 import logging
 import math
 import os
-import queue
-import threading
 import time
-from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, Iterable, Iterator
 
-import anyio
 import torch
-from anyio.from_thread import BlockingPortal
 
-from headrace.plugins.api import (LOGPROB_FLOOR, ChatMessages, ContextId, EngineEnv, EngineError, EngineSpec,
-                                  JsonSchemaConstraint, LarkConstraint, OutputConstraint, SamplingParams, TokenDelta,
-                                  TokenIds, TokenLogprob, ToolSpecs, apply_template, check_token_ids, convert_gguf,
+from headrace.plugins.api import (LOGPROB_FLOOR, Command, ContextId, Decode, EngineEnv, EngineError, EngineSpec,
+                                  JsonSchemaConstraint, LarkConstraint, LLMCore, LLMFront, Logits, Outbox,
+                                  OutputConstraint, Prefill, Reply, TokenDelta, TokenIds, TokenLogprob, convert_gguf,
                                   json_schema_text, resolve_model)
 from headrace.plugins.hookspecs import hookimpl
 
@@ -125,104 +120,83 @@ def structured_outputs(constraint: OutputConstraint | None) -> Any:
     raise EngineError(f"unknown output constraint {type(constraint).__name__}")
 
 
-# ----- commands to the worker, and what it sends back ----------------------------
+# ----- the core: vLLM's engine on the front's worker thread ------------------------
 
 
 @dataclass
-class _Add:
-    request_id: str
-    tokens: TokenIds
-    params: Any  # vllm.SamplingParams
-    priority: int
-    send: Any  # MemoryObjectSendStream[_Output | BaseException]
-    op: str  # "prefill", "decode" or "score": the batch observation it counts in
-
-
-@dataclass
-class _Abort:
-    request_id: str
+class _Hold(Prefill):
+    """A generate()'s context: the core records its tokens, and the decode that follows computes them
+    (one vLLM request for both, rather than a prefill request first)."""
 
 
 @dataclass
 class _ResetPrefixCache:
-    send: Any  # receives True when the cache was emptied
+    reply: Reply  # resolved with True when the cache was emptied
 
 
-@dataclass(frozen=True)
-class _Output:
-    """One step's news for one request, copied off vLLM's objects on the worker."""
+@dataclass
+class _Scoring:
+    """A ``Logits`` job in flight: one vLLM request per prompt, all at once."""
 
-    text: str
-    token_ids: TokenIds
-    finish_reason: str | None
-    scores: dict[int, float] = field(default_factory=dict)  # scoring: token id -> raw log-probability
-    logprobs: tuple[TokenLogprob, ...] = ()  # a decode that asked: one per token of token_ids
+    job: Logits
+    scores: torch.Tensor
+    requests: set[str] = field(default_factory=set)  # those not finished yet
 
 
 @dataclass
 class _Live:
-    send: Any
-    op: str
-    scored: bool
+    """One vLLM request the worker holds: a prefill, a decode or a scoring prompt."""
+
+    op: str  # "prefill", "decode" or "score": the batch observation it counts in
+    ctx: ContextId | None = None
+    reply: Reply | None = None  # a prefill's
+    send: Any = None  # a decode's stream
+    free_after: bool = False  # a generate()'s decode: its context goes when it ends
     top_logprobs: int | None = None  # a decode's ``logprobs``: alternatives per token (None: none asked)
+    scoring: _Scoring | None = None  # a scoring prompt's job
+    row: int = 0  # ... and its row there
 
 
-# ----- the engine ---------------------------------------------------------------
+class VLLMCore(LLMCore):
+    """vLLM's in-process ``LLMEngine``, built and stepped on the front's worker thread.
 
+    A context is its token list; every prefill, decode and scoring prompt is a vLLM request,
+    and ``step`` is one ``LLMEngine.step`` over all of them.
+    """
 
-class VLLMEngine:
-    kind = "llm"
-    reports_logprobs = True  # vLLM's own, mapped in _convert
+    load_on_worker = True  # vLLM's CPU worker pins the threads of the thread that builds it
 
-    def __init__(self, spec: EngineSpec, env: EngineEnv) -> None:
-        self.name = spec.name
+    def __init__(self, name: str, options: VLLMOptions, model_ref: str, env: EngineEnv) -> None:
+        super().__init__(name, options.max_model_len)
+        self.options = options
+        self._model_ref = model_ref
+        self._key = f"engines.{name}.model"
         self._env = env
-        self.options = VLLMOptions.parse(spec.name, dict(spec.options))
-        self._model_ref = spec.model or DEFAULT_MODEL
-        self._key = f"engines.{spec.name}.model"
-        resolve_model(self._model_ref, key=self._key)  # a missing model fails at startup, with the fix
-        self.max_context_tokens = self.options.max_model_len
-        self.vocab_size = 0
-        self.tokenizer: Any = None
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._portal: BlockingPortal | None = None
+        self.engine: Any = None
         self._ids = itertools.count()
         self._contexts: dict[ContextId, TokenIds] = {}
-        self._unfinished = 0  # requests vLLM holds, as of the worker's last look
-        self._cached_tokens = 0  # prompt tokens served from the prefix cache, all requests so far
-        # worker-owned
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, _Live] = {}  # request id -> what it serves
+        self._of_context: dict[ContextId, set[str]] = {}  # a context's requests, aborted when it stops
+        self._new_scoring: list[Logits] = []
+        self._scoring: list[_Scoring] = []
+        self.unfinished = 0  # requests vLLM holds, as of the worker's last look
+        self.cached_tokens = 0  # prompt tokens served from the prefix cache, all requests so far
 
-    # ----- lifetime ----------------------------------------------------------
+    # ----- loading -------------------------------------------------------------
 
-    async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
-        path = await anyio.to_thread.run_sync(self._model_dir)
-        from transformers import AutoTokenizer
+    def load(self) -> None:
+        try:
+            path = self._model_dir()
+            from transformers import AutoTokenizer
 
-        self.tokenizer = await anyio.to_thread.run_sync(AutoTokenizer.from_pretrained, str(path))
-        loaded = anyio.Event()
-        ended = anyio.Event()
-        load_error: list[BaseException] = []
-        async with BlockingPortal() as portal:
-            self._portal = portal
-            worker = threading.Thread(
-                target=self._worker_main, args=(portal, path, loaded, ended, load_error),
-                name=f"headrace-{self.name}", daemon=True,
-            )
-            worker.start()
-            try:
-                await loaded.wait()
-                if load_error:
-                    raise EngineError(f"engine {self.name!r}: vLLM failed to start: {load_error[0]}") from load_error[0]
-                task_status.started()
-                await ended.wait()
-                raise EngineError(f"engine {self.name!r}: its worker thread stopped")
-            finally:
-                self._commands.put(None)
-                with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(worker.join)
-                self._portal = None
-                self._fail_outstanding()
+            self.tokenizer = AutoTokenizer.from_pretrained(str(path))
+            self.engine = self._build(path)
+        except Exception as exc:
+            raise EngineError(f"engine {self.name!r}: vLLM failed to start: {exc}") from exc
+        config = self.engine.model_config
+        self.max_context_tokens = min(self.options.max_model_len, config.max_model_len)
+        self.vocab_size = config.get_vocab_size()
+        self.eos = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
 
     def _model_dir(self) -> Path:
         """vLLM loads safetensors: a GGUF is converted once into the cache, as the torch engine does."""
@@ -269,302 +243,154 @@ class VLLMEngine:
             args["block_size"] = opts.block_size
         return LLMEngine.from_engine_args(EngineArgs(**args))
 
-    # ----- the protocol --------------------------------------------------------
-
-    def encode(self, text: str) -> TokenIds:
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def chat_tokens(self, messages: ChatMessages, tools: ToolSpecs | None = None,
-                    add_generation_prompt: bool = True) -> TokenIds:
-        return apply_template(self.tokenizer, messages, tools, tokenize=True,
-                                   add_generation_prompt=add_generation_prompt)
-
-    def chat_prompt(self, messages: ChatMessages, tools: ToolSpecs | None = None) -> str:
-        return apply_template(self.tokenizer, messages, tools, tokenize=False)
-
-    def new_context_id(self) -> ContextId:
-        return f"{self.name}-ctx-{next(self._ids)}"
-
-    async def prefill(
-        self, ctx: ContextId, tokens: Sequence[int], parent: ContextId | None = None, *, priority: int = 0
-    ) -> None:
-        self._require_running()
-        if ctx in self._contexts:
-            raise EngineError(f"context {ctx!r} already exists")
-        if parent is not None and parent not in self._contexts:
-            raise EngineError(f"parent context {parent!r} does not exist")
-        if not tokens:
-            raise EngineError("prefill needs at least one token")
-        self._check_tokens(tokens)
-        full = (self._contexts[parent] if parent is not None else []) + list(tokens)
-        self._check_length(full)
-        self._contexts[ctx] = full
-        # One token, greedy: its only purpose is to leave the prompt's KV blocks in the prefix cache.
-        params = self._vllm_params(max_tokens=1, temperature=0.0, detokenize=False, output_kind="final")
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
         try:
-            async with aclosing(self._submit(full, params, priority, "prefill")) as outputs:
-                async for _ in outputs:
-                    pass
-        except BaseException:
-            self._contexts.pop(ctx, None)
-            raise
-
-    async def decode(self, ctx: ContextId, params: SamplingParams, *, priority: int = 0) -> AsyncIterator[TokenDelta]:
-        self._require_running()
-        tokens = self._contexts.get(ctx)
-        if tokens is None:
-            raise EngineError(f"context {ctx!r} does not exist")
-        async with aclosing(self._stream(tokens, params, priority)) as deltas:
-            async for delta in deltas:
-                yield delta
-
-    async def free(self, ctx: ContextId) -> None:
-        self._contexts.pop(ctx, None)
-
-    async def generate(self, tokens: Sequence[int], params: SamplingParams, *, priority: int = 0) -> AsyncIterator[TokenDelta]:
-        self._require_running()
-        if not tokens:
-            raise EngineError("generate needs at least one token")
-        self._check_tokens(tokens)
-        self._check_length(tokens)
-        async with aclosing(self._stream(list(tokens), params, priority)) as deltas:
-            async for delta in deltas:
-                yield delta
-
-    async def next_token_logits(self, prompts: Sequence[Sequence[int]], token_ids: Sequence[int], *,
-                                priority: int = 0) -> torch.Tensor:
-        self._require_running()
-        prompts = [list(p) for p in prompts]
-        token_ids = list(token_ids)
-        self._check_tokens(token_ids)
-        if len(set(token_ids)) > MAX_SCORED_TOKEN_IDS:
-            raise EngineError(f"engine {self.name!r} scores at most {MAX_SCORED_TOKEN_IDS} distinct token ids at once")
-        for i, prompt in enumerate(prompts):
-            if not prompt:
-                raise EngineError(f"prompt {i} to score is empty")
-            self._check_tokens(prompt)
-            self._check_length(prompt, what=f"prompt {i} to score")
-        out = torch.empty(len(prompts), len(token_ids), dtype=torch.float32)
-        if not prompts or not token_ids:
-            return out
-        wanted = sorted(set(token_ids))
-        params = self._vllm_params(
-            max_tokens=1, temperature=0.0, detokenize=False, output_kind="final", logprob_token_ids=wanted
-        )
-
-        async def score(row: int, prompt: TokenIds) -> None:
-            async with aclosing(self._submit(prompt, params, priority, "score")) as outputs:
-                async for item in outputs:
-                    if item.finish_reason is not None:
-                        missing = [t for t in token_ids if t not in item.scores]
-                        if missing:
-                            raise EngineError(f"vLLM returned no logit for token id(s) {missing}")
-                        out[row] = torch.tensor([item.scores[t] for t in token_ids])
-
-        # All prompts go in at once: vLLM batches them with whatever else is running.
-        try:
-            async with anyio.create_task_group() as tg:
-                for row, prompt in enumerate(prompts):
-                    tg.start_soon(score, row, prompt)
-        except BaseExceptionGroup as group:
-            # One prompt's failure cancels the others: the caller gets that error, as from every engine.
-            first = group.exceptions[0]
-            while isinstance(first, BaseExceptionGroup):
-                first = first.exceptions[0]
-            if isinstance(first, Exception):
-                raise (first if isinstance(first, EngineError) else EngineError(f"scoring failed: {first}")) from group
-            raise
-        return out
-
-    async def reset_prefix_cache(self) -> bool:
-        """Empty vLLM's prefix cache (False while running requests still hold blocks)."""
-        self._require_running()
-        send, receive = anyio.create_memory_object_stream(1)
-        self._commands.put(_ResetPrefixCache(send))
-        async with receive:
-            result = await receive.receive()
-        if isinstance(result, BaseException):
-            raise result
-        return bool(result)
-
-    def stats(self) -> dict[str, int]:
-        """Contexts held, requests in vLLM, and prompt tokens the prefix cache has served so far."""
-        return {"contexts": len(self._contexts), "requests": self._unfinished, "cached_tokens": self._cached_tokens}
-
-    # ----- event-loop helpers ------------------------------------------------------
-
-    def _require_running(self) -> None:
-        if self._portal is None:
-            raise EngineError(f"engine {self.name!r} is not running")
-
-    def _check_tokens(self, tokens: Sequence[int]) -> None:
-        check_token_ids(tokens, self.vocab_size, self.name)
-
-    def _check_length(self, tokens: Sequence[int], what: str = "the prompt") -> None:
-        # At least one token of room must be left to generate into.
-        if len(tokens) >= self.max_context_tokens:
-            raise EngineError(f"{what} is {len(tokens)} tokens; engine {self.name!r} holds at most "
-                              f"{self.max_context_tokens}")
-
-    @staticmethod
-    def _vllm_params(*, output_kind: str, **kwargs: Any) -> Any:
-        from vllm import SamplingParams as VLLMSamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        kind = RequestOutputKind.DELTA if output_kind == "delta" else RequestOutputKind.FINAL_ONLY
-        return VLLMSamplingParams(output_kind=kind, **kwargs)
-
-    async def _stream(self, tokens: TokenIds, params: SamplingParams, priority: int) -> AsyncIterator[TokenDelta]:
-        vparams = self._vllm_params(
-            output_kind="delta", max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-            seed=params.seed, stop=list(params.stop) or None, logprobs=params.logprobs,
-            structured_outputs=structured_outputs(params.constraint),
-        )
-        async with aclosing(self._submit(tokens, vparams, priority, "decode")) as outputs:
-            async for item in outputs:
-                yield TokenDelta(text=item.text, token_ids=item.token_ids, finish_reason=item.finish_reason,
-                                 logprobs=item.logprobs)
-
-    async def _submit(self, tokens: TokenIds, params: Any, priority: int, op: str) -> AsyncIterator[_Output]:
-        """One vLLM request: its outputs until it finishes; leaving early aborts it."""
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise EngineError(f"priority must be an integer, not {priority!r}")
-        self._require_running()
-        request_id = f"{self.name}-req-{next(self._ids)}"
-        # At most one output per engine step, and a step yields at least one token: bounded.
-        send, receive = anyio.create_memory_object_stream(params.max_tokens + 2)
-        self._commands.put(_Add(request_id, tokens, params, priority, send, op))
-        finished = False
-        try:
-            async with receive:
-                async for item in receive:
-                    if isinstance(item, BaseException):
-                        finished = True  # the worker has already dropped it
-                        raise item
-                    finished = item.finish_reason is not None
-                    if item.finish_reason not in (None, "stop", "length"):
-                        raise EngineError(f"engine {self.name!r}: the request ended with {item.finish_reason!r}")
-                    yield item
-                    if finished:
-                        break
-        finally:
-            if not finished:
-                self._commands.put(_Abort(request_id))
-
-    def _fail_outstanding(self) -> None:
-        """On the event loop, once the worker has stopped: answer every request it left behind."""
-        error = EngineError(f"engine {self.name!r} stopped")
-        out: list[tuple[Any, Any, bool]] = []
-        while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(cmd, (_Add, _ResetPrefixCache)):
-                out.append((cmd.send, error, True))
-        out.extend((live.send, error, True) for live in self._live.values())
-        self._live.clear()
-        self._contexts.clear()
-        _deliver_on_loop(out)
-
-    # ----- worker thread ---------------------------------------------------------
-
-    def _worker_main(self, portal: BlockingPortal, path: Path, loaded: anyio.Event, ended: anyio.Event,
-                     load_error: list[BaseException]) -> None:
-        engine = None
-        try:
-            try:
-                engine = self._build(path)
-                self.max_context_tokens = min(self.options.max_model_len, engine.model_config.max_model_len)
-                self.vocab_size = engine.model_config.get_vocab_size()
-            except BaseException as exc:
-                log.exception("engine %s: vLLM failed to start", self.name)
-                load_error.append(exc)
-                return
-            finally:
-                portal.call(loaded.set)
-            self._serve(engine, portal)
-        except BaseException:
-            log.exception("engine %s: worker thread crashed", self.name)
-        finally:
+            yield
+        finally:  # on the worker thread, as vLLM was built: its engine core goes with the worker
+            engine, self.engine = self.engine, None
             if engine is not None:
                 try:
                     engine.engine_core.shutdown()
                 except Exception:
                     log.exception("engine %s: vLLM shutdown failed", self.name)
-            try:
-                portal.call(ended.set)
-            except (RuntimeError, concurrent.futures.CancelledError):  # the event loop is shutting down
-                pass
 
-    def _serve(self, engine: Any, portal: BlockingPortal) -> None:
-        while True:
-            commands = self._take_commands(block=not engine.has_unfinished_requests())
-            if commands is None:
-                return
-            out: list[tuple[Any, Any, bool]] = []
-            for cmd in commands:
-                self._apply(engine, cmd, out)
-            if engine.has_unfinished_requests():
-                self._step(engine, out)
-            self._unfinished = engine.get_num_unfinished_requests()
-            if out and not self._deliver(portal, out):
-                return
+    # ----- commands ----------------------------------------------------------------
 
-    def _take_commands(self, block: bool) -> list | None:
-        """Everything queued now (waiting for one command first when idle); None means stop."""
-        commands = []
-        try:
-            commands.append(self._commands.get() if block else self._commands.get_nowait())
-            while True:
-                commands.append(self._commands.get_nowait())
-        except queue.Empty:
-            pass
-        return None if None in commands else commands
-
-    def _apply(self, engine: Any, cmd: _Add | _Abort | _ResetPrefixCache, out: list) -> None:
-        if isinstance(cmd, _ResetPrefixCache):
-            try:
-                out.append((cmd.send, bool(engine.reset_prefix_cache()), True))
-            except Exception as exc:
-                out.append((cmd.send, EngineError(f"engine {self.name!r}: resetting the prefix cache failed: {exc}"),
-                            True))
-            return
-        if isinstance(cmd, _Abort):
-            if self._live.pop(cmd.request_id, None) is not None:
+    def apply(self, commands: list[Command], out: Outbox) -> None:
+        run: list[Command] = []
+        for cmd in commands:  # in order: a reset sees the commands before it applied
+            if isinstance(cmd, _ResetPrefixCache):
+                super().apply(run, out)
+                run = []
                 try:
-                    engine.abort_request([cmd.request_id])
-                except Exception:
-                    log.exception("engine %s: aborting %s failed", self.name, cmd.request_id)
-            return
+                    out.reply(cmd.reply, bool(self.engine.reset_prefix_cache()))
+                except Exception as exc:
+                    out.reply(cmd.reply, error=EngineError(
+                        f"engine {self.name!r}: resetting the prefix cache failed: {exc}"))
+            else:
+                run.append(cmd)
+        super().apply(run, out)
+
+    def add_prefills(self, jobs: list[Prefill], out: Outbox) -> None:
+        for job in jobs:
+            try:
+                if job.parent is not None and job.parent not in self._contexts:
+                    raise EngineError(f"parent context {job.parent!r} does not exist")
+                full = (self._contexts[job.parent] if job.parent is not None else []) + list(job.tokens)
+                error = self.context_too_long(len(full))
+                if error is not None:
+                    raise error
+                self._contexts[job.ctx] = full
+                if isinstance(job, _Hold):
+                    out.reply(job.reply)
+                    continue
+                # One token, greedy: its only purpose is to leave the prompt's KV blocks in the prefix cache.
+                params = _vllm_params(max_tokens=1, temperature=0.0, detokenize=False, output_kind="final")
+                self._add(full, params, job.priority, _Live("prefill", ctx=job.ctx, reply=job.reply))
+            except Exception as exc:  # this prefill fails alone
+                self._contexts.pop(job.ctx, None)
+                out.reply(job.reply, error=self.error(exc))
+
+    def start_decode(self, cmd: Decode, out: Outbox) -> None:
+        tokens = self._contexts.get(cmd.ctx)
+        if tokens is None:
+            raise EngineError(f"context {cmd.ctx!r} does not exist")
+        p = cmd.params
+        params = _vllm_params(output_kind="delta", max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
+                              seed=p.seed, stop=list(p.stop) or None, logprobs=p.logprobs,
+                              structured_outputs=structured_outputs(p.constraint))
+        self._add(tokens, params, cmd.priority, _Live("decode", ctx=cmd.ctx, send=cmd.send,
+                                                      free_after=cmd.free_after, top_logprobs=p.logprobs))
+
+    def add_scoring(self, job: Logits) -> None:
+        if len(set(job.token_ids)) > MAX_SCORED_TOKEN_IDS:
+            raise EngineError(f"engine {self.name!r} scores at most {MAX_SCORED_TOKEN_IDS} distinct token ids at once")
+        self._new_scoring.append(job)  # submitted by step, which has the outbox
+
+    def stop(self, ctx: ContextId, free: bool) -> None:
+        self._abort(self._of_context.pop(ctx, set()))
+        if free:
+            self._contexts.pop(ctx, None)
+
+    def release(self, ctx: ContextId) -> None:
+        self._contexts.pop(ctx, None)
+
+    def _add(self, tokens: TokenIds, params: Any, priority: int, live: _Live) -> str:
         from vllm.inputs import tokens_input
 
+        request_id = f"{self.name}-req-{next(self._ids)}"
         try:
             # Already token ids: handed over as an engine input, no rendering or tokenizing.
-            engine.add_request(cmd.request_id, tokens_input(cmd.tokens), cmd.params, priority=cmd.priority)
+            self.engine.add_request(request_id, tokens_input(tokens), params, priority=priority)
         except Exception as exc:  # vLLM refused this request: it fails alone
             log.warning("engine %s: request refused: %s", self.name, exc)
-            out.append((cmd.send, EngineError(f"engine {self.name!r} refused the request: {exc}"), True))
-            return
-        scored = bool(getattr(cmd.params, "logprob_token_ids", None))
-        top = None if scored else getattr(cmd.params, "logprobs", None)
-        self._live[cmd.request_id] = _Live(cmd.send, cmd.op, scored, top)
+            raise EngineError(f"engine {self.name!r} refused the request: {exc}") from exc
+        self._live[request_id] = live
+        if live.ctx is not None:
+            self._of_context.setdefault(live.ctx, set()).add(request_id)
+        return request_id
 
-    def _step(self, engine: Any, out: list) -> None:
+    def _abort(self, request_ids: Iterable[str]) -> None:
+        ids = [r for r in request_ids if self._forget(r) is not None]
+        if ids and self.engine is not None:
+            try:
+                self.engine.abort_request(ids)
+            except Exception:
+                log.exception("engine %s: aborting %s failed", self.name, ids)
+
+    def _forget(self, request_id: str) -> _Live | None:
+        live = self._live.pop(request_id, None)
+        if live is not None and live.ctx is not None:
+            self._of_context.get(live.ctx, set()).discard(request_id)
+        return live
+
+    # ----- one iteration ---------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return bool(self._new_scoring) or self.engine.has_unfinished_requests()
+
+    def step(self, out: Outbox) -> None:
+        self._submit_scoring(out)
+        for scoring in [s for s in self._scoring if s.job.reply.abandoned]:  # the caller left
+            self._end_scoring(scoring)
+        if self.engine.has_unfinished_requests():
+            self._step(out)
+        self.unfinished = self.engine.get_num_unfinished_requests()
+
+    def _submit_scoring(self, out: Outbox) -> None:
+        jobs, self._new_scoring = self._new_scoring, []
+        for job in jobs:
+            scoring = _Scoring(job, torch.empty(len(job.prompts), len(job.token_ids), dtype=torch.float32))
+            if not job.token_ids:
+                out.reply(job.reply, scoring.scores)
+                continue
+            params = _vllm_params(max_tokens=1, temperature=0.0, detokenize=False, output_kind="final",
+                                  logprob_token_ids=sorted(set(job.token_ids)))
+            self._scoring.append(scoring)
+            try:
+                # All prompts go in at once: vLLM batches them with whatever else is running.
+                for row, prompt in enumerate(job.prompts):
+                    scoring.requests.add(self._add(prompt, params, job.priority,
+                                                   _Live("score", scoring=scoring, row=row)))
+            except Exception as exc:
+                self._end_scoring(scoring)
+                out.reply(job.reply, error=self.error(exc))
+
+    def _end_scoring(self, scoring: _Scoring) -> None:
+        self._abort(scoring.requests)
+        scoring.requests.clear()
+        if scoring in self._scoring:
+            self._scoring.remove(scoring)
+
+    def _step(self, out: Outbox) -> None:
         start = time.monotonic()
         try:
-            outputs = engine.step()
+            outputs = self.engine.step()
         except Exception as exc:
             # The requests in this step share its failure; the engine serves the next ones.
             log.exception("engine %s: engine step failed", self.name)
-            error = EngineError(f"engine {self.name}: {type(exc).__name__}: {exc}")
-            ids = list(self._live)
-            for request_id in ids:
-                out.append((self._live.pop(request_id).send, error, True))
-            try:
-                engine.abort_request(ids)
-            except Exception:
-                log.exception("engine %s: aborting after a failed step failed", self.name)
+            self._fail_all(self.error(exc), out)
             return
         end = time.monotonic()
         sizes: dict[str, int] = {}
@@ -572,50 +398,125 @@ class VLLMEngine:
             live = self._live.get(request_output.request_id)
             if live is None:
                 continue  # aborted meanwhile
+            sizes[live.op] = sizes.get(live.op, 0) + 1
             try:
-                item = self._convert(request_output, live)
+                self._take(request_output, live, out)
             except Exception as exc:  # this request only
                 log.exception("engine %s: reading an output failed", self.name)
-                item = EngineError(f"engine {self.name}: {type(exc).__name__}: {exc}")
-            last = isinstance(item, BaseException) or item.finish_reason is not None
-            if last:
-                del self._live[request_output.request_id]
-                self._cached_tokens += request_output.num_cached_tokens or 0
-                if isinstance(item, BaseException):
-                    engine.abort_request([request_output.request_id])
-            sizes[live.op] = sizes.get(live.op, 0) + 1
-            out.append((live.send, item, last))
+                self._fail(live, self.error(exc), out)
+                self._abort([request_output.request_id])
         for op, size in sizes.items():
             self._env.observe_batch(op, size, start, end)
 
-    @staticmethod
-    def _convert(request_output: Any, live: _Live) -> _Output:
+    def _take(self, request_output: Any, live: _Live, out: Outbox) -> None:
+        """One request's news from one step, as its reply, stream delta or scores."""
         completion = request_output.outputs[0]
-        scores: dict[int, float] = {}
-        if live.scored and completion.finish_reason is not None:
-            for token_id, logprob in completion.logprobs[0].items():
-                scores[int(token_id)] = float(logprob.logprob)
-        token_ids = list(completion.token_ids)
-        logprobs: tuple[TokenLogprob, ...] = ()
-        if live.top_logprobs is not None:
-            # A delta's logprobs: one {token id: Logprob(logprob, rank)} per new token, holding the top k and
-            # the sampled token whatever its rank.
-            logprobs = tuple(_token_logprob(token, step, live.top_logprobs)
-                             for token, step in zip(token_ids, completion.logprobs or (), strict=True))
-        return _Output(
-            text=completion.text or "",
-            token_ids=token_ids,
-            finish_reason=completion.finish_reason if request_output.finished else None,
-            scores=scores,
-            logprobs=logprobs,
-        )
+        finish = completion.finish_reason if request_output.finished else None
+        if finish not in (None, "stop", "length"):
+            raise EngineError(f"engine {self.name!r}: the request ended with {finish!r}")
+        if finish is not None:
+            self._forget(request_output.request_id)
+            self.cached_tokens += request_output.num_cached_tokens or 0
+        if live.op == "decode":
+            token_ids = list(completion.token_ids)
+            logprobs: tuple[TokenLogprob, ...] = ()
+            if live.top_logprobs is not None:
+                # A delta's logprobs: one {token id: Logprob(logprob, rank)} per new token, holding the top k
+                # and the sampled token whatever its rank.
+                logprobs = tuple(_token_logprob(token, step, live.top_logprobs)
+                                 for token, step in zip(token_ids, completion.logprobs or (), strict=True))
+            out.deltas.append((live.send, TokenDelta(text=completion.text or "", token_ids=token_ids,
+                                                     finish_reason=finish, logprobs=logprobs), finish is not None))
+            if finish is not None and live.free_after:
+                self.release(live.ctx)
+        elif finish is None:
+            return
+        elif live.op == "prefill":
+            out.reply(live.reply)
+        else:
+            scoring = live.scoring
+            got = {int(token_id): float(lp.logprob) for token_id, lp in completion.logprobs[0].items()}
+            missing = [t for t in scoring.job.token_ids if t not in got]
+            if missing:
+                raise EngineError(f"vLLM returned no logit for token id(s) {missing}")
+            scoring.scores[live.row] = torch.tensor([got[t] for t in scoring.job.token_ids])
+            scoring.requests.discard(request_output.request_id)
+            if not scoring.requests:
+                self._end_scoring(scoring)
+                out.reply(scoring.job.reply, scoring.scores)
 
-    def _deliver(self, portal: BlockingPortal, out: list) -> bool:
-        try:
-            portal.call(_deliver_on_loop, out)
-        except (RuntimeError, concurrent.futures.CancelledError):  # the event loop is shutting down
-            return False
-        return True
+    def _fail(self, live: _Live, error: BaseException, out: Outbox) -> None:
+        """Answer one request with ``error`` (a scoring prompt's failure is its whole job's)."""
+        if live.op == "decode":
+            out.fail_stream(live.send, error)
+            if live.free_after:
+                self.release(live.ctx)
+        elif live.op == "prefill":
+            self._contexts.pop(live.ctx, None)
+            out.reply(live.reply, error=error)
+        elif live.scoring in self._scoring:
+            self._end_scoring(live.scoring)
+            out.reply(live.scoring.job.reply, error=error)
+
+    def _fail_all(self, error: BaseException, out: Outbox) -> None:
+        ids = list(self._live)
+        for live in list(self._live.values()):
+            self._fail(live, error, out)
+        self._abort(ids)
+
+    def recover(self, exc: BaseException, out: Outbox) -> None:
+        self._fail_all(self.error(exc), out)
+
+    def abandon(self, error: BaseException, out: Outbox) -> None:
+        for scoring in self._scoring:
+            scoring.requests.clear()  # vLLM has gone with the worker: nothing to abort
+        for live in list(self._live.values()):
+            self._fail(live, error, out)
+        for job in self._new_scoring:
+            out.reply(job.reply, error=error)
+        self._live.clear()
+        self._of_context.clear()
+        self._contexts.clear()
+        self._new_scoring.clear()
+        self._scoring.clear()
+
+    def stats(self) -> dict[str, int]:
+        return {"contexts": len(self._contexts), "requests": self.unfinished, "cached_tokens": self.cached_tokens}
+
+
+def _vllm_params(*, output_kind: str, **kwargs: Any) -> Any:
+    from vllm import SamplingParams as VLLMSamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    kind = RequestOutputKind.DELTA if output_kind == "delta" else RequestOutputKind.FINAL_ONLY
+    return VLLMSamplingParams(output_kind=kind, **kwargs)
+
+
+# ----- the engine: the shared front ---------------------------------------------------
+
+
+class VLLMEngine(LLMFront):
+    """The ``vllm`` engine: headrace's LLM front over a :class:`VLLMCore`."""
+
+    generate_prefill = _Hold
+
+    def __init__(self, spec: EngineSpec, env: EngineEnv) -> None:
+        self.options = VLLMOptions.parse(spec.name, dict(spec.options))
+        model_ref = spec.model or DEFAULT_MODEL
+        resolve_model(model_ref, key=f"engines.{spec.name}.model")  # a missing model fails at startup, with the fix
+        super().__init__(spec.name, VLLMCore(spec.name, self.options, model_ref, env))
+
+    async def reset_prefix_cache(self) -> bool:
+        """Empty vLLM's prefix cache (False while running requests still hold blocks)."""
+        self._require_running()
+        reply = Reply()
+        self._commands.put(_ResetPrefixCache(reply))
+        return await self._wait(reply)
+
+    def stats(self) -> dict[str, int]:
+        """Contexts held, requests in vLLM, and prompt tokens the prefix cache has served so far."""
+        # Contexts as the event loop sees them: a free() counts at once, before the worker drops the tokens.
+        return {**self.core.stats(), "contexts": len(self._live)}
 
 
 def _token_logprob(token: int, step: dict[int, Any], k: int) -> TokenLogprob:
@@ -648,19 +549,6 @@ def _prepare_vllm_process() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _CastNoticeToDebug) for f in logger.filters):
             logger.addFilter(_CastNoticeToDebug())
-
-
-def _deliver_on_loop(out: list[tuple[Any, Any, bool]]) -> None:
-    for send, item, last in out:
-        try:
-            send.send_nowait(item)
-            if last:
-                send.close()
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            pass  # the reader went away; its abort is already queued
-        except anyio.WouldBlock:  # cannot happen with one output per step; never let it stop the worker
-            log.error("an output stream was full; the request is dropped")
-            send.close()
 
 
 def factory(spec: EngineSpec, env: EngineEnv) -> VLLMEngine:

@@ -70,6 +70,10 @@ class LLMCore(ABC):
     """One engine's worker-thread half: model, KV state, batching. See the module docstring."""
 
     reloadable = False  # True once ``unload`` drops the model and ``load`` may run again
+    # True: the front calls ``load`` on its worker thread, before serving (an engine whose state
+    # belongs to the thread that built it, as vLLM's CPU worker pins its threads); False: on a
+    # thread of its own, before the worker starts.
+    load_on_worker = False
 
     def __init__(self, name: str, max_context_tokens: int) -> None:
         self.name = name

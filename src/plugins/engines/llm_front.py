@@ -61,11 +61,20 @@ def check_token_ids(tokens: Sequence[int], vocab_size: int, engine: str) -> None
                               f"(0 to {vocab_size - 1})")
 
 
+def check_priority(priority: Any) -> None:
+    """Refuse a priority that is not an integer before it can fail a core's ordering of its queue."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise EngineError(f"priority must be an integer, not {priority!r}")
+
+
 class LLMFront:
     """The ``LLMEngine`` protocol over one core and its worker thread."""
 
     kind = "llm"
     reports_logprobs = True  # every core samples through emit(), which computes them
+    # The command that opens a generate()'s context. A core whose decode computes its prompt itself
+    # (vLLM: one request for both) takes a subclass that only records the tokens.
+    generate_prefill: type[Prefill] = Prefill
 
     def __init__(self, name: str, core: LLMCore) -> None:
         self.name = name
@@ -95,15 +104,23 @@ class LLMFront:
     # ----- lifetime ------------------------------------------------------------------------
 
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
-        await anyio.to_thread.run_sync(self.core.load)
+        loaded = anyio.Event()
+        if not self.core.load_on_worker:
+            await anyio.to_thread.run_sync(self.core.load)
+            loaded.set()
         worker_ended = anyio.Event()
+        load_error: list[BaseException] = []
         async with BlockingPortal() as portal:
             self._portal = portal
             worker = threading.Thread(
-                target=self._worker_main, args=(portal, worker_ended), name=f"headrace-{self.name}", daemon=True
+                target=self._worker_main, args=(portal, loaded, worker_ended, load_error), name=f"headrace-{self.name}",
+                daemon=True,
             )
             worker.start()
             try:
+                await loaded.wait()
+                if load_error:
+                    raise load_error[0]
                 task_status.started()
                 await worker_ended.wait()
             finally:
@@ -141,7 +158,12 @@ class LLMFront:
 
     async def prefill(self, ctx: ContextId, tokens: Sequence[int], parent: ContextId | None = None, *,
                       priority: int = 0) -> None:
+        await self._open(Prefill, ctx, tokens, parent, priority)
+
+    async def _open(self, command: type[Prefill], ctx: ContextId, tokens: Sequence[int], parent: ContextId | None,
+                    priority: int) -> None:
         self._require_running()
+        check_priority(priority)
         if ctx in self._live:
             raise EngineError(f"context {ctx!r} already exists")
         if parent is not None and parent not in self._live:
@@ -151,7 +173,7 @@ class LLMFront:
         self._check_tokens(tokens)
         reply = Reply()
         self._live.add(ctx)
-        self._commands.put(Prefill(ctx, list(tokens), parent, reply, priority))
+        self._commands.put(command(ctx, list(tokens), parent, reply, priority))
         try:
             await self._wait(reply)
         except BaseException:
@@ -172,7 +194,7 @@ class LLMFront:
     async def generate(self, tokens: Sequence[int], params: SamplingParams, *,
                        priority: int = 0) -> AsyncIterator[TokenDelta]:
         ctx = self.new_context_id()
-        await self.prefill(ctx, tokens, priority=priority)
+        await self._open(self.generate_prefill, ctx, tokens, None, priority)
         try:
             async for delta in self._decode(ctx, params, free_after=True, priority=priority):
                 yield delta
@@ -182,6 +204,7 @@ class LLMFront:
     async def next_token_logits(self, prompts: Sequence[Sequence[int]], token_ids: Sequence[int], *,
                                 priority: int = 0) -> torch.Tensor:
         self._require_running()
+        check_priority(priority)
         prompts = [list(p) for p in prompts]
         self._check_tokens(token_ids)
         for i, prompt in enumerate(prompts):
@@ -262,6 +285,7 @@ class LLMFront:
     async def _decode(self, ctx: ContextId, params: SamplingParams, free_after: bool,
                       priority: int) -> AsyncIterator[TokenDelta]:
         self._require_running()
+        check_priority(priority)
         if ctx not in self._live:
             raise EngineError(f"context {ctx!r} does not exist")
         # One item per token at most, so the buffer bounds memory and the worker never blocks.
@@ -289,8 +313,18 @@ class LLMFront:
 
     # ----- the worker thread ---------------------------------------------------------------
 
-    def _worker_main(self, portal: BlockingPortal, ended: anyio.Event) -> None:
+    def _worker_main(self, portal: BlockingPortal, loaded: anyio.Event, ended: anyio.Event,
+                     load_error: list[BaseException]) -> None:
         try:
+            if self.core.load_on_worker:
+                try:
+                    self.core.load()
+                except BaseException as exc:
+                    log.exception("engine %s: loading failed", self.name)
+                    load_error.append(exc)
+                    return
+                finally:
+                    portal.call(loaded.set)
             with self.core.serving():
                 while True:
                     commands = self._take_commands(block=not self.core.has_work(), timeout=self.core.wake_after())
