@@ -171,18 +171,26 @@ async def probe_capacity(client: AgentClient, probe: list[Program], agents: int,
     def turn() -> None:
         done["turns"] += 1
 
+    errors: list[str] = []
+
     async def agent() -> None:
         for program in queue:
-            await client.run(program, f"{key}-{program.index}", AgentRecord(program.index, program.turns),
-                             tools_wait=False, on_turn=turn)
+            try:
+                await client.run(program, f"{key}-{program.index}", AgentRecord(program.index, program.turns),
+                                 tools_wait=False, on_turn=turn)
+            except Exception as exc:  # counted; a probe that answers nothing stops the benchmark below
+                errors.append(f"{type(exc).__name__}: {exc}"[:300])
         if not window:  # the first agent out of work ends the window in which all were busy
             window.update(seconds=time.perf_counter() - t0, turns=done["turns"])
 
     async with anyio.create_task_group() as tg:
         for _ in range(min(agents, len(probe))):
             tg.start_soon(agent)
+    if not done["turns"]:
+        raise BenchError(f"the capacity probe's agents got no answer: {errors[:1]}")
     turns_per_s = window["turns"] / window["seconds"] if window["turns"] else done["turns"] / (time.perf_counter() - t0)
-    return {"agents": min(agents, len(probe)), "programs": len(probe), "window_s": window["seconds"],
+    return {"agents": min(agents, len(probe)), "programs": len(probe), "failed": len(errors),
+            "errors": errors[:3], "window_s": window["seconds"],
             "window_turns": window["turns"], "turns_per_s": turns_per_s,
             "programs_per_s": turns_per_s / turns_per_agent, "elapsed_s": time.perf_counter() - t0}
 
@@ -279,6 +287,8 @@ def agents_table(agents: dict[str, Any]) -> list[str]:
         lines.append(f"capacity {cap['programs_per_s']:.4f} agents/s: {cap['turns_per_s']:.3f} turns/s with "
                      f"{cap['agents']} closed-loop agents busy (tools instant), over {shape['mean_turns']:.2f} turns "
                      "per agent")
+        if cap.get("failed"):
+            lines.append(f"  {cap['failed']} probe agents failed: {cap['errors'][0]}")
     lines.append(f"{'load':>5} {'mode':<16} {'rate/s':>7} {'arrived':>7} {'done':>4} {'job mean':>8} {'job p95':>8} "
                  f"{'TTFT mean':>9} {'TTFT p95':>8} {'turn p95':>8} {'hit rate':>8} {'prefill/job':>11} "
                  f"{'oldest turn':>11}")
@@ -294,5 +304,5 @@ def agents_table(agents: dict[str, Any]) -> list[str]:
             lines.append(f"      {mode} vs {BASE_MODE}: job mean {_f(v['job_mean'])}x, p95 {_f(v['job_p95'])}x, "
                          f"TTFT {_f(v['ttft_mean'])}x, tokens prefilled {_f(v['prefilled_per_job'])}x fewer")
     lines.append("seconds; job: first request to last answer, tools included; TTFT from the daemon's histogram "
-                 "(p95 within its buckets); oldest turn: the longest one turn waited")
+                 "(p95 within its buckets, capped at the turns' p95); oldest turn: the longest one turn waited")
     return lines

@@ -40,7 +40,8 @@ def test_metric_deltas_and_the_histogram_quantile():
     def text(hits: float, buckets: dict[str, float], total: float) -> str:
         lines = [f'headrace_prefix_cache_hits_total{{model="m"}} {hits}',
                  f'headrace_prefix_cache_hits_total{{model="other"}} {hits * 9}']
-        lines += [f'headrace_time_to_first_token_seconds_bucket{{le="{le}",model="m"}} {n}' for le, n in buckets.items()]
+        lines += [f'headrace_time_to_first_token_seconds_bucket{{le="{le}",model="m"}} {n}'
+                  for le, n in buckets.items()]
         lines += [f'headrace_time_to_first_token_seconds_sum{{model="m"}} {total}', "# HELP x y"]
         return "\n".join(lines)
 
@@ -79,7 +80,7 @@ def test_smoke_every_agent_completes_and_the_counts_agree(server, tmp_path):
     assert code == 0
     agents = json.loads((out / "results.json").read_text())["agents"]
     capacity = agents["capacity"]
-    assert capacity["programs_per_s"] > 0 and capacity["window_turns"] > 0
+    assert capacity["programs_per_s"] > 0 and capacity["window_turns"] > 0 and capacity["failed"] == 0
     (point,) = agents["points"]
     assert point["fraction"] == 2 and point["rate"] == pytest.approx(2 * capacity["programs_per_s"], rel=1e-3)
     assert list(point["modes"]) == MODES
