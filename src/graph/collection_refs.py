@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from headrace.graph.workflow import WorkflowInputError
+from headrace.graph.workflow_errors import WorkflowInputError
 
 # Letters, digits, '_' and '-', starting with a letter or digit: no path tricks, and a
 # valid LanceDB table name once prefixed.

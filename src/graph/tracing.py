@@ -42,7 +42,6 @@ from headrace.graph.passes import PassEnv
 from headrace.graph.prompts import PLACEHOLDER, PromptTemplate
 from headrace.graph.store import Failed, Store
 from headrace.graph.tools import TOOLS
-from headrace.graph.workflow import TraceBody
 from headrace.plugins.protocols import JsonSchemaConstraint, SamplingParams
 
 PENDING_SETS = 64  # node sets sent to the run not yet started (it starts each at once)
@@ -51,6 +50,8 @@ SPLITS = ("lines", "json")
 
 # (p-graph, env, enabled passes or None for all) -> the e-graph; the service runs it off the event loop
 Optimize = Callable[[Graph, PassEnv, Iterable[str] | None], Awaitable[Optimized]]
+# A traced workflow's body (``Workflow.trace``): issues engine calls on the trace, returns its outputs.
+TraceBody = Callable[["Trace"], Awaitable[Any]]
 
 
 class StepLimitExceeded(RuntimeError):

@@ -14,18 +14,18 @@ naming the field. Objects are closed: ``schema()`` says so with
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from headrace.graph.graph import Graph
+# Raised here and imported from here too (as they always were); defined in a leaf (see there).
+from headrace.graph.workflow_errors import UnknownWorkflow, WorkflowInputError  # noqa: F401
 from headrace.text import is_unicode
 
 if TYPE_CHECKING:
-    from headrace.graph.tracing import Trace
+    from headrace.graph.tracing import TraceBody
 
 # (inputs, config, engines by kind) -> p-graph
 Builder = Callable[[dict[str, Any], dict[str, Any], Mapping[str, str]], Graph]
-# A traced workflow's body: issues engine calls on the trace, returns its outputs (see tracing.py).
-TraceBody = Callable[["Trace"], Awaitable[Any]]
 
 # Engine calls one traced run may issue ([workflows] max_traced_steps): a loop that never ends
 # fails its run instead of holding the engines.
@@ -53,12 +53,6 @@ COMMON_CONFIG: dict[str, Any] = {
                 "description": "run one engine at a time, so each primitive's time is its compute alone "
                                "(profiling: the critical-path bound)"},
 }
-
-
-class WorkflowInputError(ValueError):
-    def __init__(self, field_: str, problem: str) -> None:
-        super().__init__(f"{field_}: {problem}")
-        self.field = field_
 
 
 @dataclass
@@ -162,8 +156,3 @@ def _check(value: Any, schema: Mapping[str, Any], where: str) -> Any:
     if kind == "object" and "properties" in schema:
         value = _object(value, schema["properties"], tuple(schema.get("required", ())), where)
     return value
-
-
-class UnknownWorkflow(KeyError):
-    def __str__(self) -> str:
-        return f"no workflow named {self.args[0]!r}"
