@@ -11,8 +11,8 @@ steps it, one ``LLMEngine.step`` an iteration.
 The headrace protocol on a stock vLLM (no fork of it):
 
 - a KV context is its token list (the parent's tokens plus its own). ``prefill`` runs a
-  one-token request on it (``generate`` does not: its decode is the one request), which leaves its KV blocks in vLLM's automatic prefix cache
-  (Ayo's prefill/decode split); ``decode`` runs the real request on the full token list,
+  one-token request on it, which leaves its KV blocks in vLLM's automatic prefix cache
+  (Ayo's prefill/decode split; ``generate`` skips it: its decode is its one request); ``decode`` runs the real request on the full token list,
   a prefix-cache hit, and streams deltas; ``free`` forgets the token list (its blocks
   stay cached until vLLM evicts them);
 - leaving a stream early, or cancelling, aborts the vLLM request;
