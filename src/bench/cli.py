@@ -178,19 +178,24 @@ def machine() -> str:
 
 
 def llm_tokenizer(config_path: Path) -> Callable[[str], list]:
-    """The config's first torch LLM's tokenizer: the baselines count prompt tokens with the daemon's own."""
-    from transformers import AutoTokenizer
-
+    """The config's first built-in LLM's tokenizer (torch or llama-cpp: both read the model's own from its GGUF),
+    so the corpus's token sizes and the baselines' prompt-token counts are the daemon's tokens whatever engine
+    serves it. With neither, words (a rough count, said so)."""
     from headrace.daemon.config import load_config
+    from headrace.plugins.engines.llama_cpp import DEFAULT_MODEL
+    from headrace.plugins.engines.llama_cpp_files import load_tokenizer
     from headrace.plugins.engines.model_paths import resolve_model
-    from headrace.plugins.engines.torch_loading import convert_gguf
 
     config = load_config(config_path)
-    llm = next((e for e in config.engines if e.plugin == "torch"), None)
+    llm = next((e for e in config.engines if e.plugin in ("torch", "llama-cpp")), None)
     if llm is None:
+        print(f"headrace bench: {config_path} serves no torch or llama-cpp LLM; document sizes are counted in words",
+              file=sys.stderr)
         return lambda text: text.split()
-    path = resolve_model(llm.model)
+    path = resolve_model(llm.model or DEFAULT_MODEL)
     if path.suffix == ".gguf":
-        path = convert_gguf(path, config.data.cache_path())
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+        tokenizer = load_tokenizer(path, config.data.cache_path())
+    else:
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
     return lambda text: tokenizer.encode(text, add_special_tokens=False)
