@@ -1,4 +1,4 @@
-"""Read request bodies safely and validate them with the models of ``schemas``.
+"""Read request bodies safely and validate them with the models of ``openai_schemas`` and ``headrace_schemas``.
 
 Every field a route does not support is refused by name with a 400, never
 silently ignored; every client mistake is a 4xx with OpenAI's error envelope.
@@ -15,7 +15,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from headrace.daemon.errors import APIError, bad_request
-from headrace.daemon.schemas import NEUTRAL, ChatCompletionRequest, CompletionRequest, Sampling
+from headrace.daemon.openai_schemas import NEUTRAL, ChatCompletionRequest, CompletionRequest, Sampling
 from headrace.plugins.protocols import OutputConstraint, SamplingParams
 from headrace.text import is_unicode
 

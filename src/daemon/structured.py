@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from headrace.daemon.errors import bad_request
-from headrace.daemon.schemas import (ChatCompletionRequest, CompletionRequest, JsonObjectFormat, JsonSchemaFormat,
-                                     TokenizeChatRequest)
+from headrace.daemon.openai_schemas import (ChatCompletionRequest, CompletionRequest, JsonObjectFormat,
+                                            JsonSchemaFormat, TokenizeChatRequest)
 from headrace.plugins.engines import constraints
 from headrace.plugins.engines.chat import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from headrace.plugins.protocols import JsonSchemaConstraint, LarkConstraint, OutputConstraint

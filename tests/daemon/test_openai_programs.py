@@ -17,7 +17,7 @@ from headrace.daemon.app import create_app
 from headrace.daemon.config import load_config
 from headrace.daemon.errors import APIError
 from headrace.daemon.routes.openai_api import _program, _served
-from headrace.daemon.schemas import ChatCompletionRequest, CompletionRequest
+from headrace.daemon.openai_schemas import ChatCompletionRequest, CompletionRequest
 from headrace.graph.collector import ChoiceDelta
 from headrace.graph.ops import OpContext
 from headrace.plugins.protocols import TokenDelta

@@ -8,7 +8,7 @@ import httpx
 import pytest
 from starlette.routing import Route
 
-from headrace.daemon import schemas
+from headrace.daemon import openai_schemas as schemas
 from headrace.daemon.app import create_app
 from headrace.daemon.config import Config
 from headrace.daemon.openapi import REF

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from headrace.daemon import schemas, structured
+from headrace.daemon import openai_schemas as schemas, structured
 from headrace.daemon.errors import APIError
 from headrace.daemon.bodies import parse_json, validate
 from headrace.plugins.engines.chat import format_tool_call

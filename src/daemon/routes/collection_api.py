@@ -25,7 +25,7 @@ from headrace.batching.requests import EmbedRequest, VectorDrop, VectorIngest
 from headrace.daemon import bodies as rq
 from headrace.daemon.collection_registry import Collection, CollectionRegistry, chunk_ids
 from headrace.daemon.errors import APIError, bad_request
-from headrace.daemon.schemas import AddDocumentsRequest, CreateCollectionRequest
+from headrace.daemon.headrace_schemas import AddDocumentsRequest, CreateCollectionRequest
 from headrace.daemon.services import services
 from headrace.daemon.slots import EngineSlot
 from headrace.graph.ops import chunk_text

@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 from headrace.batching.llm import LLMScheduler
 from headrace.daemon import bodies as rq
 from headrace.daemon.errors import APIError, bad_request
-from headrace.daemon.schemas import EngineSettingsRequest
+from headrace.daemon.headrace_schemas import EngineSettingsRequest
 from headrace.daemon.services import services
 from headrace.plugins.engines.llm_front import EngineError
 from headrace.plugins.protocols import PrefixCaching

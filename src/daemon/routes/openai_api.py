@@ -18,7 +18,7 @@ from headrace.daemon import bodies as rq
 from headrace.daemon import structured
 from headrace.daemon.errors import APIError, bad_request, internal
 from headrace.daemon.logprobs import CompletionLogprobs, TokenStrings, chat_content
-from headrace.daemon.schemas import COMPLETIONS_MAX_TOKENS, MAX_CHOICES, ChatCompletionRequest, CompletionRequest
+from headrace.daemon.openai_schemas import COMPLETIONS_MAX_TOKENS, MAX_CHOICES, ChatCompletionRequest, CompletionRequest
 from headrace.daemon.services import owner, services
 from headrace.graph.collector import ChoiceDelta
 from headrace.plugins.protocols import DEFAULT_MAX_TOKENS, ReportsLogprobs, SamplingParams, TokenDelta, TokenLogprob

@@ -14,7 +14,7 @@ from headrace.batching import requests as engine_requests
 from headrace.daemon import bodies as rq
 from headrace.daemon.errors import bad_request
 from headrace.daemon.routes.openai_api import engine_for
-from headrace.daemon.schemas import EmbeddingRequest, RerankRequest
+from headrace.daemon.openai_schemas import EmbeddingRequest, RerankRequest
 from headrace.daemon.services import services
 from headrace.plugins.protocols import TokenInput
 

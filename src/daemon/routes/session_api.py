@@ -14,8 +14,8 @@ from starlette.responses import JSONResponse, Response
 
 from headrace.daemon import bodies as rq
 from headrace.daemon.errors import APIError
-from headrace.daemon.schemas import (CreateSessionRequest, CreateVariableRequest, OutputSampling,
-                                     SemanticCallRequest, SetVariableRequest, VariableQuery)
+from headrace.daemon.headrace_schemas import (CreateSessionRequest, CreateVariableRequest, OutputSampling,
+                                              SemanticCallRequest, SetVariableRequest, VariableQuery)
 from headrace.daemon.services import owner, services
 from headrace.graph.sessions import Call, Session, SessionClosed, SessionError
 from headrace.plugins.protocols import SamplingParams

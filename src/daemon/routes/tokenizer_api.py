@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 from headrace.daemon import bodies as rq
 from headrace.daemon import structured
 from headrace.daemon.routes.openai_api import check_vocab, engine_for
-from headrace.daemon.schemas import DetokenizeRequest, TokenizeChatRequest, TokenizeRequest
+from headrace.daemon.openai_schemas import DetokenizeRequest, TokenizeChatRequest, TokenizeRequest
 from headrace.daemon.services import services
 
 

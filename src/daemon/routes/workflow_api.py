@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from headrace.daemon import bodies as rq
 from headrace.daemon.errors import APIError, bad_request
-from headrace.daemon.schemas import RunEventsQuery, RunListQuery, RunRequest
+from headrace.daemon.headrace_schemas import RunEventsQuery, RunListQuery, RunRequest
 from headrace.daemon.services import owner, services
 from headrace.graph.collection_refs import UnknownCollection
 from headrace.graph.events import EventReader, RunEvent
