@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from headrace.bench import cli as bench_cli
+from headrace.bench import subcommand as bench_cli
 from headrace.daemon import commands as daemon_cli
 
 

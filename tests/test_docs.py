@@ -86,7 +86,7 @@ def test_the_api_reference_names_every_route():
 
 
 def _parsers() -> dict[str, argparse.ArgumentParser]:
-    from headrace.bench import cli as bench_cli
+    from headrace.bench import subcommand as bench_cli
     from headrace.daemon import commands as daemon_cli
 
     parser, sub = daemon_cli.build_parser()

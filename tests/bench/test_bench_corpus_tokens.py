@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from headrace.bench.cli import llm_tokenizer
+from headrace.bench.subcommand import llm_tokenizer
 from headrace.bench.corpus import build_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
