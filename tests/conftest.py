@@ -24,6 +24,20 @@ API_KEY = "test-key"
 OTHER_API_KEY = "other-test-key"  # the session server accepts both: runs of one are hidden from the other
 
 
+def in_process(main, *args: str) -> subprocess.CompletedProcess:
+    """A command's ``main(argv)`` run in this process, its exit status and output as ``subprocess.run`` gives them."""
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse's --version, --help and usage errors
+            code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+    return subprocess.CompletedProcess(["headrace", *args], code, out.getvalue(), err.getvalue())
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -69,16 +83,57 @@ class Server:
             self.proc.kill()
 
 
+class InProcessServer:
+    """The default config's daemon served by uvicorn in this process, on a portal's event loop.
+
+    The HTTP tests (``server``) and the in-process graph tests (``live``) share its one engine set,
+    loaded once a session. ``headrace serve`` in its own process is still started by the drain,
+    systemd and plugin tests (``Server``).
+    """
+
+    def __init__(self, app, portal, port: int, api_key: str) -> None:
+        self.app, self.portal, self.port, self.api_key = app, portal, port, api_key
+        self.base_url = f"http://127.0.0.1:{port}"
+
+    def metrics(self) -> str:
+        return httpx.get(f"{self.base_url}/metrics").text
+
+
 @pytest.fixture(scope="session")
-def server(tmp_path_factory):
-    """The default config's engines behind a real server, with an API key."""
-    tmp = tmp_path_factory.mktemp("server")
-    srv = Server(ROOT / "configs" / "default.toml", tmp, api_key=API_KEY,
-                 env={"HEADRACE_SERVER_API_KEYS": OTHER_API_KEY})
-    try:
-        yield srv.wait_ready()
-    finally:
-        srv.stop()
+def shared_daemon(tmp_path_factory):
+    import uvicorn
+    from anyio.from_thread import start_blocking_portal
+
+    from headrace.daemon.app import create_app
+    from headrace.daemon.config import load_config
+
+    data = tmp_path_factory.mktemp("daemon")
+    config = load_config(ROOT / "configs" / "default.toml", env={"HEADRACE_SERVER_API_KEYS": OTHER_API_KEY},
+                         overrides={"data.dir": str(data), "server.api_key": API_KEY})
+    app, port = create_app(config), free_port()
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                       timeout_keep_alive=config.server.keep_alive_seconds))
+    with start_blocking_portal() as portal:
+        serving = portal.start_task_soon(uv.serve)
+        srv = InProcessServer(app, portal, port, API_KEY)
+        try:
+            deadline = time.monotonic() + 600
+            while not (uv.started and httpx.get(f"{srv.base_url}/ready", timeout=5).status_code == 200):
+                if serving.done():
+                    serving.result()  # raises what stopped it
+                    raise RuntimeError("the in-process daemon stopped before it was ready")
+                assert time.monotonic() < deadline, "the in-process daemon was not ready after 600 s"
+                time.sleep(0.2)
+            yield srv
+        finally:
+            uv.should_exit = True
+            serving.result(timeout=120)
+
+
+@pytest.fixture(scope="session")
+def server(shared_daemon):
+    """The default config's engines behind a real HTTP listener, with two API keys."""
+    return shared_daemon
 
 
 def metric_value(text: str, name: str, **labels: str) -> float:
@@ -131,17 +186,11 @@ def registry():
 
 
 @pytest.fixture(scope="session")
-def live(tmp_path_factory):
-    """(portal, service, pool): the default config's engines behind a workflow service, loaded once."""
-    from anyio.from_thread import start_blocking_portal
-
-    from headrace.daemon.config import load_config
-    from headrace.daemon.local import engines
-
-    data = tmp_path_factory.mktemp("workflows")
-    cfg = load_config(ROOT / "configs" / "default.toml", env={}, overrides={"data.dir": str(data)})
-    with start_blocking_portal() as portal, portal.wrap_async_context_manager(engines(cfg)) as (pool, svc):
-        yield portal, svc, pool
+def live(shared_daemon):
+    """(portal, service, pool): the default config's engines behind a workflow service, loaded once
+    (the engines the ``server`` tests reach over HTTP)."""
+    app = shared_daemon.app
+    return shared_daemon.portal, app.state.workflows, app.state.pool
 
 
 def idle(stats: dict) -> bool:

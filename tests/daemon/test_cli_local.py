@@ -9,13 +9,24 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, in_process
 
 
 def cli(*args: str, timeout: float = 300, cwd=ROOT) -> subprocess.CompletedProcess:
+    """The ``headrace`` command in its own process (the runs that load engines; one smoke test of the entry point)."""
     env = {k: v for k, v in os.environ.items() if k != "HEADRACE_CONFIG"}
     return subprocess.run([sys.executable, "-m", "headrace.cli", *args], capture_output=True, text=True,
                           cwd=cwd, timeout=timeout, env={**env, "HF_HUB_OFFLINE": "1"})
+
+
+@pytest.fixture
+def headrace(monkeypatch):
+    """The ``headrace`` command in this process (what fails before any engine loads): no interpreter to start."""
+    from headrace.cli import main
+
+    monkeypatch.delenv("HEADRACE_CONFIG", raising=False)
+    monkeypatch.chdir(ROOT)
+    return lambda *args: in_process(main, *args)
 
 
 @pytest.mark.slow
@@ -40,21 +51,21 @@ def test_run_prints_result_and_node_timings_from_any_directory(tmp_path):
     assert "%|" not in out.stderr and "Warning" not in out.stderr, out.stderr  # no library bars or warnings
 
 
-def test_version():
+def test_version(headrace):
     from headrace import __version__
 
     for args in (["--version"], ["version"]):
-        out = cli(*args)
+        out = headrace(*args)
         assert out.returncode == 0 and out.stdout.strip() == f"headrace {__version__}", out
 
 
-def test_a_missing_input_file_is_one_line():
-    out = cli("run", "naive_rag", "--input", "question=q", "--input", "documents=@no/such/notes.txt")
+def test_a_missing_input_file_is_one_line(headrace):
+    out = headrace("run", "naive_rag", "--input", "question=q", "--input", "documents=@no/such/notes.txt")
     assert out.returncode == 2, out
     assert out.stderr == "headrace: --input documents: cannot read no/such/notes.txt: No such file or directory\n"
 
 
-def test_run_flags_say_what_they_set(tmp_path):
+def test_run_flags_say_what_they_set(tmp_path, headrace):
     from headrace.daemon.commands import _run_config, build_parser
 
     run_config = tmp_path / "run.json"
@@ -65,16 +76,16 @@ def test_run_flags_say_what_they_set(tmp_path):
     assert str(args.config) == "my.toml"  # --config is the daemon's TOML here as in serve
     assert _run_config(args) == {"top_k": 4, "optimize": {"passes": []}, "synthesis": "refine"}
     for bad, message in (("top_k", "expected key=value"), ("top_k.x=1", "not an object")):
-        out = cli("run", "naive_rag", "--input", "question=q", "--run-config", str(run_config), "--set", bad)
+        out = headrace("run", "naive_rag", "--input", "question=q", "--run-config", str(run_config), "--set", bad)
         assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out
-    out = cli("run", "naive_rag", "--config", str(tmp_path / "missing.toml"))
+    out = headrace("run", "naive_rag", "--config", str(tmp_path / "missing.toml"))
     assert out.returncode == 2 and "missing.toml" in out.stderr and "Traceback" not in out.stderr, out
 
 
-def test_run_names_a_bad_input():
-    out = cli("run", "naive_rag", "--input", "question=q")
+def test_run_names_a_bad_input(headrace):
+    out = headrace("run", "naive_rag", "--input", "question=q")
     assert out.returncode == 2 and "inputs.documents: required" in out.stderr
-    out = cli("run", "nope")
+    out = headrace("run", "nope")
     assert out.returncode == 2 and "no workflow named 'nope'" in out.stderr
 
 

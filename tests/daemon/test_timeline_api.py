@@ -28,8 +28,14 @@ def get(server, path):
     return httpx.get(f"{server.base_url}{path}", headers=HEADERS, timeout=60)
 
 
-def test_timeline_has_nodes_engine_batches_and_pieces(server):
-    body = run(server, {})
+@pytest.fixture(scope="module")
+def plain_run(server) -> dict:
+    """One advanced_rag run, read by the JSON and the PNG timeline tests."""
+    return run(server, {})
+
+
+def test_timeline_has_nodes_engine_batches_and_pieces(server, plain_run):
+    body = plain_run
     tl = get(server, f"/v1/runs/{body['id']}/timeline").json()
     assert tl["run"] == body["id"] and tl["status"] == "succeeded" and tl["seconds"] > 0
     # The expansion's decode, the search and the rerank (split into stages of the reranker's efficient batch).
@@ -46,8 +52,8 @@ def test_timeline_has_nodes_engine_batches_and_pieces(server):
     assert all(streamed[0]["start"] <= t <= streamed[0]["op_end"] <= streamed[0]["end"] for t in streamed[0]["pieces"])
 
 
-def test_timeline_png_is_a_gantt_image(server):
-    body = run(server, {})
+def test_timeline_png_is_a_gantt_image(server, plain_run):
+    body = plain_run
     r = get(server, f"/v1/runs/{body['id']}/timeline.png")
     assert r.status_code == 200 and r.headers["content-type"] == "image/png"
     assert r.content[:8] == b"\x89PNG\r\n\x1a\n" and len(r.content) > 5000
