@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import anyio
 import pytest
 import torch
-from anyio.from_thread import start_blocking_portal
 
 from conftest import check_logprobs_are_log_softmax, idle, prompts_on_a_shared_prefix
-from headrace.plugins.engines.llama_cpp import MIN_SHARED_SCORING_PREFIX, LlamaCppLLM, shared_prefix_groups
+from llm_engines import Batches, chat, outcome, outcomes, running, text_of, wait_for_no_contexts
+from headrace.plugins.engines.llama_cpp import LlamaCppLLM
+from headrace.plugins.engines.llama_cpp_batch import MIN_SHARED_SCORING_PREFIX, shared_prefix_groups
 from headrace.plugins.engines.llm_front import EngineError
 from headrace.plugins.protocols import EngineEnv, EngineSpec, SamplingParams
 
@@ -38,41 +38,11 @@ def engine_spec(**options) -> EngineSpec:
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
     """The engine running on its own event loop in a thread; tests call into it through the portal."""
-    batches: list[tuple[str, int]] = []
+    batches = Batches()
     engine = LlamaCppLLM(engine_spec(), make_env(tmp_path_factory.mktemp("data"), batches))
     engine.batches = batches
-    with start_blocking_portal() as portal:
-        future, _ = portal.start_task(engine.run)
+    with running(engine) as portal:
         yield portal, engine
-        future.cancel()
-
-
-async def text_of(stream) -> tuple[str, str | None, int]:
-    parts, finish, n = [], None, 0
-    async for d in stream:
-        parts.append(d.text)
-        n += len(d.token_ids)
-        finish = d.finish_reason
-    return "".join(parts), finish, n
-
-
-async def outcome(stream):
-    """The stream's (text, finish, tokens), or the error that ended it."""
-    try:
-        return await text_of(stream)
-    except EngineError as exc:
-        return exc
-
-
-def chat(engine, content: str) -> list[int]:
-    return engine.chat_tokens([{"role": "user", "content": content}])
-
-
-async def wait_for_no_contexts(engine, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while engine.stats()["contexts"] and time.monotonic() < deadline:
-        await anyio.sleep(0.02)
-    return engine.stats()
 
 
 def test_unknown_and_bad_options_are_errors(tmp_path):
@@ -85,124 +55,17 @@ def test_unknown_and_bad_options_are_errors(tmp_path):
 
 
 @pytest.mark.slow
-def test_greedy_generate_answers(llm):
+def test_a_child_counts_its_parents_tokens_and_a_context_decodes_once(llm):
+    """What the contract's bad-request test does not cover: llama.cpp's limits (its KV sequences)."""
     portal, engine = llm
     assert engine.vocab_size == len(engine.tokenizer) and engine.max_context_tokens == 2048
-    text, finish, n = portal.call(text_of, engine.generate(chat(engine, "What is the capital of France?"), GREEDY))
-    assert "Paris" in text and finish == "stop" and 0 < n <= 24
-    assert portal.call(wait_for_no_contexts, engine)["contexts"] == 0
-
-
-@pytest.mark.slow
-def test_child_context_equals_full_prefill(llm):
-    """A fork (seq_cp of the parent, then the suffix) decodes what one prefill of the same tokens decodes."""
-    portal, engine = llm
-    whole = chat(engine, "Rivers: Nile, Amazon, Yangtze, Danube, Rhine. " * 6 + "Which river is the longest?")
-    prefix, suffix = whole[:-16], whole[-16:]
 
     async def run():
-        # One at a time, so every decode step has the same batch shape (one row).
-        await engine.prefill("full", prefix + suffix)
-        full = await text_of(engine.decode("full", GREEDY))
-        await engine.prefill("parent", prefix)
-        await engine.prefill("child", suffix, parent="parent")
-        child = await text_of(engine.decode("child", GREEDY))
-        # The parent is intact after the fork and can be forked again.
-        await engine.prefill("child2", suffix, parent="parent")
-        child2 = await text_of(engine.decode("child2", GREEDY))
-        for ctx in ("full", "parent", "child", "child2"):
-            await engine.free(ctx)
-        return full, child, child2
-
-    full, child, child2 = portal.call(run)
-    assert full[0] and full == child == child2
-    assert portal.call(wait_for_no_contexts, engine)["contexts"] == 0
-
-
-@pytest.mark.slow
-def test_concurrent_streams_batch_together(llm):
-    portal, engine = llm
-    prompts = [chat(engine, q) for q in ("What is 2 + 2?", "List three fruits.", "Who wrote Hamlet?",
-                                         "Write one sentence about the sea.")]
-
-    async def together():
-        out = [None] * len(prompts)
-
-        async def one(i):
-            out[i] = await text_of(engine.generate(prompts[i], SamplingParams(max_tokens=12 + 4 * i, temperature=0)))
-
-        async with anyio.create_task_group() as tg:
-            for i in range(len(prompts)):
-                tg.start_soon(one, i)
-        return out
-
-    engine.batches.clear()
-    out = portal.call(together)
-    assert all(text and finish in ("stop", "length") for text, finish, _ in out)
-    assert max(n for op, n in engine.batches if op == "decode") > 1
-    assert portal.call(wait_for_no_contexts, engine)["contexts"] == 0
-
-
-@pytest.mark.slow
-def test_stop_strings_and_length(llm):
-    portal, engine = llm
-    prompt = chat(engine, "Count from 1 to 20, separated by commas.")
-    params = SamplingParams(max_tokens=60, temperature=0, stop=("7",))
-    text, finish, _ = portal.call(text_of, engine.generate(prompt, params))
-    assert finish == "stop" and "6" in text and "7" not in text
-    text, finish, n = portal.call(text_of, engine.generate(prompt, SamplingParams(max_tokens=3, temperature=0)))
-    assert finish == "length" and n == 3
-
-
-@pytest.mark.slow
-def test_seeded_sampling_is_reproducible(llm):
-    portal, engine = llm
-    prompt = chat(engine, "Tell me a story about a fox.")
-    params = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=7)
-    a = portal.call(text_of, engine.generate(prompt, params))
-    b = portal.call(text_of, engine.generate(prompt, params))
-    c = portal.call(text_of, engine.generate(prompt, SamplingParams(max_tokens=20, temperature=1.0, seed=8)))
-    assert a == b and a != c
-
-
-@pytest.mark.slow
-def test_cancelled_decode_frees_its_sequence(llm):
-    portal, engine = llm
-
-    async def run():
-        stream = engine.generate(chat(engine, "Write a long essay about mountains."),
-                                 SamplingParams(max_tokens=500, temperature=0))
-        got = 0
-        with anyio.move_on_after(60):
-            async for _ in stream:
-                got += 1
-                if got == 3:
-                    break
-        await stream.aclose()
-        return got, await wait_for_no_contexts(engine)
-
-    got, stats = portal.call(run)
-    assert got == 3 and idle(stats)
-
-
-@pytest.mark.slow
-def test_bad_requests_raise_clear_errors(llm):
-    portal, engine = llm
-
-    async def run():
-        with pytest.raises(EngineError, match="parent context 'missing' does not exist"):
-            await engine.prefill("orphan", [1, 2, 3], parent="missing")
-        with pytest.raises(EngineError, match="holds at most 2048"):
-            await engine.prefill("huge", [1] * (engine.max_context_tokens + 5))
         await engine.prefill("parent", [1] * 2000)
         with pytest.raises(EngineError, match="the prompt is 2100 tokens"):  # the parent's tokens count too
             await engine.prefill("child", [2] * 100, parent="parent")
         await engine.free("parent")
-        with pytest.raises(EngineError, match="does not exist"):
-            await text_of(engine.decode("never-prefilled", GREEDY))
         await engine.prefill("twice", [1, 2, 3])
-        with pytest.raises(EngineError, match="already exists"):
-            await engine.prefill("twice", [1, 2, 3])
         await text_of(engine.decode("twice", SamplingParams(max_tokens=2, temperature=0)))
         with pytest.raises(EngineError, match="has decoded already"):
             await text_of(engine.decode("twice", GREEDY))
@@ -210,19 +73,6 @@ def test_bad_requests_raise_clear_errors(llm):
         return await wait_for_no_contexts(engine)
 
     assert portal.call(run)["contexts"] == 0
-
-
-@pytest.mark.slow
-def test_next_token_logits_shape_and_values(llm):
-    portal, engine = llm
-    prompts = [chat(engine, "Is the sky blue? Answer yes or no."), chat(engine, "Is fire cold? Answer yes or no.")]
-    yes, no = engine.encode("yes")[0], engine.encode("no")[0]
-    batch = portal.call(engine.next_token_logits, prompts, [yes, no])
-    single = portal.call(engine.next_token_logits, prompts[1:], [yes, no])
-    assert batch.shape == (2, 2) and batch.dtype == torch.float32
-    assert torch.allclose(batch[1], single[0], atol=0.15)
-    assert portal.call(engine.next_token_logits, [], [yes, no]).shape == (0, 2)
-    assert portal.call(wait_for_no_contexts, engine)["contexts"] == 0
 
 
 def test_shared_prefix_groups_pay_off():
@@ -267,72 +117,19 @@ def test_scoring_prompts_prefill_their_shared_prefix_once(llm):
 
 
 @pytest.mark.slow
-def test_a_big_scoring_job_lets_running_decodes_step(llm):
-    """Scoring prompts go through a few scratch sequences an iteration at a time: the decode ends first."""
-    portal, engine = llm
-    prompts = [[1 + i % 500, 2 + i % 300, 3] for i in range(800)]
-    yes, no = engine.encode("yes")[0], engine.encode("no")[0]
-
-    async def run():
-        events: list[str] = []
-        scores = {}
-
-        async def score():
-            scores["value"] = await engine.next_token_logits(prompts, [yes, no])
-            events.append("scored")
-
-        stream = engine.generate(chat(engine, "Write a long story about the sea."),
-                                 SamplingParams(max_tokens=24, temperature=0))
-        async with anyio.create_task_group() as tg:
-            await stream.__anext__()  # the decode is running
-            events.append("token")
-            tg.start_soon(score)
-            async for delta in stream:
-                events.append("token" if delta.finish_reason is None else "decode done")
-        return events, scores["value"]
-
-    events, scores = portal.call(run)
-    assert scores.shape == (800, 2) and torch.isfinite(scores).all()
-    # Order of events, not timing: the whole decode ran while the scoring job was still going.
-    assert events.index("decode done") < events.index("scored")
-    assert events.count("token") >= 20
-
-
-@pytest.mark.slow
-def test_bad_token_ids_fail_their_prefill_only(llm):
+def test_a_bad_token_id_past_the_checks_fails_its_prefill_only(llm):
+    """The front's vocabulary check is the contract's; past it, llama.cpp's refusal still fails one prefill."""
     portal, engine = llm
     normal = [chat(engine, f"Say the number {i}.") for i in range(4)]
     params = SamplingParams(max_tokens=8, temperature=0)
     vocab = engine.vocab_size
-    bad_ids = ([1, 2, vocab], [-1, 5], [2**70], [1, 2.5])
 
-    async def together(past_the_checks: list[int] | None):
-        out: dict = {}
-
-        async def one(key, tokens):
-            try:
-                out[key] = await outcome(engine.generate(tokens, params))
-            except EngineError as exc:
-                out[key] = exc
-
-        async with anyio.create_task_group() as tg:
-            for i, p in enumerate(normal):
-                tg.start_soon(one, i, p)
-            for bad in bad_ids if past_the_checks is None else ():
-                tg.start_soon(one, str(bad), bad)
-            if past_the_checks:
-                tg.start_soon(one, "unchecked", past_the_checks)
-        return out
-
-    out = portal.call(together, None)
-    assert all(isinstance(out[i], tuple) and out[i][0] for i in range(4))
-    for bad in bad_ids:
-        assert isinstance(out[str(bad)], EngineError) and "vocabulary" in str(out[str(bad)])
     # As if both checks had a bug: llama.cpp refuses the whole batch, and the engine retries it
     # part by part, so only the bad prefill fails.
     engine.core.vocab_size = vocab + 100
     try:
-        out = portal.call(together, normal[0][:-1] + [vocab + 10])
+        out = portal.call(outcomes, engine, {**dict(enumerate(normal)), "unchecked": normal[0][:-1] + [vocab + 10]},
+                          params)
     finally:
         engine.core.vocab_size = vocab
     assert all(isinstance(out[i], tuple) and out[i][0] for i in range(4))

@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-from contextlib import aclosing
 from pathlib import Path
 
 import anyio
@@ -26,6 +25,9 @@ from headrace.plugins.manager import collect, make_manager
 from headrace.plugins.protocols import EngineEnv, EngineSpec, JsonSchemaConstraint, LarkConstraint, SamplingParams
 
 from conftest import ROOT, Server
+from llm_engines import Batches, check_daemon_chat_and_context_limit, running
+from llm_engines import chat as prompt
+from llm_engines import collect as collect_stream
 
 CONTRIB = ROOT / "plugins-contrib"
 GPU_TOML = ROOT / "configs" / "gpu.toml"
@@ -198,32 +200,6 @@ needs_sglang = pytest.mark.skipif(not headrace_sglang.sglang_is_installed(),
                                   reason="sglang is not installed (pip install -e 'plugins-contrib/headrace-sglang[gpu]')")
 
 
-class Batches:
-    """The engine's batch observations, as the daemon's metrics receive them."""
-
-    def __init__(self) -> None:
-        self.seen: list[tuple[str, int]] = []
-
-    def __call__(self, op: str, size: int, start: float, end: float) -> None:
-        assert end >= start
-        self.seen.append((op, size))
-
-
-async def collect_stream(deltas) -> tuple[str, list[int], str | None]:
-    text, ids, finish = "", [], None
-    with anyio.fail_after(LONG_ENOUGH):
-        async with aclosing(deltas) as stream:
-            async for delta in stream:
-                text += delta.text
-                ids += delta.token_ids
-                finish = delta.finish_reason
-    return text, ids, finish
-
-
-def prompt(engine, question: str) -> list[int]:
-    return engine.chat_tokens([{"role": "user", "content": question}])
-
-
 async def settled(engine) -> None:
     """Wait until SGLang holds no request (aborts are confirmed by its scheduler)."""
     with anyio.fail_after(LONG_ENOUGH):
@@ -246,20 +222,7 @@ def test_the_daemon_serves_the_gpu_config_on_sglang(tmp_path):
     config.write_text(gpu_toml_with_sglang(MODEL, mem_fraction_static=0.5))
     server = Server(config, tmp_path).wait_ready(timeout=LONG_ENOUGH)
     try:
-        reply = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=LONG_ENOUGH, json={
-            "model": "llm", "max_tokens": 8, "temperature": 0,
-            "messages": [{"role": "user", "content": "What colour is the sky?"}],
-        })
-        assert reply.status_code == 200, reply.text
-        body = reply.json()
-        assert body["choices"][0]["message"]["content"]
-        assert body["usage"]["completion_tokens"] <= 8
-
-        too_long = httpx.post(f"{server.base_url}/v1/completions", timeout=LONG_ENOUGH, json={
-            "model": "llm", "max_tokens": 4, "prompt": [42] * 5000,
-        })
-        assert too_long.status_code == 400, too_long.text
-        assert too_long.json()["error"]["code"] == "context_length_exceeded"
+        check_daemon_chat_and_context_limit(server, "llm")
 
         # The LLM reranker scores with the engine's next_token_logits.
         ranked = httpx.post(f"{server.base_url}/v1/rerank", timeout=LONG_ENOUGH, json={
@@ -281,127 +244,14 @@ def test_the_daemon_serves_the_gpu_config_on_sglang(tmp_path):
 @pytest.fixture(scope="module")
 def sglang_engine(tmp_path_factory):
     """(portal, engine, batches): one SGLang engine for the module (it loads in tens of seconds)."""
-    from anyio.from_thread import start_blocking_portal
-
     batches = Batches()
     # Deterministic inference: batch-invariant kernels, which SGLang keeps with its radix cache, so
     # a fork's output equals a whole prefill's. A small share of the GPU: the test above needs more.
     engine = SGLangEngine(EngineSpec(name="smollm2", plugin="sglang", model=MODEL, options={
         "context_length": 512, "mem_fraction_static": 0.3, "enable_deterministic_inference": True,
     }), env(tmp_path_factory.mktemp("sglang"), batches))
-    with start_blocking_portal() as portal:
-        future, _ = portal.start_task(engine.run)
-        try:
-            yield portal, engine, batches
-        finally:
-            future.cancel()
-
-
-@pytest.mark.gpu
-@pytest.mark.slow
-@needs_sglang
-def test_a_fork_decodes_as_the_same_tokens_in_one_context(sglang_engine):
-    portal, engine, _ = sglang_engine
-    parent = prompt(engine, "Rivers carry water from the hills to the sea, and lakes hold it for a while. "
-                            "Rain falls on the hills again, and the rivers run once more to the sea. "
-                            "List three colours of the rainbow.")
-    child = engine.encode(" Answer briefly, please, and in one line of plain text.")
-
-    async def forked():
-        await engine.prefill("parent", parent)
-        before = engine.stats()["cached_tokens"]
-        await engine.prefill("child", child, parent="parent")
-        fork_hit = engine.stats()["cached_tokens"] - before
-        before = engine.stats()["cached_tokens"]
-        out = await collect_stream(engine.decode("child", GREEDY))
-        decode_hit = engine.stats()["cached_tokens"] - before
-        await engine.free("child")
-        await engine.free("parent")
-        # The child's prefill reused the parent's KV, and its decode the child's (Ayo's split).
-        assert fork_hit >= len(parent) // 2 and decode_hit >= len(parent + child) // 2, (fork_hit, decode_hit)
-        return out
-
-    async def whole():
-        await engine.prefill("whole", parent + child)
-        out = await collect_stream(engine.decode("whole", GREEDY))
-        await engine.free("whole")
-        return out
-
-    # Each run starts from an empty radix cache, so neither reuses the other's KV.
-    portal.call(settled, engine)
-    assert portal.call(engine.reset_prefix_cache)
-    one = portal.call(whole)
-    assert portal.call(engine.reset_prefix_cache)
-    fork = portal.call(forked)
-    assert fork[1] and fork == one
-    assert engine.stats()["contexts"] == 0
-
-
-@pytest.mark.gpu
-@pytest.mark.slow
-@needs_sglang
-def test_leaving_a_stream_aborts_the_request(sglang_engine):
-    portal, engine, _ = sglang_engine
-
-    async def leave_early():
-        stream = engine.generate(prompt(engine, "Write a long story about a river."),
-                                 SamplingParams(max_tokens=400, temperature=0.0))
-        async with aclosing(stream):
-            with anyio.fail_after(LONG_ENOUGH):
-                first = await stream.__anext__()
-        assert first.finish_reason is None
-        await settled(engine)  # SGLang let the request go
-
-    portal.call(leave_early)
-
-
-@pytest.mark.gpu
-@pytest.mark.slow
-@needs_sglang
-def test_a_cancelled_request_is_aborted(sglang_engine):
-    portal, engine, _ = sglang_engine
-
-    async def cancel_mid_stream():
-        got_one = anyio.Event()
-
-        async def consume():
-            async for _ in engine.generate(prompt(engine, "Count from one to a hundred."),
-                                           SamplingParams(max_tokens=400, temperature=0.0)):
-                got_one.set()
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(consume)
-            with anyio.fail_after(LONG_ENOUGH):
-                await got_one.wait()
-            tg.cancel_scope.cancel()
-        await settled(engine)
-
-    portal.call(cancel_mid_stream)
-
-
-@pytest.mark.gpu
-@pytest.mark.slow
-@needs_sglang
-def test_concurrent_streams_batch_together(sglang_engine):
-    portal, engine, batches = sglang_engine
-    questions = ["What is a river?", "What is a lake?", "What is the sea?", "What is rain?"]
-
-    async def together():
-        results = {}
-
-        async def one(q):
-            results[q] = await collect_stream(engine.generate(prompt(engine, q),
-                                                              SamplingParams(max_tokens=16, temperature=0.0)))
-
-        async with anyio.create_task_group() as tg:
-            for q in questions:
-                tg.start_soon(one, q)
-        return results
-
-    batches.seen.clear()
-    results = portal.call(together)
-    assert all(ids for _, ids, _ in results.values())
-    assert max(size for op, size in batches.seen if op == "decode") > 1
+    with running(engine) as portal:
+        yield portal, engine, batches
 
 
 @pytest.mark.gpu
@@ -430,52 +280,9 @@ def test_max_tokens_and_stop_strings(sglang_engine):
 @pytest.mark.gpu
 @pytest.mark.slow
 @needs_sglang
-def test_priority_is_accepted(sglang_engine):
+def test_a_prompt_one_token_short_of_the_context_still_runs(sglang_engine):
+    """The contract refuses a prompt over the context; SGLang's limit is its own (less what it keeps back)."""
     portal, engine, _ = sglang_engine
-    tokens = prompt(engine, "Say hello.")
-
-    async def with_priorities():
-        await engine.prefill("urgent", tokens, priority=-5)
-        urgent = await collect_stream(engine.decode("urgent", GREEDY, priority=-5))
-        await engine.free("urgent")
-        late = await collect_stream(engine.generate(tokens, GREEDY, priority=10))
-        return urgent, late
-
-    urgent, late = portal.call(with_priorities)
-    assert urgent[1] and late[1]
-
-    async def bad_priority():
-        await collect_stream(engine.generate(tokens, GREEDY, priority="high"))
-
-    with pytest.raises(EngineError, match="priority"):
-        portal.call(bad_priority)
-
-
-@pytest.mark.gpu
-@pytest.mark.slow
-@needs_sglang
-def test_bad_requests_fail_alone_with_a_clear_error(sglang_engine):
-    portal, engine, _ = sglang_engine
-    too_long = [engine.encode("river")[0]] * engine.max_context_tokens
-
-    async def over_the_context():
-        await collect_stream(engine.generate(too_long, GREEDY))
-
-    with pytest.raises(EngineError, match="holds at most"):
-        portal.call(over_the_context)
-
-    async def unknown_token():
-        await engine.prefill("bad", [engine.vocab_size + 7])
-
-    with pytest.raises(EngineError, match="not in the vocabulary"):
-        portal.call(unknown_token)
-
-    async def unknown_context():
-        await collect_stream(engine.decode("missing", GREEDY))
-
-    with pytest.raises(EngineError, match="does not exist"):
-        portal.call(unknown_context)
-
     # A prompt one token short of the limit still runs: its output is cut at the context ("length").
     longest = [engine.encode("river")[0]] * (engine.max_context_tokens - 1)
     _, ids, finish = portal.call(collect_stream, engine.generate(longest, SamplingParams(max_tokens=50,
@@ -486,18 +293,3 @@ def test_bad_requests_fail_alone_with_a_clear_error(sglang_engine):
     _, ids, _ = portal.call(collect_stream, engine.generate(prompt(engine, "Hi"), GREEDY))
     assert ids
 
-
-@pytest.mark.gpu
-@pytest.mark.slow
-@needs_sglang
-def test_next_token_logits_rank_the_greedy_token_first(sglang_engine):
-    portal, engine, _ = sglang_engine
-    prompts = [prompt(engine, "Is water wet? Answer yes or no."), prompt(engine, "Name a colour.")]
-    firsts = [portal.call(collect_stream, engine.generate(p, SamplingParams(max_tokens=1, temperature=0.0)))[1][0]
-              for p in prompts]
-    candidates = sorted(set(firsts) | set(engine.encode(" yes no maybe")))
-    logits = portal.call(engine.next_token_logits, prompts, candidates)
-    assert logits.shape == (2, len(candidates))
-    for row, first in enumerate(firsts):
-        assert candidates[int(logits[row].argmax())] == first
-    assert portal.call(engine.next_token_logits, [], candidates).shape == (0, len(candidates))

@@ -1,0 +1,491 @@
+"""The LLM engine contract: what every LLM engine does, on the real SmolLM2, whichever engine it is.
+
+Written once, run on every engine: torch and llama.cpp here, vLLM in .venv-vllm (marked ``vllm``, as
+scripts/test runs it), SGLang on a CUDA GPU (marked ``gpu``). A new LLM engine plugin passes it to be
+called an engine. Each engine loads once for the module; what only one engine does (its options, its
+caches' internals, its faults past the front's checks) stays in that engine's own test file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from contextlib import aclosing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import anyio
+import pytest
+import torch
+
+from conftest import ROOT, prompts_on_a_shared_prefix
+from llm_engines import LONG_ENOUGH, Batches, chat, outcomes, running, text_of
+from headrace.plugins.api import EngineEnv, EngineError, EngineSpec, JsonSchemaConstraint, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0)
+
+
+@dataclass
+class Engine:
+    """One running engine and what the contract needs to know of it."""
+
+    name: str
+    portal: Any
+    engine: Any
+    batches: list[tuple[str, int]]
+    seeded: bool  # a seed fixes a sampled output
+    logprobs: bool  # reports TokenDelta.logprobs when asked
+    token_lists: bool  # a context is its token list, its KV in the engine's prefix cache (vLLM, SGLang)
+    reset_cache: Callable[[], None]  # empty the engine's prefix cache
+    reused_tokens: Callable[[dict], int]  # prompt tokens its prefix cache has served so far, from stats()
+    block: int  # the prefix cache's granularity, in tokens
+    # Scores a big job a chunk an iteration, decode steps between (None: scores every prompt at once);
+    # a context manager that sets the chunk small.
+    scoring_chunks: Callable[[], Any] | None
+
+
+def _env(tmp: Path, batches: Batches) -> EngineEnv:
+    return EngineEnv(data_dir=tmp, cache_dir=Path.home() / ".cache" / "headrace", lookup=lambda name: None,
+                     observe_batch=batches)
+
+
+def _torch(env: EngineEnv):
+    from headrace.plugins.engines.torch_llm import TorchLLM
+
+    # float32: the exactness tests compare greedy outputs, and bf16 rounding differs with batch shape.
+    return TorchLLM(EngineSpec(name="smollm2", plugin="torch", options={"threads": 2, "dtype": "float32"}), env)
+
+
+def _llama_cpp(env: EngineEnv):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/setup builds it)")
+    from headrace.plugins.engines.llama_cpp import LlamaCppLLM
+
+    return LlamaCppLLM(EngineSpec(name="smollm2", plugin="llama-cpp", options={"threads": 2}), env)
+
+
+def _vllm(env: EngineEnv):
+    pytest.importorskip("vllm", reason="vLLM is not installed here (scripts/setup-vllm builds .venv-vllm)")
+    from headrace_vllm import VLLMEngine
+
+    # 32-token KV blocks: the prefix cache shares whole blocks, so short test prompts share some.
+    return VLLMEngine(EngineSpec(name="smollm2", plugin="vllm",
+                                 options={"max_model_len": 256, "threads": 2, "block_size": 32}), env)
+
+
+def _sglang(env: EngineEnv):
+    if not torch.cuda.is_available():
+        pytest.skip("SGLang runs on a CUDA GPU")
+    import importlib.util
+    import sys
+
+    if "headrace_sglang" not in sys.modules:
+        try:
+            import headrace_sglang  # noqa: F401
+        except ImportError:
+            package = ROOT / "plugins-contrib" / "headrace-sglang" / "headrace_sglang"
+            spec = importlib.util.spec_from_file_location("headrace_sglang", package / "__init__.py",
+                                                          submodule_search_locations=[str(package)])
+            module = importlib.util.module_from_spec(spec)
+            sys.modules["headrace_sglang"] = module
+            spec.loader.exec_module(module)
+    sglang = sys.modules["headrace_sglang"]
+    if not sglang.sglang_is_installed():
+        pytest.skip("sglang is not installed (pip install -e 'plugins-contrib/headrace-sglang[gpu]')")
+    # Deterministic inference: batch-invariant kernels, so a fork's output equals a whole prefill's and
+    # seeds are honoured.
+    return sglang.SGLangEngine(EngineSpec(name="smollm2", plugin="sglang", options={
+        "context_length": 512, "mem_fraction_static": 0.3, "enable_deterministic_inference": True}), env)
+
+
+def _reset_prefix_cache(portal, engine) -> None:
+    assert portal.call(engine.reset_prefix_cache)  # True: nothing held it
+
+
+def _set_caching(portal, engine) -> None:
+    portal.call(engine.set_prefix_caching, False)  # off empties it
+    portal.call(engine.set_prefix_caching, True)
+
+
+@contextlib.contextmanager
+def _torch_chunks(engine):
+    # One 16-prompt chunk per iteration: the budget bounds each iteration, whatever the job's size.
+    core = engine.core
+    saved, core.max_iteration_tokens = core.max_iteration_tokens, 16 * 3
+    try:
+        yield
+    finally:
+        core.max_iteration_tokens = saved
+
+
+ENGINES = {
+    "torch": dict(make=_torch, seeded=True, block=16, chunks=_torch_chunks,
+                  reset=lambda portal, engine: engine.core.prefix_cache.clear(),
+                  reused=lambda stats: stats["prefix_cache_hits"]),
+    "llama-cpp": dict(make=_llama_cpp, seeded=True, block=16, reset=_set_caching,
+                      chunks=lambda engine: contextlib.nullcontext(),  # a few scratch sequences an iteration
+                      reused=lambda stats: stats["prefix_cache_hits"]),
+    "vllm": dict(make=_vllm, seeded=True, block=32, reset=_reset_prefix_cache, token_lists=True,
+                 reused=lambda stats: stats["cached_tokens"]),
+    "sglang": dict(make=_sglang, seeded=True, block=1, logprobs=False, reset=_reset_prefix_cache, token_lists=True,
+                   reused=lambda stats: stats["cached_tokens"]),
+}
+
+
+@pytest.fixture(scope="module", params=[
+    "torch", "llama-cpp", pytest.param("vllm", marks=pytest.mark.vllm), pytest.param("sglang", marks=pytest.mark.gpu),
+])
+def llm(request, tmp_path_factory):
+    """Each engine running on its own event loop in a thread, once for the module."""
+    traits = ENGINES[request.param]
+    batches = Batches()
+    engine = traits["make"](_env(tmp_path_factory.mktemp("data"), batches))
+    chunks = traits.get("chunks")
+    with running(engine) as portal:
+        yield Engine(name=request.param, portal=portal, engine=engine, batches=batches, seeded=traits["seeded"],
+                     logprobs=traits.get("logprobs", True), token_lists=traits.get("token_lists", False),
+                     reset_cache=lambda: traits["reset"](portal, engine), reused_tokens=traits["reused"],
+                     block=traits["block"], scoring_chunks=(lambda: chunks(engine)) if chunks else None)
+
+
+async def first_token(stream) -> int:
+    with anyio.fail_after(LONG_ENOUGH):
+        async with aclosing(stream):
+            async for d in stream:
+                if d.token_ids:
+                    return d.token_ids[0]
+    raise AssertionError("the stream ended without a token")
+
+
+def is_idle(stats: dict) -> bool:
+    """No context held, nothing decoding, waiting or in the engine (the keys an engine reports)."""
+    return all(stats.get(key, 0) == 0 for key in ("contexts", "decoding", "waiting", "requests"))
+
+
+async def wait_until_idle(engine, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while not is_idle(engine.stats()) and time.monotonic() < deadline:
+        await anyio.sleep(0.05)
+    return engine.stats()
+
+
+def test_greedy_generate_answers(llm):
+    portal, engine = llm.portal, llm.engine
+    assert engine.vocab_size >= len(engine.tokenizer) - 1 and engine.max_context_tokens > 0
+    text, finish, n = portal.call(text_of, engine.generate(chat(engine, "What is the capital of France?"), GREEDY))
+    assert "Paris" in text and finish == "stop" and 0 < n <= 24
+    assert is_idle(portal.call(wait_until_idle, engine))
+
+
+def test_a_fork_decodes_as_one_prefill_of_the_same_tokens(llm):
+    portal, engine = llm.portal, llm.engine
+    whole = chat(engine, "Rivers: Nile, Amazon, Yangtze, Danube, Rhine. " * 6 + "Which river is the longest?")
+    prefix, suffix = whole[:-16], whole[-16:]
+
+    async def run():
+        # One at a time, so every decode step has the same batch shape (one row).
+        await engine.prefill("full", prefix + suffix)
+        full = await text_of(engine.decode("full", GREEDY))
+        await engine.prefill("parent", prefix)
+        await engine.prefill("child", suffix, parent="parent")
+        child = await text_of(engine.decode("child", GREEDY))
+        # The parent is intact after the fork and can be forked again.
+        await engine.prefill("child2", suffix, parent="parent")
+        child2 = await text_of(engine.decode("child2", GREEDY))
+        for ctx in ("full", "parent", "child", "child2"):
+            await engine.free(ctx)
+        return full, child, child2
+
+    full, child, child2 = portal.call(run)
+    assert full[0] and full == child == child2
+    assert is_idle(portal.call(wait_until_idle, engine))
+
+
+def test_concurrent_streams_batch_together(llm):
+    portal, engine = llm.portal, llm.engine
+    prompts = [chat(engine, q) for q in ("What is 2 + 2?", "List three fruits.", "Who wrote Hamlet?",
+                                         "Write one sentence about the sea.")]
+
+    async def together():
+        out = [None] * len(prompts)
+
+        async def one(i):
+            out[i] = await text_of(engine.generate(prompts[i], SamplingParams(max_tokens=12 + 4 * i, temperature=0)))
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(prompts)):
+                tg.start_soon(one, i)
+        return out
+
+    llm.batches.clear()
+    out = portal.call(together)
+    assert all(text and finish in ("stop", "length") for text, finish, _ in out)
+    assert max(n for op, n in llm.batches if op == "decode") > 1
+    assert is_idle(portal.call(wait_until_idle, engine))
+
+
+def test_stop_strings_and_max_tokens(llm):
+    portal, engine = llm.portal, llm.engine
+    prompt = chat(engine, "Count from 1 to 20, separated by commas.")
+    text, finish, _ = portal.call(text_of, engine.generate(prompt, SamplingParams(max_tokens=60, temperature=0,
+                                                                                  stop=("7",))))
+    assert finish == "stop" and "6" in text and "7" not in text
+    text, finish, n = portal.call(text_of, engine.generate(prompt, SamplingParams(max_tokens=3, temperature=0)))
+    assert finish == "length" and n == 3
+
+
+def test_seeded_sampling_is_reproducible(llm):
+    if not llm.seeded:
+        pytest.skip(f"{llm.name} does not honour seeds")
+    portal, engine = llm.portal, llm.engine
+    prompt = chat(engine, "Tell me a story about a fox.")
+    params = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=7)
+    a = portal.call(text_of, engine.generate(prompt, params))
+    b = portal.call(text_of, engine.generate(prompt, params))
+    c = portal.call(text_of, engine.generate(prompt, SamplingParams(max_tokens=20, temperature=1.0, seed=8)))
+    assert a == b and a != c
+
+
+def test_leaving_a_stream_early_frees_its_context(llm):
+    portal, engine = llm.portal, llm.engine
+
+    async def run():
+        stream = engine.generate(chat(engine, "Write a long essay about mountains."),
+                                 SamplingParams(max_tokens=200, temperature=0))
+        got = 0
+        async with aclosing(stream):
+            with anyio.fail_after(LONG_ENOUGH):
+                async for _ in stream:
+                    got += 1
+                    if got == 3:
+                        break
+        return got, await wait_until_idle(engine)
+
+    got, stats = portal.call(run)
+    assert got == 3 and is_idle(stats)
+
+
+def test_a_cancelled_decode_frees_its_context(llm):
+    portal, engine = llm.portal, llm.engine
+
+    async def cancel_mid_stream():
+        got_one = anyio.Event()
+
+        async def consume():
+            async for _ in engine.generate(chat(engine, "Count from one to a hundred."),
+                                           SamplingParams(max_tokens=200, temperature=0)):
+                got_one.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume)
+            with anyio.fail_after(LONG_ENOUGH):
+                await got_one.wait()
+            tg.cancel_scope.cancel()
+        return await wait_until_idle(engine)
+
+    assert is_idle(portal.call(cancel_mid_stream))
+
+
+def test_bad_requests_fail_alone_with_clear_errors(llm):
+    portal, engine = llm.portal, llm.engine
+    limit = engine.max_context_tokens
+
+    async def run():
+        with pytest.raises(EngineError, match="parent context 'missing' does not exist"):
+            await engine.prefill("orphan", [1, 2, 3], parent="missing")
+        with pytest.raises(EngineError, match=f"holds at most {limit}"):
+            await engine.prefill("huge", [1] * (limit + 5))
+        with pytest.raises(EngineError, match=f"holds at most {limit}"):
+            await text_of(engine.generate([1] * limit, GREEDY))
+        with pytest.raises(EngineError, match="does not exist"):
+            await text_of(engine.decode("never-prefilled", GREEDY))
+        await engine.prefill("twice", [1, 2, 3])
+        with pytest.raises(EngineError, match="already exists"):
+            await engine.prefill("twice", [1, 2, 3])
+        await engine.free("twice")
+        return await wait_until_idle(engine)
+
+    assert is_idle(portal.call(run))
+
+
+def test_out_of_vocabulary_tokens_fail_their_request_only(llm):
+    portal, engine = llm.portal, llm.engine
+    normal = [chat(engine, f"Say the number {i}.") for i in range(4)]
+    params = SamplingParams(max_tokens=8, temperature=0)
+    bad_ids = ([1, 2, engine.vocab_size], [-1, 5], [2**70], [1, 2.5])
+
+    out = portal.call(outcomes, engine, {**dict(enumerate(normal)), **{str(bad): bad for bad in bad_ids}}, params)
+    assert all(isinstance(out[i], tuple) and out[i][0] for i in range(len(normal)))
+    for bad in bad_ids:
+        assert isinstance(out[str(bad)], EngineError) and "not in the vocabulary" in str(out[str(bad)])
+    assert is_idle(portal.call(wait_until_idle, engine))
+
+
+def test_priority_reaches_every_call(llm):
+    portal, engine = llm.portal, llm.engine
+    tokens = chat(engine, "Say hello.")
+
+    async def with_priorities():
+        await engine.prefill("urgent", tokens, priority=-5)
+        urgent = await text_of(engine.decode("urgent", GREEDY, priority=-5))
+        await engine.free("urgent")
+        late = await text_of(engine.generate(tokens, GREEDY, priority=10))
+        scored = await engine.next_token_logits([tokens], [tokens[0]], priority=3)  # the LLM reranker's call
+        return urgent, late, scored
+
+    urgent, late, scored = portal.call(with_priorities)
+    assert urgent == late and urgent[0] and scored.shape == (1, 1)
+
+    async def bad_priority():
+        await text_of(engine.generate(tokens, GREEDY, priority="high"))
+
+    with pytest.raises(EngineError, match="priority must be an integer"):
+        portal.call(bad_priority)
+
+
+def test_next_token_logits_rank_the_greedy_token_first_batched_or_not(llm):
+    portal, engine = llm.portal, llm.engine
+    prompts = [chat(engine, "Is the sky blue? Answer yes or no."), chat(engine, "Name a colour.")]
+    firsts = [portal.call(first_token, engine.generate(p, SamplingParams(max_tokens=1, temperature=0)))
+              for p in prompts]
+    candidates = sorted(set(firsts) | set(engine.encode(" yes no maybe")))
+    batch = portal.call(engine.next_token_logits, prompts, candidates)
+    single = portal.call(engine.next_token_logits, prompts[1:], candidates)
+    assert batch.shape == (2, len(candidates)) and batch.dtype == torch.float32
+    assert torch.allclose(batch[1], single[0], atol=0.15)
+    for row, first in enumerate(firsts):
+        assert candidates[int(batch[row].argmax())] == first
+    assert portal.call(engine.next_token_logits, [], candidates).shape == (0, len(candidates))
+
+
+def test_a_shared_prefix_is_served_from_the_prefix_cache_and_decodes_as_uncached(llm):
+    portal, engine = llm.portal, llm.engine
+    n = min(500, engine.max_context_tokens // 2)
+    first, second = prompts_on_a_shared_prefix(engine, n)
+
+    async def answer(tokens):
+        return await text_of(engine.generate(tokens, SamplingParams(max_tokens=8, temperature=0)))
+
+    llm.reset_cache()
+    uncached = portal.call(answer, second)
+    llm.reset_cache()
+    portal.call(answer, first)  # fills the cache with the prefix
+    before = llm.reused_tokens(engine.stats())
+    cached = portal.call(answer, second)
+    reused = llm.reused_tokens(engine.stats()) - before
+    assert n - llm.block <= reused < len(second)  # the prefix, to its last whole block
+    assert cached == uncached
+
+
+def test_logprobs_are_one_per_token_ranked(llm):
+    if not llm.logprobs:
+        pytest.skip(f"{llm.name} reports no logprobs")
+    portal, engine = llm.portal, llm.engine
+    question = chat(engine, "Name a colour.")
+
+    async def deltas(params):
+        with anyio.fail_after(LONG_ENOUGH):
+            return [d async for d in engine.generate(question, params)]
+
+    got = portal.call(deltas, SamplingParams(max_tokens=4, temperature=0, logprobs=3))
+    ids = [t for d in got for t in d.token_ids]
+    lps = [lp for d in got for lp in d.logprobs]
+    assert [lp.token_id for lp in lps] == ids
+    for lp in lps:
+        assert len(lp.top) == 3 and lp.top[0][0] == lp.token_id  # greedy: the sampled token ranks first
+        assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+        assert lp.logprob == pytest.approx(lp.top[0][1]) and lp.logprob <= 0
+    assert sum(math.exp(v) for _, v in lps[0].top) <= 1 + 1e-4  # a distribution's three best
+    assert all(d.logprobs == () for d in portal.call(deltas, SamplingParams(max_tokens=2, temperature=0)))
+
+
+def test_a_json_schema_constrains_the_output(llm):
+    portal, engine = llm.portal, llm.engine
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"], "additionalProperties": False}
+    params = SamplingParams(max_tokens=40, temperature=0, constraint=JsonSchemaConstraint(json.dumps(schema)))
+    # A prompt that asks for a poem: only the constraint makes the output this object.
+    text, finish, _ = portal.call(text_of, engine.generate(chat(engine, "Write a haiku about rivers."), params))
+    data = json.loads(text)
+    assert finish == "stop" and set(data) == {"name", "age"} and 0 <= data["age"] <= 120
+    assert text.startswith('{"name": ')  # the same compact layout on every engine
+
+
+def test_a_big_scoring_job_lets_running_decodes_step(llm):
+    """800 prompts are scored a chunk an iteration, with decode steps between: the decode ends first."""
+    if llm.scoring_chunks is None:
+        pytest.skip(f"{llm.name} scores every prompt of a job at once")
+    portal, engine = llm.portal, llm.engine
+    prompts = [[1 + i % 500, 2 + i % 300, 3] for i in range(800)]
+    yes, no = engine.encode("yes")[0], engine.encode("no")[0]
+
+    async def run():
+        events: list[str] = []
+        scores = {}
+
+        async def score():
+            scores["value"] = await engine.next_token_logits(prompts, [yes, no])
+            events.append("scored")
+
+        stream = engine.generate(chat(engine, "Write a long story about the sea."),
+                                 SamplingParams(max_tokens=24, temperature=0))
+        async with anyio.create_task_group() as tg:
+            await stream.__anext__()  # the decode is running
+            events.append("token")
+            tg.start_soon(score)
+            async for delta in stream:
+                events.append("token" if delta.finish_reason is None else "decode done")
+        return events, scores["value"]
+
+    with llm.scoring_chunks():
+        events, scores = portal.call(run)
+    assert scores.shape == (800, 2) and torch.isfinite(scores).all()
+    # Order of events, not timing: the whole decode ran while the scoring job was still going.
+    assert events.index("decode done") < events.index("scored")
+    assert events.count("token") >= 20
+
+
+def test_a_fork_and_its_decode_reuse_the_cached_kv(llm):
+    """Where a context is its token list: a child's prefill reuses its parent's KV from the prefix cache, and
+    its decode the child's (Ayo's prefill/decode split), and the output is a whole prefill's."""
+    if not llm.token_lists:
+        pytest.skip(f"{llm.name} holds a context's KV itself")
+    portal, engine = llm.portal, llm.engine
+    parent = chat(engine, "Rivers carry water from the hills to the sea, and lakes hold it for a while. "
+                          "Rain falls on the hills again, and the rivers run once more to the sea. "
+                          "List three colours of the rainbow.")
+    child = engine.encode(" Answer briefly, please, and in one line of plain text.")
+    assert len(parent) > 64  # two whole KV blocks at least
+
+    async def forked():
+        await engine.prefill("parent", parent)
+        before = llm.reused_tokens(engine.stats())
+        await engine.prefill("child", child, parent="parent")
+        fork_hit = llm.reused_tokens(engine.stats()) - before
+        before = llm.reused_tokens(engine.stats())
+        out = await text_of(engine.decode("child", GREEDY))
+        decode_hit = llm.reused_tokens(engine.stats()) - before
+        await engine.free("child")
+        await engine.free("parent")
+        assert fork_hit >= len(parent) // 2 and decode_hit >= len(parent + child) // 2, (fork_hit, decode_hit)
+        return out
+
+    async def whole():
+        await engine.prefill("whole", parent + child)
+        out = await text_of(engine.decode("whole", GREEDY))
+        await engine.free("whole")
+        return out
+
+    # Each run starts from an empty prefix cache, so neither reuses the other's KV.
+    portal.call(wait_until_idle, engine)
+    llm.reset_cache()
+    one = portal.call(whole)
+    llm.reset_cache()
+    fork = portal.call(forked)
+    assert fork[0] and fork == one
+    assert engine.stats()["contexts"] == 0
