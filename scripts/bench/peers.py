@@ -299,7 +299,12 @@ def running(spec: ServerSpec, tmp: Path, ready_timeout: float) -> Iterator[tuple
                 if httpx.get(base + spec.ready_path, timeout=2).status_code == 200:
                     break
             time.sleep(0.5)
-        yield base, [proc.pid, *descendants(proc.pid)], argv
+        try:
+            yield base, [proc.pid, *descendants(proc.pid)], argv
+        except (httpx.HTTPError, ServerFailed) as exc:  # say why: a crashed server's last words are in its log
+            state = f"exited with status {proc.returncode}" if proc.poll() is not None else "still running"
+            raise SystemExit(f"{spec.label} failed while measured ({state}): {type(exc).__name__}: {exc}\n"
+                             f"{' '.join(argv)}\n--- the end of its log ---\n{log.read_text()[-6000:]}") from exc
     finally:
         proc.terminate()
         try:
@@ -380,7 +385,9 @@ async def timed_round(client: Client, prompts: list[str], max_tokens: int) -> tu
 
 
 async def measure(base: str, extra: dict[str, Any], work: Workload, args) -> dict:
-    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    # Idle connections are dropped after 1 s, well before a server closes them (llama-server's cpp-httplib after
+    # 5 s, httpx's own default expiry too): reusing one the server has just closed fails the request.
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64, keepalive_expiry=1.0)
     async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as http:
         client = Client(http, extra)
         # Warm-up: a full-width round, one solo request and one long prompt, so no shape is first seen while timed.
