@@ -399,7 +399,7 @@ class LlamaCppCore(LLMCore):
         """This iteration's batch (llama_cpp_batch.plan), prefills and scoring jobs in the policy's order: the
         most urgent first, stable among equals."""
         self._prefills = deque(sorted(self._prefills, key=lambda f: f.prefill.priority))
-        self._scoring.sort()
+        self._scoring.prune_and_sort()
         return plan(self._rows, self._prefills, self._scoring, self.max_batch_tokens)
 
     def _run(self, parts: list[Part], out: Outbox) -> None:

@@ -137,7 +137,7 @@ class ScoringQueue:
         groups = shared_prefix_groups([list(p) for p in cmd.prompts], MIN_SHARED_SCORING_PREFIX)
         self.jobs.append(ScoreJob(cmd, result, groups))
 
-    def sort(self) -> None:
+    def prune_and_sort(self) -> None:
         """The policy's order: lowest priority first (stable, so oldest first among equals); abandoned jobs go."""
         for job in [j for j in self.jobs if j.cmd.reply.abandoned]:
             self.end(job)
