@@ -42,7 +42,7 @@ from headrace.plugins.engines.llama_cpp_batch import (Fill, Part, ScoringQueue, 
                                                        write_batch)
 from headrace.plugins.engines.llama_cpp_files import llama, load_tokenizer, quantized_model
 from headrace.plugins.engines.llama_cpp_options import SCORE_SEQUENCES, parse_options
-from headrace.plugins.engines.llm_core import LLMCore, Row, sample_row, sample_rows
+from headrace.plugins.engines.llm_core import LLMCore, Row, logprobs_row, sample_rows_numpy
 from headrace.plugins.engines.llm_front import LLMFront
 from headrace.plugins.engines.llm_messages import Decode, EngineError, Logits, Outbox, Prefill
 from headrace.plugins.engines.prefix_cache import PrefixCache, PrefixCacheStats, cache_stats
@@ -61,7 +61,7 @@ class _Sequence:
 
     seq: int
     length: int  # tokens in its KV
-    next_logits: torch.Tensor | None = None  # after its prefill, until a decode samples from them
+    next_logits: np.ndarray | None = None  # (V,) after its prefill, until a decode samples from them
     filling: bool = True  # its prefill has not finished
     decoding: bool = False
     tokens: TokenIds = field(default_factory=list)  # its prompt (a fork: the parent's, then its own)
@@ -387,9 +387,10 @@ class LlamaCppCore(LLMCore):
         for r in joining:
             try:
                 seq = self._contexts[r.ctx]
-                logits, seq.next_logits = seq.next_logits, None
-                first = sample_row(r, logits)
-                if not self.emit(r, first, out, logits):
+                logits, seq.next_logits = seq.next_logits[None], None
+                if isinstance(first := sample_rows_numpy([r], logits)[0], BaseException):
+                    raise first
+                if not self.emit(r, first, out, logprobs_row(r, logits[0])):
                     self._rows.append(r)
             except Exception as exc:  # this row's sampling or detokenising: it fails alone
                 log.exception("engine %s: starting a decode failed", self.name)
@@ -439,8 +440,9 @@ class LlamaCppCore(LLMCore):
             else:
                 lc.llama_memory_seq_rm(self._mem, part.fill.seq, part.fill.start + part.fill.done, -1)
 
-    def _decode(self, parts: list[Part]) -> torch.Tensor:
-        """One llama_decode of the parts; returns the logits it asked for, one row each, in order."""
+    def _decode(self, parts: list[Part]) -> np.ndarray:
+        """One llama_decode of the parts; the logits it asked for, a row each, in part order (numpy: no torch op
+        on the per-token path, see ``sample_rows_numpy``)."""
         lc = llama()
         batch = self._batch
         entries, out_rank = batch_entries(parts, lambda r: self._contexts[r.ctx].seq)
@@ -456,10 +458,9 @@ class LlamaCppCore(LLMCore):
         if outputs:
             # All requested rows, in batch order; copied, as the next decode reuses the buffer.
             buffer = np.ctypeslib.as_array(lc.llama_get_logits(self._ctx), shape=(outputs, self._n_vocab))
-            logits = torch.empty(outputs, self._n_vocab)
-            logits[out_rank] = torch.from_numpy(buffer)  # back to part order (a copy: the buffer is reused)
+            logits = buffer[np.argsort(out_rank)]  # back to part order (a copy: the buffer is reused)
         else:
-            logits = torch.empty(0, self._n_vocab)
+            logits = np.empty((0, self._n_vocab), dtype=np.float32)
         for kind in ("decode", "prefill", "score"):
             size = sum(len(p.rows) if kind == "decode" else 1 for p in parts if p.kind == kind)
             if size:
@@ -477,12 +478,12 @@ class LlamaCppCore(LLMCore):
             seq.length = fill.start + fill.done
             if fill.remaining == 0:
                 self._prefills.remove(fill)
-                seq.filling, seq.next_logits = False, logits[0]
+                seq.filling, seq.next_logits = False, logits[0].copy()  # not a view that pins the batch's
                 if self.prefix_cache is not None:
                     self.prefix_cache.insert(seq.tokens, lambda n, src=seq.seq: self._cache_copy(src, n))
                 out.reply(fill.prefill.reply)
         else:
-            self._scoring.filled(fill, logits, out)
+            self._scoring.filled(fill, torch.from_numpy(logits), out)
 
     def _cache_copy(self, src: int, n: int) -> int:
         """A cache sequence holding positions [0, n) of ``src`` (the least recently used entry gives its up)."""
@@ -510,8 +511,8 @@ class LlamaCppCore(LLMCore):
                                             shared_blocks=self._kv_unified,
                                             on_evict=lambda seq: self._drop_sequence(seq, self._free_cache_seqs))
 
-    def _finish_decode(self, rows: list[Row], logits: torch.Tensor, out: Outbox) -> None:
-        tokens = sample_rows(rows, logits)
+    def _finish_decode(self, rows: list[Row], logits: np.ndarray, out: Outbox) -> None:
+        tokens = sample_rows_numpy(rows, logits)
         ended = set()
         for i, (r, token) in enumerate(zip(rows, tokens)):
             r.length += 1  # its pending token is in the KV now
@@ -519,7 +520,7 @@ class LlamaCppCore(LLMCore):
             try:
                 if isinstance(token, BaseException):
                     raise token
-                finished = self.emit(r, token, out, logits[i])
+                finished = self.emit(r, token, out, logprobs_row(r, logits[i]))
             except Exception as exc:  # this row only
                 log.exception("engine %s: a decode row failed", self.name)
                 self.fail_row(r, exc, out)
@@ -596,3 +597,4 @@ class LlamaCppLLM(LLMFront):
 @hookimpl
 def register_engines(register):
     register("llama-cpp", LlamaCppLLM)
+

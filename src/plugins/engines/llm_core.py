@@ -37,12 +37,13 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ContextManager, Sequence
 
+import numpy as np
 import torch
 
 from headrace.plugins.engines import constraints
 from headrace.plugins.engines.llm_messages import (CacheControl, Command, Decode, EngineError, Heartbeat, Logits,
                                                    Outbox, Prefill, Stop)
-from headrace.plugins.engines.sampling import Detokenizer, make_generator, sample, token_logprob
+from headrace.plugins.engines.sampling import Detokenizer, is_greedy, make_generator, sample, token_logprob
 from headrace.plugins.protocols import SamplingParams, TokenDelta
 from headrace.types import ContextId
 
@@ -277,3 +278,26 @@ def sample_row(r: Row, logits: torch.Tensor) -> int:
     mask = constraints.bitmask([r.matcher], logits.shape[-1])
     return sample(logits.unsqueeze(0), [r.params], [r.generator], mask)[0]
 
+
+def sample_rows_numpy(rows: Sequence[Row], logits: np.ndarray) -> list[int | BaseException]:
+    """``sample_rows`` for a core whose logits are a numpy array (B, V) (llama.cpp's buffer, copied out).
+
+    A greedy row with no constraint takes its argmax in numpy, so the common case costs no torch op on
+    the per-token path (a torch op runs an OpenMP team of its own, which contends with the engine's own
+    threads for the same cores); the other rows go through the shared sampler, failing alone."""
+    tokens: list[int | BaseException] = [0] * len(rows)
+    rest = []
+    for i, r in enumerate(rows):
+        if r.matcher is None and is_greedy(r.params):
+            tokens[i] = int(logits[i].argmax())
+        else:
+            rest.append(i)
+    if rest:
+        for i, token in zip(rest, sample_rows([rows[i] for i in rest], torch.from_numpy(logits[rest]))):
+            tokens[i] = token
+    return tokens
+
+
+def logprobs_row(r: Row, logits: np.ndarray) -> torch.Tensor | None:
+    """One row of numpy logits (V,) as ``emit`` takes them: only for a request that asked for logprobs."""
+    return torch.from_numpy(logits) if r.params.logprobs is not None else None

@@ -31,6 +31,7 @@ switch to the worker as a command).
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import itertools
 import logging
@@ -81,6 +82,7 @@ class LLMFront:
         self.core = core
         self._commands: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
         self._portal: BlockingPortal | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # where the worker's outboxes are delivered
         self._ctx_ids = itertools.count()
         self._live: set[ContextId] = set()  # contexts not yet freed, as the event loop sees them
         # Every request awaiting the worker, so that its death answers them all.
@@ -111,7 +113,7 @@ class LLMFront:
         worker_ended = anyio.Event()
         load_error: list[BaseException] = []
         async with BlockingPortal() as portal:
-            self._portal = portal
+            self._portal, self._loop = portal, asyncio.get_running_loop()
             worker = threading.Thread(
                 target=self._worker_main, args=(portal, loaded, worker_ended, load_error), name=f"headrace-{self.name}",
                 daemon=True,
@@ -127,7 +129,7 @@ class LLMFront:
                 self._commands.put(None)
                 with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(worker.join)
-                self._portal = None
+                self._portal = self._loop = None
                 self._fail_outstanding()
                 # Cancelled (shutdown, or the daemon evicting us) or failed: the model's memory goes;
                 # the next run() loads it again.
@@ -360,14 +362,20 @@ class LLMFront:
         return commands  # type: ignore[return-value]
 
     def _deliver(self, out: Outbox) -> bool:
+        """Hand the iteration's results to the event loop without waiting for it to run them.
+
+        Not a blocking portal call: waiting for the loop to take each outbox put a thread handoff
+        and whatever the loop was busy with (streaming the last tokens out) between every two
+        decode steps. Callbacks run in the order they were scheduled, so deltas stay in order, and
+        every outbox is delivered before the loop sees the worker end (``run`` joins it after)."""
         if not out.deltas and not out.replies:
             return True
-        portal = self._portal
-        if portal is None:
+        loop = self._loop
+        if loop is None:
             return False
         try:
-            portal.call(deliver_on_loop, out)
-        except (RuntimeError, concurrent.futures.CancelledError):  # the event loop is shutting down
+            loop.call_soon_threadsafe(deliver_on_loop, out)
+        except RuntimeError:  # the event loop is closed
             return False
         return True
 
