@@ -14,6 +14,10 @@ The three are kept apart (``key:``, ``user:``, ``header:`` prefixes) and per API
 client's ``user`` never adds to another's program. ``ProgramRegistry`` keeps each named
 program's attained service (prompt + generated tokens of its finished requests), bounded in
 size and forgotten after an idle time: a program that stops calling starts again at zero.
+
+It also times each program's pauses on a tool (from a turn that ended in tool calls to the
+program's next request): their mean predicts when a waiting program is back, which ranks its
+retained KV in the prefix cache's eviction (KVFlow's steps-to-next-use, in seconds here).
 """
 
 from __future__ import annotations
@@ -49,6 +53,9 @@ class ProgramRegistry:
             raise ValueError("a program registry needs capacity >= 1 and idle_seconds > 0")
         self.capacity, self.idle_seconds, self._clock = capacity, idle_seconds, clock
         self._programs: OrderedDict[str, tuple[int, float]] = OrderedDict()  # id -> (tokens, last active)
+        self._waiting: dict[str, float] = {}  # program -> when its turn ended in tool calls
+        self._tool_seconds: dict[str, float] = {}  # program -> its mean pause on a tool so far
+        self.retained: set[str] = set()  # programs holding a pin in an engine's prefix cache (the routes keep it)
 
     def __len__(self) -> int:
         self._expire(self._clock())
@@ -80,9 +87,27 @@ class ProgramRegistry:
             self._programs.popitem(last=False)
         return total
 
+    def wait_on_tool(self, program: str) -> float | None:
+        """``program``'s turn ended in tool calls: its pause starts. The seconds it is predicted to last (its
+        mean pause so far; None: its first)."""
+        self._waiting[program] = self._clock()
+        return self._tool_seconds.get(program)
+
+    def back(self, program: str | None) -> None:
+        """``program``'s next request came: a pause on a tool, if one was open, is measured."""
+        since = self._waiting.pop(program, None) if program is not None else None
+        if since is not None:
+            took = self._clock() - since
+            mean = self._tool_seconds.get(program)  # type: ignore[arg-type]
+            self._tool_seconds[program] = took if mean is None else 0.5 * (mean + took)  # type: ignore[index]
+
     def _expire(self, now: float) -> None:
         while self._programs:
             program, (_, last) = next(iter(self._programs.items()))
             if now - last < self.idle_seconds:
                 break
             del self._programs[program]
+        for table in (self._waiting, self._tool_seconds):
+            if len(table) > len(self._programs):  # some belong to forgotten programs (a scan only then)
+                for program in [p for p in table if p not in self._programs]:
+                    del table[program]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -149,6 +149,7 @@ class Metrics:
                     queries.add_metric([model], s["prefix_cache_queries"])
                     hits.add_metric([model], s["prefix_cache_hits"])
                     usage.add_metric([model], s["prefix_cache_tokens"] / max(1, s["prefix_cache_capacity"]))
+                yield from _pin_families(cached)
                 kv = GaugeMetricFamily("headrace_kv_cache_usage_perc", "KV-cache usage: the fraction of the "
                                        "engine's KV capacity its contexts hold (1 = full).", labels=["model"])
                 for model, s in stats.items():
@@ -274,3 +275,24 @@ class Metrics:
     def run_finished(self, workflow: str, status: str, seconds: float) -> None:
         self.workflow_runs.labels(workflow, status).inc()
         self.workflow_run_seconds.labels(workflow).observe(seconds)
+
+
+def _pin_families(cached: Mapping[str, Mapping[str, int]]) -> Iterator[Any]:
+    """The prefix cache's pins and evictions (issue 28), for the engines that report them."""
+    pinned = GaugeMetricFamily("headrace_prefix_cache_pinned_tokens", "Tokens of the prefix cache's pinned entries "
+                               "(a program's retained context, a client's cache_control prefix).", labels=["model"])
+    evictions = CounterMetricFamily("headrace_prefix_cache_evictions", "Prefix-cache entries evicted, by reason: lru, "
+                                    "next_use (a predicted next use chose another than LRU), superseded (a longer "
+                                    "entry holds it all).", labels=["model", "reason"])
+    pins = CounterMetricFamily("headrace_prefix_cache_pins", "Prefix-cache pins by outcome: pinned (made or renewed), "
+                               "expired, refused (the pin budget was full).", labels=["model", "outcome"])
+    for model, s in cached.items():
+        if "prefix_cache_pinned_tokens" not in s:
+            continue
+        pinned.add_metric([model], s["prefix_cache_pinned_tokens"])
+        for reason in ("lru", "next_use", "superseded"):
+            evictions.add_metric([model, reason], s[f"prefix_cache_evictions_{reason}"])
+        for outcome, key in (("pinned", "prefix_cache_pins"), ("expired", "prefix_cache_pins_expired"),
+                             ("refused", "prefix_cache_pins_refused")):
+            pins.add_metric([model, outcome], s[key])
+    yield from (pinned, evictions, pins)

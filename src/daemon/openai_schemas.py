@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from headrace.plugins.protocols import MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN
 
@@ -71,7 +71,8 @@ class Sampling(Body):
                                                "prompt_cache_key does not")
     prompt_cache_key: str | None = Field(
         None, description="the program (an agent's or a conversation's turns) the request joins: the `las` LLM "
-                          "policy ranks it by the tokens that program was served so far")
+                          "policy ranks it by the tokens that program was served so far, and a turn that ends in "
+                          "tool calls keeps its context's KV pinned for the program's next turn")
 
 
 class StreamOptions(Body):
@@ -147,9 +148,39 @@ class ToolCall(Body):
     function: ToolCallFunction
 
 
+# A cache_control mark's TTL: Anthropic's two names, or seconds; at most an hour (Anthropic's longest).
+CACHE_TTL_NAMES = {"5m": 300.0, "1h": 3600.0}
+MAX_CACHE_TTL_SECONDS = 3600.0
+
+
+def cache_ttl_seconds(ttl: str | int | float | None) -> float:
+    """A checked mark's TTL in seconds (none given: 5 minutes, Anthropic's default)."""
+    if ttl is None:
+        return CACHE_TTL_NAMES["5m"]
+    return CACHE_TTL_NAMES[ttl] if isinstance(ttl, str) else float(ttl)
+
+
+class CacheControl(Body):
+    """Anthropic's (and LiteLLM's) prompt-caching mark: the prompt up to and including the message it is on
+    is pinned in the prefix cache for ``ttl``."""
+
+    type: Literal["ephemeral"]
+    ttl: str | int | float | None = Field(None, description="'5m' (the default), '1h', or seconds from 1 to 3600")
+
+    @field_validator("ttl")
+    @classmethod
+    def _ttl(cls, ttl: str | int | float | None) -> str | int | float | None:
+        if isinstance(ttl, str) and ttl not in CACHE_TTL_NAMES:
+            raise ValueError(f"must be '5m', '1h' or a number of seconds, not {ttl!r}")
+        if isinstance(ttl, (int, float)) and not 1 <= ttl <= MAX_CACHE_TTL_SECONDS:
+            raise ValueError(f"must be from 1 to {MAX_CACHE_TTL_SECONDS:.0f} seconds, not {ttl!r}")
+        return ttl
+
+
 class TextPart(Body):
     type: Literal["text"]
     text: str
+    cache_control: CacheControl | None = None
 
 
 class ChatMessage(Body):
@@ -159,6 +190,8 @@ class ChatMessage(Body):
     name: str | None = None
     tool_calls: list[ToolCall] | None = Field(None, description="assistant messages: the calls it made")
     tool_call_id: str | None = Field(None, description="tool messages: the call this is the result of")
+    cache_control: CacheControl | None = Field(None, description="pin the prompt up to and including this message "
+                                                                 "in the prefix cache")
 
 
 class ChatCompletionRequest(Sampling, NeutralFields, WithResponseFormat):

@@ -259,6 +259,23 @@ class PrefixCaching(Protocol):
 
 
 @runtime_checkable
+class PinsPrefixes(Protocol):
+    """An LLM engine whose prefix cache holds pinned prefixes (issue 28: retention across a program's pauses,
+    clients' ``cache_control`` marks). Pinned entries are never evicted; a pin ends at its TTL."""
+
+    async def pin_prefix(self, tokens: Sequence[int], ttl: float | None, *, owner: str | None = None,
+                         next_use: float | None = None) -> int:
+        """Pin the cached entry holding the longest prefix of ``tokens`` for ``ttl`` seconds (None: the
+        engine's retention TTL for a context that long). ``owner``: the program retaining it (its earlier
+        pin goes); ``next_use``: seconds until it is predicted back. The tokens pinned; 0: none."""
+        ...
+
+    async def unpin_prefix(self, owner: str) -> None:
+        """The program ``owner`` no longer needs what it pinned."""
+        ...
+
+
+@runtime_checkable
 class WorkerHeartbeat(Protocol):
     """An engine whose compute runs on a worker thread of its own (every in-process LLM engine).
 

@@ -1,6 +1,6 @@
 """The prefix cache's bookkeeping: block hashes, longest match, LRU eviction within the token budget."""
 
-from headrace.plugins.engines.prefix_cache import PrefixCache, block_hashes
+from headrace.plugins.engines.prefix_cache import PinPolicy, PrefixCache, block_hashes
 
 
 def test_block_hashes_name_whole_prefixes():
@@ -77,3 +77,100 @@ def test_with_shared_blocks_a_system_prompt_behind_many_questions_counts_once():
     assert shared.evict_lru() and shared.used_tokens == 16
     assert shared.evict_lru() and shared.evict_lru() and shared.used_tokens == 0
     assert shared.match(system, 8) is None
+
+
+# ----- pins and eviction by next use (issue 28) ----------------------------------------------
+
+
+class Clock:
+    """The cache's clock, moved by hand: a TTL is a time, and a test should not sleep through it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def pinning_cache(capacity: int = 8, pin_tokens: int = 8, **kw) -> tuple[PrefixCache[int], Clock]:
+    clock = Clock()
+    return PrefixCache(capacity_tokens=capacity, block=4, policy=PinPolicy(pin_tokens), clock=clock, **kw), clock
+
+
+def test_a_pinned_prefix_outlives_traffic_that_evicts_it_under_lru():
+    cache, _ = pinning_cache()
+    cache.insert([1] * 4, lambda n: 1)
+    assert cache.pin([1] * 4 + [0], ttl=10, owner="agent") == 4
+    for q in (2, 3, 4):
+        cache.insert([q] * 4, lambda n, q=q: q)
+    assert cache.match([1] * 4 + [0], 4) is not None and cache.match([2] * 4, 4) is None
+    assert (cache.pinned_tokens, cache.stats.evicted_lru) == (4, 2)
+
+
+def test_a_pin_expires_at_its_ttl_and_the_entry_is_evictable_again():
+    cache, clock = pinning_cache()
+    cache.insert([1] * 4, lambda n: 1)
+    cache.pin([1] * 4, ttl=5)
+    clock.now = 4.9
+    cache.insert([2] * 4, lambda n: 2)
+    cache.insert([3] * 4, lambda n: 3)  # evicts 2, the oldest unpinned
+    assert cache.match([1] * 4, 4) is not None and cache.pinned_tokens == 4
+    clock.now = 5.0
+    cache.insert([4] * 4, lambda n: 4)  # the pin expired on this insert: 1 is the least recently used
+    assert cache.match([1] * 4, 4) is None
+    assert (cache.pinned_tokens, cache.stats.pins_expired) == (0, 1)
+
+
+def test_pins_never_exceed_their_budget_and_one_past_it_is_refused():
+    cache, _ = pinning_cache(capacity=32, pin_tokens=8)
+    for q in (1, 2, 3):
+        cache.insert([q] * 4, lambda n, q=q: q)
+    assert cache.pin([1] * 4, 10, owner="a") == 4 and cache.pin([2] * 4, 10, owner="b") == 4
+    assert cache.pin([3] * 4, 10, owner="c") == 0  # 12 > 8: refused, the earlier pins kept
+    assert (cache.pinned_tokens, cache.stats.pins_refused) == (8, 1)
+    assert cache.pin([1] * 4, 20) == 4 and cache.pinned_tokens == 8  # a second pin of a pinned entry costs nothing
+
+
+def test_a_program_holds_one_pin_and_unpinning_ends_it():
+    cache, _ = pinning_cache(capacity=32, pin_tokens=32)
+    cache.insert([1] * 4, lambda n: 1)
+    cache.insert([1] * 4 + [2] * 4, lambda n: 2)  # the next turn: it supersedes turn 1's entry
+    assert cache.stats.evicted_superseded == 1 and len(cache) == 1
+    cache.insert([5] * 4, lambda n: 5)
+    cache.pin([5] * 4, 10, owner="p")
+    assert cache.pin([1] * 8, 10, owner="p") == 8 and cache.pinned_tokens == 8  # the turn before is unpinned
+    cache.unpin("p")
+    assert cache.pinned_tokens == 0 and cache.pinned_entries == 0
+
+
+def test_the_entry_needed_furthest_ahead_goes_first_lru_among_equals():
+    cache, clock = pinning_cache(capacity=12, pin_tokens=0)
+    cache.insert([1] * 4, lambda n: 1)  # a program's context; its pin is refused (no budget) but it is predicted
+    cache.pin([1] * 4, 10, owner="agent", next_use=1.0)  # back in 1 s
+    clock.now = 2.0
+    cache.insert([2] * 4, lambda n: 2)
+    clock.now = 2.5
+    cache.insert([3] * 4, lambda n: 3)
+    clock.now = 3.0  # the agent is overdue: needed now; 2 was last used 1 s ago, 3 0.5 s ago
+    cache.insert([4] * 4, lambda n: 4)
+    assert cache.match([1] * 4, 4) is not None and cache.match([2] * 4, 4) is None
+    assert cache.stats.evicted_next_use == 1  # LRU would have taken 1
+    cache.unpin("agent")  # back to LRU: 1 is the least recently used
+    cache.insert([5] * 4, lambda n: 5)
+    assert cache.match([1] * 4, 4) is None and cache.stats.evicted_lru == 1
+
+
+def test_pins_leave_one_slot_where_entries_are_bounded():
+    cache, _ = pinning_cache(capacity=100, pin_tokens=100, max_entries=2)
+    cache.insert([1] * 4, lambda n: 1)
+    cache.insert([2] * 4, lambda n: 2)
+    assert cache.pin([1] * 4, 10) == 4 and cache.pin([2] * 4, 10) == 0  # the last slot stays for new prompts
+    cache.insert([3] * 4, lambda n: 3)
+    assert cache.match([1] * 4, 4) is not None and cache.match([3] * 4, 4) is not None and len(cache) == 2
+
+
+def test_the_retention_ttl_weighs_the_refill_and_is_clamped():
+    policy = PinPolicy(100, ttl_factor=10.0, ttl_min=2.0, ttl_max=60.0)
+    assert policy.retention_ttl(500, 1000.0) == 5.0
+    assert policy.retention_ttl(10, 1000.0) == 2.0 and policy.retention_ttl(10_000, 1000.0) == 60.0
+    assert policy.retention_ttl(500, None) == policy.retention_ttl(500, 1000.0)  # unmeasured: the default rate

@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from headrace.batching.programs import PROGRAM_HEADER, ProgramRegistry, program_of
 from headrace.daemon import bodies as rq
-from headrace.daemon import structured
+from headrace.daemon import retention, structured
 from headrace.daemon.errors import APIError, bad_request, internal
 from headrace.daemon.logprobs import CompletionLogprobs, TokenStrings, chat_content
 from headrace.daemon.openai_schemas import COMPLETIONS_MAX_TOKENS, MAX_CHOICES, ChatCompletionRequest, CompletionRequest
@@ -113,8 +113,11 @@ async def chat_completions(request: Request) -> Response:
     size = sum(len(m["content"]) for m in messages) + (len(json.dumps(tools.specs)) if tools else 0)
     tokens = await rq.off_loop_if_large(size, _chat_tokens, slot.engine, messages, tools)
     _check_length(slot, tokens, "messages")
+    marked = retention.marks(body)
+    prefixes = await rq.off_loop_if_large(size * len(marked), retention.marked_prefixes, slot.engine, messages,
+                                          tools, tokens, marked) if marked else []
     return await _respond(request, slot, [tokens], params, body.n or 1, spec, chat=True, tools=tools,
-                          program=_program(request, body))
+                          program=_program(request, body), pins=prefixes)
 
 
 def _chat_tokens(engine: Any, messages: list[dict[str, Any]], tools: structured.ToolPlan | None) -> list[int]:
@@ -218,7 +221,7 @@ async def _collect(request: Request, deltas: AsyncIterator[ChoiceDelta], count: 
 
 async def _respond(request: Request, slot: Any, prompts: list[list[int]], params: SamplingParams, n: int,
                    spec: rq.StreamSpec, chat: bool, tools: structured.ToolPlan | None = None,
-                   program: str | None = None) -> Response:
+                   program: str | None = None, pins: list[tuple[int, float]] | None = None) -> Response:
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
     count = len(prompts) * n
@@ -226,13 +229,16 @@ async def _respond(request: Request, slot: Any, prompts: list[list[int]], params
     strings = TokenStrings(slot.engine.tokenizer) if params.logprobs is not None else None
     # A one-request run through the graph executor: the same batching path as workflows. A named program
     # brings the tokens its earlier requests were served (``las`` ranks by them) and adds this one's.
+    registry = services(request).programs
     if program is None:
         deltas = services(request).workflows.generate_choices(slot.name, prompts, params, n)
     else:
-        registry = services(request).programs
+        registry.back(program)
         deltas = _served(services(request).workflows.generate_choices(
             slot.name, prompts, params, n, program=program, attained_tokens=registry.attained(program)),
             registry, program, n_prompt)
+    if chat and (pins or program is not None):  # a chat turn's pins (headrace.daemon.retention)
+        deltas = retention.pinned_after(deltas, slot.engine, prompts[0], tools, program, registry, pins or [])
     if not spec.stream:
         collected = await _collect(request, deltas, count)
         if collected is None:

@@ -72,7 +72,7 @@ class LlamaCppCore(LLMCore):
         o = parse_options(spec)
         self._path, self._env, self._threads, self._kv_unified = o.path, env, o.threads, o.kv_unified
         self.max_contexts, self.max_batch_tokens, self._n_ctx = o.max_contexts, o.max_batch_tokens, o.n_ctx
-        self.prefix_cache_tokens, self._cache_sequences = o.prefix_cache_tokens, o.cache_sequences
+        self.prefix_cache_tokens, self._cache_sequences, self._pins = o.prefix_cache_tokens, o.cache_sequences, o.pins
         self._context_wait, self._quant, self._n_sequences = o.context_wait, o.quantize, o.sequences
         super().__init__(spec.name, o.max_context_tokens)
         self.model_file: Path | None = None  # what llama.cpp loaded (the converted copy)
@@ -357,6 +357,9 @@ class LlamaCppCore(LLMCore):
         if seq is not None:
             seq.decoding = False
             seq.length = r.length
+            if self.prefix_cache is not None and self._pins.pin_tokens > 0:  # retention: a next turn repeats it all
+                held = seq.tokens + r.detok.ids[: r.length - len(seq.tokens)]  # the last token sampled is not in the KV
+                self.prefix_cache.insert(held, lambda n, src=seq.seq: self._cache_copy(src, n))
         super().row_finished(r)
 
     def stats(self) -> dict[str, int]:
@@ -364,7 +367,7 @@ class LlamaCppCore(LLMCore):
         stats = {"contexts": len(self._contexts), "decoding": len(self._rows),
                  "waiting": len(self._waiting) + len(self._blocked)}
         if self.prefix_cache_tokens > 0:
-            stats.update(cache_stats(self._cache_stats, self.prefix_cache, self.prefix_cache_tokens))
+            stats.update(cache_stats(self._cache_stats, self.prefix_cache, self.prefix_cache_tokens, self._pins))
         # Contexts and cached prefixes share the llama context's n_ctx cells (read on the event loop: list() copies).
         held = sum(seq.length for seq in list(self._contexts.values())) + stats.get("prefix_cache_tokens", 0)
         stats.update(kv_cache_tokens=held, kv_cache_capacity=self._n_ctx)
@@ -486,10 +489,7 @@ class LlamaCppCore(LLMCore):
             self._scoring.filled(fill, torch.from_numpy(logits), out)
 
     def _cache_copy(self, src: int, n: int) -> int:
-        """A cache sequence holding positions [0, n) of ``src`` (the least recently used entry gives its up)."""
-        assert self.prefix_cache is not None
-        if not self._free_cache_seqs:
-            self.prefix_cache.evict_lru()
+        """A cache sequence holding positions [0, n) of ``src`` (the cache keeps at most one entry a sequence)."""
         dst = self._free_cache_seqs.pop()
         self._copy_sequence(src, dst, n)
         return dst
@@ -508,7 +508,8 @@ class LlamaCppCore(LLMCore):
             # extends: in the unified KV they share those cells, so a shared block counts once; with a
             # stream per sequence each entry holds a copy of its own.
             self.prefix_cache = PrefixCache(self.prefix_cache_tokens, stats=self._cache_stats,
-                                            shared_blocks=self._kv_unified,
+                                            shared_blocks=self._kv_unified, policy=self._pins,
+                                            max_entries=self._cache_sequences,
                                             on_evict=lambda seq: self._drop_sequence(seq, self._free_cache_seqs))
 
     def _finish_decode(self, rows: list[Row], logits: np.ndarray, out: Outbox) -> None:

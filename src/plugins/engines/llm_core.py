@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ContextManager, Sequence
@@ -42,7 +43,7 @@ import torch
 
 from headrace.plugins.engines import constraints
 from headrace.plugins.engines.llm_messages import (CacheControl, Command, Decode, EngineError, Heartbeat, Logits,
-                                                   Outbox, Prefill, Stop)
+                                                   Outbox, Pin, Prefill, Stop)
 from headrace.plugins.engines.sampling import Detokenizer, is_greedy, make_generator, sample, token_logprob
 from headrace.plugins.protocols import SamplingParams, TokenDelta
 from headrace.types import ContextId
@@ -84,6 +85,10 @@ class LLMCore(ABC):
         self.vocab_size = 0
         self.eos: set[int] = set()
         self._constrainer: constraints.Constrainer | None = None  # made on the first constrained decode
+        # Prompt tokens the engine fills a second (a moving average over iterations that filled some; one
+        # that also decoded counts its whole time, so this errs low): what the retention TTL weighs a
+        # context's refill by. None until measured (a core that keeps ``token_counts``).
+        self.tokens_per_second: float | None = None
 
     # ----- what a core implements --------------------------------------------------------
 
@@ -159,11 +164,30 @@ class LLMCore(ABC):
     def prefix_caching_enabled(self) -> bool:
         return False
 
+    def pin_prefix(self, cmd: Pin) -> int:
+        """``Pin``: pin (or unpin) in the core's ``prefix_cache``; 0 where there is none."""
+        cache = getattr(self, "prefix_cache", None)
+        if cache is None:
+            return 0
+        if cmd.ttl == 0 and cmd.owner is not None:
+            cache.unpin(cmd.owner)
+            return 0
+        ttl = cmd.ttl if cmd.ttl is not None else cache.policy.retention_ttl(len(cmd.tokens), self.tokens_per_second)
+        return cache.pin(cmd.tokens, ttl, owner=cmd.owner, next_use=cmd.next_use)
+
     # ----- given to every core -------------------------------------------------------------
 
     def iterate(self, commands: list[Command], out: Outbox) -> None:
         self.apply(commands, out)
+        counts: dict[str, int] | None = getattr(self, "token_counts", None)
+        before, start = (counts.get("prefill", 0) if counts else 0), time.monotonic()
         self.step(out)
+        if counts:
+            done, took = counts.get("prefill", 0) - before, time.monotonic() - start
+            if done >= 16 and took > 0:  # an iteration that did real work; a moving average over them
+                rate = done / took
+                self.tokens_per_second = rate if self.tokens_per_second is None else (
+                    0.9 * self.tokens_per_second + 0.1 * rate)
 
     def apply(self, commands: list[Command], out: Outbox) -> None:
         prefills: list[Prefill] = []
@@ -182,6 +206,8 @@ class LLMCore(ABC):
                 elif isinstance(cmd, CacheControl):
                     self.set_prefix_caching(cmd.enabled)
                     out.reply(cmd.reply)
+                elif isinstance(cmd, Pin):
+                    out.reply(cmd.reply, self.pin_prefix(cmd))
                 elif isinstance(cmd, Heartbeat):
                     out.reply(cmd.reply)
             except Exception as exc:  # this command's request fails, no other
@@ -189,7 +215,7 @@ class LLMCore(ABC):
                 if isinstance(cmd, Decode):
                     out.fail_stream(cmd.send, self.error(exc))
                     self.release(cmd.ctx)
-                elif isinstance(cmd, (Logits, CacheControl)):
+                elif isinstance(cmd, (Logits, CacheControl, Pin)):
                     out.reply(cmd.reply, error=self.error(exc))
         if prefills:
             self.add_prefills(prefills, out)

@@ -26,7 +26,8 @@ Every request carries the LLM scheduler's ``priority`` (lower first; the
 core cannot run all its work in one iteration, it takes the most urgent first,
 in arrival order among equals. A core with a prefix cache implements
 ``set_prefix_caching`` and ``prefix_caching_enabled`` (the front carries the
-switch to the worker as a command).
+switch to the worker as a command); one whose ``prefix_cache`` is a ``PrefixCache``
+gets pins (``pin_prefix``, the ``Pin`` command) from the base class.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from headrace.plugins.engines import chat
 from headrace.plugins.engines.chat import ChatMessages, ToolSpecs
 from headrace.plugins.engines.llm_core import LLMCore
 from headrace.plugins.engines.llm_messages import (CacheControl, Command, Decode, EngineError, Heartbeat, Logits,
-                                                   Outbox, Prefill, Reply, Stop, deliver_on_loop)
+                                                   Outbox, Pin, Prefill, Reply, Stop, deliver_on_loop)
 from headrace.plugins.protocols import SamplingParams, TokenDelta
 from headrace.types import ContextId, TokenIds
 
@@ -244,6 +245,20 @@ class LLMFront:
         self._require_running()
         reply = Reply()
         self._commands.put(CacheControl(enabled, reply))
+        await self._wait(reply)
+
+    async def pin_prefix(self, tokens: Sequence[int], ttl: float | None, *, owner: str | None = None,
+                         next_use: float | None = None) -> int:
+        """``PinsPrefixes``: a ``Pin`` command, answered after the iteration in progress."""
+        self._require_running()
+        reply = Reply()
+        self._commands.put(Pin(list(tokens), ttl, owner, next_use, reply))
+        return await self._wait(reply)
+
+    async def unpin_prefix(self, owner: str) -> None:
+        self._require_running()
+        reply = Reply()
+        self._commands.put(Pin([], 0, owner, None, reply))
         await self._wait(reply)
 
     async def heartbeat(self) -> None:

@@ -88,13 +88,25 @@ class CacheControl:
 
 
 @dataclass
+class Pin:
+    """Pin the cached prefix of ``tokens`` (``PrefixCache.pin``); with an ``owner`` and ``ttl`` 0, unpin the
+    owner's. ``ttl`` None: the engine's retention TTL for that many tokens (``PinPolicy.retention_ttl``)."""
+
+    tokens: TokenIds
+    ttl: float | None
+    owner: str | None
+    next_use: float | None  # seconds until the owner is predicted back; None: unknown
+    reply: Reply  # resolved with the tokens pinned (0: nothing cached, or the budget is full)
+
+
+@dataclass
 class Heartbeat:
     """Answered as soon as the worker takes it, so the answer comes after the iteration in progress."""
 
     reply: Reply
 
 
-Command = Prefill | Decode | Stop | Logits | CacheControl | Heartbeat
+Command = Prefill | Decode | Stop | Logits | CacheControl | Pin | Heartbeat
 
 
 @dataclass

@@ -16,15 +16,37 @@ a hundred different questions costs the prompt once plus each question's own blo
 
 Engine-neutral: an entry's ``kv`` is whatever the engine stores (the torch core
 keeps per-layer tensor views), made on demand by the factory given to ``insert``.
+
+Pins and eviction by next use (issue 28, after Continuum and KVFlow):
+
+- ``pin`` holds the entry that caches the longest prefix of some tokens for a time-to-live, under a
+  key: a program's id (retention across a tool call; one pin per program, a new one replaces its
+  last) or, for a client's ``cache_control`` mark, the entry itself (pins of one entry merge, the
+  later expiry wins). A pinned entry is never evicted. Expired pins go lazily, on the next insert,
+  lookup, pin or eviction. Pinned entries hold at most ``policy.pin_tokens`` tokens (each counted
+  whole, an upper bound where blocks are shared) and never the last of ``max_entries`` slots; a pin
+  past that is refused, not made room for: an earlier pin is a promise for its TTL, and the refused
+  entry stays cached as any other.
+- Among unpinned entries the one needed furthest ahead goes first. A retained program's entry is
+  needed when the program is predicted back (``next_use``: its measured tool time; its pin may have
+  expired or been refused); any other entry is predicted, as LRU does, to be needed again as far
+  ahead as it was last used behind. Ties go least recently used first, so with no predictions this
+  is plain LRU.
+- An unpinned entry whose tokens begin a newly inserted one is dropped (superseded): every lookup it
+  would answer, the new one answers.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Sequence, TypeVar
 
 KV = TypeVar("KV")
+# Tokens a second an engine is taken to (re)fill before it has measured its own (``LLMCore.tokens_per_second``).
+DEFAULT_TOKENS_PER_SECOND = 1000.0
 
 
 def block_hashes(tokens: Sequence[int], block: int) -> list[int]:
@@ -50,13 +72,57 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 class CachedPrefix(Generic[KV]):
     tokens: list[int]  # block-aligned
     kv: KV
+    last_used: float = 0.0  # the cache's clock
+    pins: dict[str, float] = field(default_factory=dict)  # pin key -> when it expires
+    owner: str | None = None  # the program that retained it: its predicted return ranks the entry's eviction
 
 
 @dataclass
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up (vLLM's prefix_cache_queries)
     hits: int = 0  # of those, tokens found cached (vLLM's prefix_cache_hits)
-    evictions: int = 0
+    evictions: int = 0  # all of those below
+    evicted_lru: int = 0  # the least recently used went (no prediction placed another before it)
+    evicted_next_use: int = 0  # a prediction chose another than the least recently used
+    evicted_superseded: int = 0  # a longer entry holding all its tokens came
+    pins: int = 0  # pins made (or renewed)
+    pins_expired: int = 0
+    pins_refused: int = 0  # the pin budget was full
+
+
+@dataclass(frozen=True)
+class PinPolicy:
+    """How much may be pinned, and the retention TTL: ``clamp(ttl_factor * tokens / tokens_per_second,
+    ttl_min, ttl_max)``: a context that would take longer to fill again is held longer; the budget
+    bounds the memory all pins hold together."""
+
+    pin_tokens: int = 0  # 0: no pins
+    ttl_factor: float = 10.0
+    ttl_min: float = 2.0
+    ttl_max: float = 120.0
+
+    def retention_ttl(self, tokens: int, tokens_per_second: float | None) -> float:
+        rate = tokens_per_second if tokens_per_second and tokens_per_second > 0 else DEFAULT_TOKENS_PER_SECOND
+        return min(self.ttl_max, max(self.ttl_min, self.ttl_factor * tokens / rate))
+
+
+def pin_policy(opts: dict[str, Any], key: str, cache_tokens: int) -> PinPolicy:
+    """Pop an engine's pin options from ``opts`` (``[engines.options]``), checking each; the budget defaults
+    to a quarter of the prefix cache."""
+    def number(name: str, default: float) -> float:
+        value = opts.pop(name, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"{key}.{name}: must be a number >= 0, not {value!r}")
+        return float(value)
+    pin_tokens = opts.pop("prefix_cache_pin_tokens", cache_tokens // 4)
+    if isinstance(pin_tokens, bool) or not isinstance(pin_tokens, int) or not 0 <= pin_tokens <= max(0, cache_tokens):
+        raise ValueError(f"{key}.prefix_cache_pin_tokens: must be an integer from 0 to prefix_cache_tokens "
+                         f"({cache_tokens}), not {pin_tokens!r}")
+    policy = PinPolicy(pin_tokens, number("pin_ttl_factor", 10.0), number("pin_ttl_min_seconds", 2.0),
+                       number("pin_ttl_max_seconds", 120.0))
+    if policy.ttl_min > policy.ttl_max:
+        raise ValueError(f"{key}.pin_ttl_min_seconds: must not exceed pin_ttl_max_seconds")
+    return policy
 
 
 @dataclass
@@ -67,16 +133,24 @@ class PrefixCache(Generic[KV]):
     # Called with an entry's kv as it leaves the cache (llama.cpp gives its sequence back); None: nothing to do.
     on_evict: Callable[[KV], None] | None = None
     shared_blocks: bool = False  # entries share a common prefix's storage: count each block once
+    policy: PinPolicy = field(default_factory=PinPolicy)
+    max_entries: int | None = None  # entries at most (llama.cpp: its cache sequences); None: tokens bound only
+    clock: Callable[[], float] = time.monotonic
     _entries: OrderedDict[int, CachedPrefix[KV]] = field(default_factory=OrderedDict)  # LRU order, by id
     _index: dict[int, CachedPrefix[KV]] = field(default_factory=dict)  # block hash -> an entry holding it
     _holders: dict[int, int] = field(default_factory=dict)  # block hash -> entries holding it (shared_blocks)
+    _pinned: dict[str, CachedPrefix[KV]] = field(default_factory=dict)  # pin key -> the entry it holds
+    _next_use: dict[str, float] = field(default_factory=dict)  # program -> when it is predicted back (clock)
     used_tokens: int = 0
+    pinned_tokens: int = 0  # tokens of pinned entries, each counted whole
+    pinned_entries: int = 0
 
     def match(self, tokens: Sequence[int], max_tokens: int) -> tuple[CachedPrefix[KV], int] | None:
         """The longest cached block-aligned prefix of ``tokens`` of at most ``max_tokens`` tokens.
 
-        Pure: counts nothing, so a scheduler may ask before it decides (``use`` counts a use).
+        Counts nothing, so a scheduler may ask before it decides (``use`` counts a use).
         """
+        self._expire(self.clock())
         hashes = block_hashes(tokens[: max(0, max_tokens)], self.block)
         for i in range(len(hashes) - 1, -1, -1):
             entry = self._index.get(hashes[i])
@@ -101,12 +175,19 @@ class PrefixCache(Generic[KV]):
         if found is not None and found[1] == n:
             self._refresh(found[0])  # already cached whole
             return
-        entry = CachedPrefix(list(tokens[:n]), make_kv(n))
+        prefix = list(tokens[:n])
+        for old in [e for e in self._entries.values() if not e.pins and e.tokens == prefix[: len(e.tokens)]]:
+            self._evict(old, "superseded")
+        if self.max_entries is not None:
+            while len(self._entries) >= self.max_entries:
+                if not self.evict_one():
+                    return  # every slot pinned (the pin rules leave one, unless pins came first): not cached
+        entry = CachedPrefix(prefix, make_kv(n))
         self._entries[id(entry)] = entry
         self._refresh(entry)
         self.used_tokens += self._charge(entry, +1)
-        while self.used_tokens > self.capacity_tokens:
-            self._evict(next(iter(self._entries.values())))
+        while self.used_tokens > self.capacity_tokens and self.evict_one():
+            pass
 
     def _charge(self, entry: CachedPrefix[KV], sign: int) -> int:
         """Tokens that ``entry`` adds (+1) to the cache, or frees (-1) as it leaves."""
@@ -126,23 +207,106 @@ class PrefixCache(Generic[KV]):
         # The most recently used holder of a shared prefix answers for it, so evicting the least
         # recently used entry never unindexes a prefix that a fresher entry still holds.
         self._entries.move_to_end(id(entry))
+        entry.last_used = self.clock()
         for h in block_hashes(entry.tokens, self.block):
             self._index[h] = entry
 
-    def evict_lru(self) -> bool:
-        """Drop the least recently used entry; False when there is none."""
-        if not self._entries:
+    # ----- pins ----------------------------------------------------------------------------
+
+    def pin(self, tokens: Sequence[int], ttl: float, owner: str | None = None,
+            next_use: float | None = None) -> int:
+        """Pin the entry caching the longest prefix of ``tokens`` for ``ttl`` seconds; the tokens it holds,
+        0 when none is cached or the budget refuses it.
+
+        ``owner``: a program retaining its context. Its earlier pin goes, the entry becomes its, and
+        ``next_use`` (seconds until the program is predicted back; None: unknown) ranks the entry's
+        eviction once it is unpinned. Without an owner the pin belongs to the entry (a client's mark).
+        """
+        now = self.clock()
+        if owner is not None:
+            self.unpin(owner)
+        found = self.match(tokens, len(tokens))
+        if found is None or ttl <= 0:
+            return 0
+        entry = found[0]
+        if owner is not None:
+            entry.owner = owner
+            if next_use is not None:
+                self._next_use[owner] = now + next_use
+        key = owner if owner is not None else f"entry:{id(entry)}"
+        if not entry.pins:
+            slots_left = self.max_entries is None or self.pinned_entries + 1 < self.max_entries
+            if self.pinned_tokens + len(entry.tokens) > self.policy.pin_tokens or not slots_left:
+                self.stats.pins_refused += 1
+                return 0
+            self.pinned_tokens += len(entry.tokens)
+            self.pinned_entries += 1
+        entry.pins[key] = max(entry.pins.get(key, 0.0), now + ttl)
+        self._pinned[key] = entry
+        self.stats.pins += 1
+        return len(entry.tokens)
+
+    def unpin(self, owner: str) -> None:
+        """``owner``'s program goes on without its retained context (it came back, or finished): its pin
+        and its prediction go."""
+        self._expire(self.clock())
+        self._next_use.pop(owner, None)
+        entry = self._pinned.pop(owner, None)
+        if entry is not None:
+            self._drop_pin(entry, owner)
+        for e in self._entries.values():
+            if e.owner == owner:
+                e.owner = None
+
+    def _drop_pin(self, entry: CachedPrefix[KV], key: str) -> None:
+        entry.pins.pop(key, None)
+        if not entry.pins:
+            self.pinned_tokens -= len(entry.tokens)
+            self.pinned_entries -= 1
+
+    def _expire(self, now: float) -> None:
+        for key, entry in [(k, e) for k, e in self._pinned.items() if e.pins.get(k, 0.0) <= now]:
+            del self._pinned[key]
+            self._drop_pin(entry, key)
+            self.stats.pins_expired += 1
+
+    # ----- eviction ------------------------------------------------------------------------
+
+    def _needed_in(self, entry: CachedPrefix[KV], now: float) -> float:
+        """Seconds until ``entry`` is predicted to be needed (see the module docstring)."""
+        back = self._next_use.get(entry.owner) if entry.owner is not None else None
+        return max(0.0, back - now) if back is not None else now - entry.last_used
+
+    def evict_one(self) -> bool:
+        """Drop the unpinned entry needed furthest ahead (least recently used among equals); False when
+        every entry is pinned or there is none."""
+        now = self.clock()
+        self._expire(now)
+        victim, furthest, first = None, -1.0, None
+        for entry in self._entries.values():  # least recently used first: a later entry must be strictly further
+            if entry.pins:
+                continue
+            first = first or entry
+            needed_in = self._needed_in(entry, now)
+            if needed_in > furthest:
+                victim, furthest = entry, needed_in
+        if victim is None:
             return False
-        self._evict(next(iter(self._entries.values())))
+        self._evict(victim, "lru" if victim is first else "next_use")
         return True
 
-    def _evict(self, entry: CachedPrefix[KV]) -> None:
+    evict_lru = evict_one  # the name the cores called it by before predictions
+
+    def _evict(self, entry: CachedPrefix[KV], reason: str) -> None:
         del self._entries[id(entry)]
         self.used_tokens -= self._charge(entry, -1)
         self.stats.evictions += 1
+        setattr(self.stats, f"evicted_{reason}", getattr(self.stats, f"evicted_{reason}") + 1)
         for h in block_hashes(entry.tokens, self.block):
             if self._index.get(h) is entry:
                 del self._index[h]
+        if entry.owner is not None and not any(e.owner == entry.owner for e in self._entries.values()):
+            self._next_use.pop(entry.owner, None)
         if self.on_evict is not None:
             self.on_evict(entry.kv)
 
@@ -153,14 +317,27 @@ class PrefixCache(Generic[KV]):
         self._entries.clear()
         self._index.clear()
         self._holders.clear()
-        self.used_tokens = 0
+        self._pinned.clear()
+        self._next_use.clear()
+        self.used_tokens = self.pinned_tokens = self.pinned_entries = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
 
-def cache_stats(stats: PrefixCacheStats, cache: PrefixCache[Any] | None, capacity: int) -> dict[str, int]:
+def cache_stats(stats: PrefixCacheStats, cache: PrefixCache[Any] | None, capacity: int,
+                policy: PinPolicy | None = None) -> dict[str, int]:
     """An engine's ``prefix_cache_*`` stats keys (what /metrics reads), its cache on or off."""
     return {"prefix_cache_queries": stats.queries, "prefix_cache_hits": stats.hits,
             "prefix_cache_tokens": cache.used_tokens if cache is not None else 0,
-            "prefix_cache_capacity": capacity}
+            "prefix_cache_capacity": capacity,
+            "prefix_cache_pinned_tokens": cache.pinned_tokens if cache is not None else 0,
+            "prefix_cache_pin_capacity": policy.pin_tokens if policy is not None else 0,
+            **{f"prefix_cache_evictions_{reason}": getattr(stats, f"evicted_{reason}")
+               for reason in EVICTION_REASONS},
+            "prefix_cache_pins": stats.pins, "prefix_cache_pins_expired": stats.pins_expired,
+            "prefix_cache_pins_refused": stats.pins_refused}
+
+
+EVICTION_REASONS = ("lru", "next_use", "superseded")
+

@@ -34,10 +34,12 @@ from headrace.plugins.engines.llm_messages import Decode, EngineError, Logits, O
 from headrace.plugins.engines.model_paths import resolve_model
 from headrace.plugins.engines.prefix_cache import (
     CachedPrefix,
+    PinPolicy,
     PrefixCache,
     PrefixCacheStats,
     cache_stats,
     common_prefix,
+    pin_policy,
 )
 from headrace.plugins.engines.torch_loading import AUTO, load_causal_lm, parse_dtype
 from headrace.plugins.hookspecs import hookimpl
@@ -66,6 +68,7 @@ class TorchLLM(LLMFront):
     def __init__(self, spec: EngineSpec, env: EngineEnv) -> None:
         opts = dict(spec.options)
         key = f"engines.{spec.name}"
+        cache_tokens = int(opts.pop("prefix_cache_tokens", 16384))
         core = TorchCore(
             spec.name,
             path=resolve_model(spec.model or DEFAULT_MODEL, key=f"{key}.model"),
@@ -77,7 +80,8 @@ class TorchLLM(LLMFront):
             max_context_tokens=int(opts.pop("max_context_tokens", 2048)),
             max_prefill_tokens=int(opts.pop("max_prefill_tokens", 8192)),
             max_iteration_tokens=int(opts.pop("max_iteration_tokens", 2048)),
-            prefix_cache_tokens=int(opts.pop("prefix_cache_tokens", 16384)),
+            prefix_cache_tokens=cache_tokens,
+            pins=pin_policy(opts, f"{key}.options", cache_tokens),
         )
         if opts:
             raise ValueError(f"{key}.options: unknown option(s) {sorted(opts)}")
@@ -89,7 +93,8 @@ class TorchCore(LLMCore):
 
     def __init__(self, name: str, *, path: Path, cache_dir: Path, observe_batch: BatchObserver, dtype: torch.dtype,
                  threads: int, max_batch_size: int, max_context_tokens: int, max_prefill_tokens: int,
-                 max_iteration_tokens: int = 2048, prefix_cache_tokens: int = 0) -> None:
+                 max_iteration_tokens: int = 2048, prefix_cache_tokens: int = 0,
+                 pins: PinPolicy = PinPolicy()) -> None:
         super().__init__(name, max_context_tokens)
         self._path, self._cache_dir, self._dtype, self._threads = path, cache_dir, dtype, threads
         self._observe_batch = observe_batch
@@ -100,9 +105,9 @@ class TorchCore(LLMCore):
         self.max_iteration_tokens = max_iteration_tokens
         # KV of prompt prefixes kept after their contexts go (0 tokens: off); per-layer views of a context's KV.
         self.prefix_cache_tokens = prefix_cache_tokens
+        self._pins = pins  # pinned prefixes: their budget and the retention TTL (a prompt's KV; outputs are not cached)
         self._cache_stats = PrefixCacheStats()  # counted across switching the cache off and on
-        self.prefix_cache: PrefixCache[kv.LayerKV] | None = (
-            PrefixCache(prefix_cache_tokens, stats=self._cache_stats) if prefix_cache_tokens > 0 else None)
+        self.prefix_cache: PrefixCache[kv.LayerKV] | None = self._new_cache() if prefix_cache_tokens > 0 else None
         # Tokens put through the model since load, by kind: what the prefix cache saved shows here.
         self.token_counts = {"prefill": 0, "score": 0, "decode": 0}
         self.model: Any = None
@@ -135,7 +140,7 @@ class TorchCore(LLMCore):
     def unload(self) -> None:
         self.model = None  # the weights go; the tokenizer and the limits load() set stay
         if self.prefix_cache is not None:  # cached KV is model memory too
-            self.prefix_cache = PrefixCache(self.prefix_cache_tokens, stats=self._cache_stats)
+            self.prefix_cache = self._new_cache()
 
     def footprint_bytes(self) -> int:
         """The weights' bytes (parameters and buffers; tied weights once). KV grows with the contexts and is not
@@ -154,7 +159,10 @@ class TorchCore(LLMCore):
         if not enabled:
             self.prefix_cache = None  # the cached KV goes with it
         elif self.prefix_cache is None:
-            self.prefix_cache = PrefixCache(self.prefix_cache_tokens, stats=self._cache_stats)
+            self.prefix_cache = self._new_cache()
+
+    def _new_cache(self) -> PrefixCache[kv.LayerKV]:
+        return PrefixCache(self.prefix_cache_tokens, stats=self._cache_stats, policy=self._pins)
 
     def has_work(self) -> bool:
         return bool(self._rows or self._waiting or self._scoring or self._prefills)
@@ -168,7 +176,7 @@ class TorchCore(LLMCore):
                  # The KV a full decode batch holds: its rows at the context limit.
                  "kv_cache_tokens": held, "kv_cache_capacity": self.max_batch_size * self.max_context_tokens}
         if self.prefix_cache_tokens > 0:
-            stats.update(cache_stats(self._cache_stats, self.prefix_cache, self.prefix_cache_tokens))
+            stats.update(cache_stats(self._cache_stats, self.prefix_cache, self.prefix_cache_tokens, self._pins))
         return stats
 
     def step(self, out: Outbox) -> None:
