@@ -190,7 +190,7 @@ def live(shared_daemon):
     """(portal, service, pool): the default config's engines behind a workflow service, loaded once
     (the engines the ``server`` tests reach over HTTP)."""
     app = shared_daemon.app
-    return shared_daemon.portal, app.state.workflows, app.state.pool
+    return shared_daemon.portal, app.state.services.daemon.workflows, app.state.services.daemon.pool
 
 
 def idle(stats: dict) -> bool:

@@ -118,7 +118,7 @@ def drive(client: httpx.Client, stream: list[tuple[int, str]], prompts: list[str
 def run_mode(mode: str, args: argparse.Namespace, config: Path, port: int, stream, prompts) -> dict:
     from ray import serve
 
-    from headrace_ray.app import ServeRayArgs, build_app
+    from headrace_ray.deployment import ServeRayArgs, build_app
 
     serve.run(build_app(ServeRayArgs(config=str(config), replicas=args.replicas, num_cpus=2 / (args.replicas + 1),
                                      router=mode)), name=f"bench-{mode}", route_prefix="/")

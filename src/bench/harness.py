@@ -162,7 +162,7 @@ class Systems:
 
                 self._baselines[mode] = ClientChaining(f"{d.base_url}/v1", d.api_key or "none", self.models["llm"])
             elif mode == "client":
-                from headrace.bench.baselines.dynamic import ClientLoops
+                from headrace.bench.baselines.dynamic_clients import ClientLoops
 
                 self._baselines[mode] = ClientLoops(f"{d.base_url}/v1", d.api_key or "none", self.models["llm"])
             elif mode == "semantic":

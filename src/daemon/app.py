@@ -21,7 +21,7 @@ from headrace.daemon.lifecycle import DrainMiddleware, Lifecycle
 from headrace.daemon.openapi import openapi_json
 from headrace.daemon.docs import docs_asset, docs_page
 from headrace.daemon.routes import API_ROUTES
-from headrace.daemon.services import Services, services
+from headrace.daemon.services import Services, daemon, services
 from headrace.plugins.manager import Registry
 
 
@@ -75,7 +75,7 @@ async def health(request: Request) -> Response:
 
 async def ready(request: Request) -> Response:
     """Readiness: 503 while an engine is not ready or the daemon drains."""
-    pool, lifecycle = services(request).pool, services(request).lifecycle
+    pool, lifecycle = daemon(request).pool, services(request).lifecycle
     engines = {
         s.name: {"state": s.state, **({"error": s.error} if s.error else {}),
                  **({"load_seconds": round(s.load_seconds, 3)} if s.load_seconds is not None else {})}
@@ -87,7 +87,7 @@ async def ready(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    return Response(services(request).metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    return Response(daemon(request).metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 async def not_found(request: Request, exc: Exception) -> Response:
@@ -100,18 +100,18 @@ async def method_not_allowed(request: Request, exc: Exception) -> Response:
 
 
 def create_app(config: Config, registry: Registry | None = None) -> Starlette:
-    daemon = compose(config, registry)
-    lifecycle = Lifecycle(daemon.pool, daemon.workflows, config.server.drain_seconds)
+    composed = compose(config, registry)
+    lifecycle = Lifecycle(composed.pool, composed.workflows, config.server.drain_seconds)
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
         # The engines load in the background: /health answers at once, /ready once all are loaded.
         try:
-            async with daemon.serving(), anyio.create_task_group() as tg:
+            async with composed.serving(), anyio.create_task_group() as tg:
                 # On SIGTERM the lifecycle lets runs finish (the server stops only once it has
                 # drained); on leaving, only what outlived the drain, or a host that does not
                 # drain (the test client), leaves runs to cancel.
-                await tg.start(lifecycle.run, daemon.cancel_in_flight)
+                await tg.start(lifecycle.run, composed.cancel_in_flight)
                 yield
                 systemd.notify("STOPPING=1")
                 tg.cancel_scope.cancel()
@@ -132,8 +132,7 @@ def create_app(config: Config, registry: Registry | None = None) -> Starlette:
                             Exception: internal_error_handler},
         lifespan=lifespan,
     )
-    Services(config, daemon.registry, daemon.metrics, daemon.pool, daemon.collections, daemon.workflows,
-             daemon.sessions, lifecycle).install(app)
+    Services(composed, lifecycle).install(app)
     app.add_middleware(APIKeyMiddleware, api_keys=config.server.keys())
     app.add_middleware(DrainMiddleware, lifecycle=lifecycle)  # outermost: a drain refuses before anything
     return app

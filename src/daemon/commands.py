@@ -190,7 +190,7 @@ def _serve(args: argparse.Namespace) -> int:
     server = DrainingServer(
         uvicorn.Config(app, host=config.server.host, port=config.server.port, log_level=config.server.log_level,
                        timeout_keep_alive=config.server.keep_alive_seconds, timeout_graceful_shutdown=5),
-        app.state.lifecycle,
+        app.state.services.lifecycle,
     )
     server.run()
     return server.exit_status

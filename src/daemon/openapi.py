@@ -201,7 +201,7 @@ def document(workflows: Mapping[str, Workflow]) -> dict[str, Any]:
 
 
 async def openapi_json(request: Request) -> Response:
-    daemon = services(request)
-    if daemon.openapi is None:  # the workflows are fixed once the app exists
-        daemon.openapi = document(daemon.workflows.workflows)
-    return JSONResponse(daemon.openapi)
+    state = services(request)
+    if state.openapi is None:  # the workflows are fixed once the app exists
+        state.openapi = document(state.daemon.workflows.workflows)
+    return JSONResponse(state.openapi)

@@ -1,12 +1,15 @@
-"""The daemon's services as a request reaches them: one typed object on the app, read by ``services(request)``.
+"""The daemon's parts as a request reaches them: one typed object on the app, read by ``services(request)``.
 
-Routes and probes take the pool, the workflow service and the rest from here, so a handler's
-types are checked and a renamed service fails at import, not in the middle of a request.
+The composed :class:`~headrace.daemon.compose.Daemon` (config, registry, metrics, pool, collections,
+workflows, sessions) is the one source of those parts: ``Services`` carries it and adds only what
+the HTTP daemon has on top of it (its lifecycle, per-app state). Routes read the daemon's parts
+with ``daemon(request)`` and the rest with ``services(request)``, so a handler's types are checked
+and a renamed part fails at import, not in the middle of a request.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -16,25 +19,13 @@ from headrace.batching.programs import ProgramRegistry
 if TYPE_CHECKING:
     from starlette.applications import Starlette
 
-    from headrace.daemon.collection_registry import CollectionRegistry
-    from headrace.daemon.config import Config
+    from headrace.daemon.compose import Daemon
     from headrace.daemon.lifecycle import Lifecycle
-    from headrace.daemon.metrics import Metrics
-    from headrace.daemon.pool import EnginePool
-    from headrace.graph.service import WorkflowService
-    from headrace.graph.sessions import SessionManager
-    from headrace.plugins.manager import Registry
 
 
 @dataclass
 class Services:
-    config: Config
-    registry: Registry
-    metrics: Metrics
-    pool: EnginePool
-    collections: CollectionRegistry
-    workflows: WorkflowService
-    sessions: SessionManager
+    daemon: Daemon
     lifecycle: Lifecycle
     # named programs' attained service (the las policy's ranks), per daemon
     programs: ProgramRegistry = field(default_factory=ProgramRegistry)
@@ -42,16 +33,18 @@ class Services:
     openapi: dict[str, Any] | None = None
 
     def install(self, app: Starlette) -> None:
-        """Put the services on ``app``: as ``app.state.services``, and each as ``app.state.<name>`` for
-        code that holds the app rather than a request (headrace-ray's replica, tests)."""
+        """Put the services on ``app`` as ``app.state.services`` (code that holds the app rather than a
+        request, as headrace-ray's replica and tests, reads ``app.state.services.daemon.pool`` and so on)."""
         app.state.services = self
-        for f in fields(self):
-            if f.name != "openapi":
-                setattr(app.state, f.name, getattr(self, f.name))
 
 
 def services(request: Request) -> Services:
     return request.app.state.services
+
+
+def daemon(request: Request) -> Daemon:
+    """The composed daemon's parts (config, registry, metrics, pool, collections, workflows, sessions)."""
+    return request.app.state.services.daemon
 
 
 def owner(request: Request) -> str | None:

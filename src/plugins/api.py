@@ -8,7 +8,8 @@ each group and how an engine plugin is written.
   the protocols it meets (``LLMEngine``, ``EmbedEngine``, ...) and their value types.
 - **An in-process LLM engine**: ``LLMFront`` (the event-loop half, which serves the ``LLMEngine``
   protocol) over a subclass of ``LLMCore`` (the worker-thread half: the model, its KV and batches),
-  with the commands they exchange; ``EngineError`` is the error every LLM engine raises.
+  with the commands they exchange; ``EngineError`` is the error every LLM engine raises (``EngineFailed``, raised
+  by a core's iteration, fails the whole engine).
 - **Helpers**: token checks, sampling (``Detokenizer``, ``is_greedy``), chat templates, output
   constraints, model files (``resolve_model``, ``convert_gguf``).
 - **Hosting the daemon** (a plugin that runs whole daemons, as headrace-ray does): ``create_app``,
@@ -26,8 +27,8 @@ from headrace.plugins.engines.chat import ChatMessages, ToolSpecs, apply_templat
 from headrace.plugins.engines.constraints import json_schema_text
 from headrace.plugins.engines.llm_core import LLMCore, Row, sample_row, sample_rows
 from headrace.plugins.engines.llm_front import LLMFront, check_token_ids
-from headrace.plugins.engines.llm_messages import (CacheControl, Command, Decode, EngineError, Heartbeat, Logits,
-                                                   Outbox, Prefill, Reply, Stop)
+from headrace.plugins.engines.llm_messages import (CacheControl, Command, Decode, EngineError, EngineFailed, Heartbeat,
+                                                   Logits, Outbox, Prefill, Reply, Stop)
 from headrace.plugins.engines.model_paths import ModelNotFound, resolve_model
 from headrace.plugins.engines.sampling import LOGPROB_FLOOR, Detokenizer, is_greedy
 from headrace.plugins.engines.torch_loading import convert_gguf
@@ -51,7 +52,7 @@ __all__ = [
     "SamplingParams", "TokenDelta", "TokenLogprob", "FinishReason", "SearchHit", "ContextId", "TokenIds",
     "OutputConstraint", "JsonSchemaConstraint", "LarkConstraint",
     # an in-process LLM engine
-    "EngineError", "LLMFront", "LLMCore", "Row", "sample_rows", "sample_row",
+    "EngineError", "EngineFailed", "LLMFront", "LLMCore", "Row", "sample_rows", "sample_row",
     "Command", "Prefill", "Decode", "Stop", "Logits", "CacheControl", "Heartbeat", "Reply", "Outbox",
     # helpers
     "check_token_ids", "Detokenizer", "is_greedy", "LOGPROB_FLOOR", "ChatMessages", "ToolSpecs", "apply_template",

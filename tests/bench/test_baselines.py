@@ -225,15 +225,15 @@ async def test_semantic_calls_summaries(server):
 
 
 def test_client_loops_validate_as_headrace_does():
-    from headrace.bench.baselines import dynamic
+    from headrace.bench.baselines import dynamic_clients
 
-    inputs, config = dynamic.validate("debate", {"question": "q"}, {"agents": 2})
+    inputs, config = dynamic_clients.validate("debate", {"question": "q"}, {"agents": 2})
     assert config == {"agents": 2, "rounds": 3, "max_tokens": 48}
     with pytest.raises(WorkflowInputError, match="config.agents"):
-        dynamic.validate("debate", {"question": "q"}, {"agents": 0})
+        dynamic_clients.validate("debate", {"question": "q"}, {"agents": 0})
     with pytest.raises(ValueError, match="server-side setting"):
-        dynamic.validate("agent", {"question": "q"}, {"isolate": True})
+        dynamic_clients.validate("agent", {"question": "q"}, {"isolate": True})
     with pytest.raises(ValueError, match="no search"):
-        dynamic.validate("agent", {"question": "q", "collection": "c"}, {})
+        dynamic_clients.validate("agent", {"question": "q", "collection": "c"}, {})
     # The text a client sends is the text the traced call prefills.
-    assert dynamic.render("Q: {{input:q}}\nAnswer:", {"q": "why?"}) == "Q: why?\nAnswer:"
+    assert dynamic_clients.render("Q: {{input:q}}\nAnswer:", {"q": "why?"}) == "Q: why?\nAnswer:"

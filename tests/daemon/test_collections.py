@@ -65,7 +65,7 @@ def data_dir(tmp_path_factory) -> Path:
         assert r.status_code == 200 and r.json()["chunks"] == 2, r.text
         # From SIGTERM on, collection changes are refused like any new request (the drain waits for
         # the ones in flight).
-        client.portal.call(client.app.state.lifecycle.request_drain)
+        client.portal.call(client.app.state.services.lifecycle.request_drain)
         r = client.post("/v1/collections", headers=HEADERS, json={"name": "late"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "draining"
     return data
@@ -100,7 +100,7 @@ class Daemon:
     def run_keeping(self, workflow: str, inputs: dict, config: dict, keep: tuple[str, ...]):
         """A run through the daemon's own workflow service that also returns variables ``keep``
         (the retrieved context), which a run's record over HTTP does not carry."""
-        svc = self.app.state.workflows
+        svc = self.app.state.services.daemon.workflows
 
         async def go():
             run = await svc.prepare_off_loop(workflow, inputs, config)
@@ -289,7 +289,7 @@ def test_search_gen_searches_the_collection(daemon, mills):
 
 
 def test_a_run_checks_its_collection_before_it_starts(daemon, mills):
-    runs = len(daemon.app.state.workflows.runs)
+    runs = len(daemon.app.state.services.daemon.workflows.runs)
     e = error(daemon.post("/v1/workflows/naive_rag/runs", {"inputs": {"question": "q", "collection": "nope"}}), 404)
     assert (e["param"], e["code"]) == ("inputs.collection", "collection_not_found")
     e = error(daemon.post("/v1/workflows/naive_rag/runs", {"inputs": {"question": "q", "collection": "no way"}}), 400)
@@ -302,7 +302,7 @@ def test_a_run_checks_its_collection_before_it_starts(daemon, mills):
     assert daemon.post("/v1/collections", {"name": "empty"}).status_code == 200
     e = error(daemon.post("/v1/workflows/naive_rag/runs", {"inputs": {"question": "q", "collection": "empty"}}), 400)
     assert e["param"] == "inputs.collection" and "no documents" in e["message"]
-    assert len(daemon.app.state.workflows.runs) == runs  # none of them became a run
+    assert len(daemon.app.state.services.daemon.workflows.runs) == runs  # none of them became a run
 
 
 def test_collections_survive_a_restart(daemon):

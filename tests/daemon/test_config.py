@@ -298,7 +298,7 @@ def test_max_traced_steps_reaches_the_workflow_service() -> None:
         load_config(None, env={}, overrides={"workflows.max_traced_steps": 0})
     config = load_config(None, env={"HEADRACE_WORKFLOWS_MAX_TRACED_STEPS": "7"})
     assert config.workflows.max_traced_steps == 7
-    assert create_app(config).state.workflows.max_traced_steps == 7  # the bound the traced runs get
+    assert create_app(config).state.services.daemon.workflows.max_traced_steps == 7  # the bound the traced runs get
 
 
 def test_torch_toml_serves_the_llm_on_torch() -> None:

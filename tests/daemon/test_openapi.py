@@ -37,7 +37,7 @@ def doc(app):
 
 def test_every_route_is_described(app, doc):
     assert doc["openapi"].startswith("3.1")
-    workflows = app.state.workflows.workflows
+    workflows = app.state.services.daemon.workflows.workflows
     for route in app.routes:
         assert isinstance(route, Route)
         methods = {m.lower() for m in route.methods or ()} - {"head"}
@@ -64,7 +64,7 @@ def test_request_bodies_are_the_validating_models(doc):
 
 
 def test_each_workflow_run_body_is_its_schema(app, doc):
-    for name, workflow in app.state.workflows.workflows.items():
+    for name, workflow in app.state.services.daemon.workflows.workflows.items():
         op = doc["paths"][f"/v1/workflows/{name}/runs"]["post"]
         ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
         body = doc["components"]["schemas"][ref.rsplit("/", 1)[1]]
@@ -81,7 +81,7 @@ def test_every_integer_in_a_workflow_config_is_bounded(app):
         for key, sub in schema.get("properties", {}).items():
             yield from integers(sub, f"{path}.{key}")
 
-    for workflow in app.state.workflows.workflows.values():
+    for workflow in app.state.services.daemon.workflows.workflows.values():
         for path, schema in integers(workflow.schema()["config"], "config"):
             assert "maximum" in schema and "minimum" in schema, (workflow.name, path)
 

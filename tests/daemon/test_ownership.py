@@ -37,7 +37,7 @@ def finished_run(app, client: TestClient, owner: str | None) -> Run:
         run = Run(workflow="naive_rag", graph=Graph("naive_rag"), inputs={}, outputs=(), owner=owner)
         run.status, run.finished = "succeeded", run.started
         run.done.set()
-        app.state.workflows.runs[run.id] = run
+        app.state.services.daemon.workflows.runs[run.id] = run
         return run
 
     return client.portal.call(make)

@@ -114,7 +114,7 @@ def test_watchdog_pings_stop_while_an_engine_thread_is_wedged(tmp_path, monkeypa
             assert systemd.during(3.5).count("WATCHDOG=1") >= 2  # alive: a ping every second
 
             # Wedge the LLM's engine thread inside an iteration, as a forward pass that never returns would.
-            core = app.state.pool.slots["smollm2"].engine.core
+            core = app.state.services.daemon.pool.slots["smollm2"].engine.core
             with wedged(core, "step") as entered:
                 # Any iteration wedges it: a chat on its way in, or the watchdog's own heartbeat.
                 assert entered.wait(10), "the engine thread never iterated"
@@ -126,7 +126,7 @@ def test_watchdog_pings_stop_while_an_engine_thread_is_wedged(tmp_path, monkeypa
             assert chat.status_code == 200, chat.text
 
             # A batchable engine: its batch runs on a worker thread and never comes back.
-            embedder = app.state.pool.slots["all-minilm-l6-v2"].engine
+            embedder = app.state.services.daemon.pool.slots["all-minilm-l6-v2"].engine
             with ThreadPoolExecutor(1) as pool:
                 with wedged(embedder, "_encode") as entered:
                     embedded = pool.submit(client.post, "/v1/embeddings",

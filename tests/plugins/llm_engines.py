@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
+import importlib.util
+import sys
 import time
 from contextlib import aclosing
+from pathlib import Path
 from typing import Any, Iterator
 
 import anyio
@@ -13,6 +17,22 @@ from anyio.from_thread import start_blocking_portal
 from headrace.plugins.api import EngineError
 
 LONG_ENOUGH = 600.0  # seconds: the slowest engine's first batches on a busy machine
+CONTRIB = Path(__file__).resolve().parents[2] / "plugins-contrib"
+
+
+def contrib_module(name: str, directory: str):
+    """A contrib plugin's package: the installed one, else the source tree's (not installed here)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    if importlib.util.find_spec(name) is not None:
+        return importlib.import_module(name)
+    package = CONTRIB / directory / name
+    spec = importlib.util.spec_from_file_location(name, package / "__init__.py",
+                                                  submodule_search_locations=[str(package)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 class Batches(list):

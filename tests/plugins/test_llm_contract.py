@@ -21,8 +21,8 @@ import anyio
 import pytest
 import torch
 
-from conftest import ROOT, prompts_on_a_shared_prefix
-from llm_engines import LONG_ENOUGH, Batches, chat, outcomes, running, text_of
+from conftest import prompts_on_a_shared_prefix
+from llm_engines import LONG_ENOUGH, Batches, chat, contrib_module, outcomes, running, text_of
 from headrace.plugins.api import EngineEnv, EngineError, EngineSpec, JsonSchemaConstraint, SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -80,20 +80,7 @@ def _vllm(env: EngineEnv):
 def _sglang(env: EngineEnv):
     if not torch.cuda.is_available():
         pytest.skip("SGLang runs on a CUDA GPU")
-    import importlib.util
-    import sys
-
-    if "headrace_sglang" not in sys.modules:
-        try:
-            import headrace_sglang  # noqa: F401
-        except ImportError:
-            package = ROOT / "plugins-contrib" / "headrace-sglang" / "headrace_sglang"
-            spec = importlib.util.spec_from_file_location("headrace_sglang", package / "__init__.py",
-                                                          submodule_search_locations=[str(package)])
-            module = importlib.util.module_from_spec(spec)
-            sys.modules["headrace_sglang"] = module
-            spec.loader.exec_module(module)
-    sglang = sys.modules["headrace_sglang"]
+    sglang = contrib_module("headrace_sglang", "headrace-sglang")
     if not sglang.sglang_is_installed():
         pytest.skip("sglang is not installed (pip install -e 'plugins-contrib/headrace-sglang[gpu]')")
     # Deterministic inference: batch-invariant kernels, so a fork's output equals a whole prefill's and

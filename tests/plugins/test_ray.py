@@ -21,7 +21,7 @@ pytest.importorskip("headrace_ray", reason="headrace-ray is not installed (scrip
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
-from headrace_ray.app import ServeRayArgs, build_app  # noqa: E402
+from headrace_ray.deployment import ServeRayArgs, build_app  # noqa: E402
 from headrace_ray.keys import PIN_HEADER, owner_of  # noqa: E402
 
 pytestmark = pytest.mark.slow

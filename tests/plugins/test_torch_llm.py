@@ -12,6 +12,7 @@ from anyio.from_thread import start_blocking_portal
 
 from conftest import check_logprobs_are_log_softmax, idle, prompts_on_a_shared_prefix
 from llm_engines import Batches, chat, outcome, running, text_of, wait_for_no_contexts
+from headrace.plugins.api import EngineFailed
 from headrace.plugins.engines.torch_llm import EngineError, TorchLLM
 from headrace.plugins.protocols import EngineEnv, EngineSpec, SamplingParams
 
@@ -146,8 +147,14 @@ def test_an_unknown_token_past_the_checks_fails_its_prefill_only(llm):
     assert portal.call(wait_for_no_contexts, engine)["contexts"] == 0
 
 
-def test_a_dead_worker_fails_waiting_requests_and_the_engine(tmp_path):
-    """A worker thread that dies (a bug past every isolation) answers what waits on it, and run() raises."""
+@pytest.mark.parametrize(("death", "says"), [
+    (SystemExit("a bug that escapes the core"), "worker thread stopped"),  # not an Exception: the thread ends
+    # A core whose engine cannot go on (headrace-sglang: a process of SGLang's died) fails the engine, saying why.
+    (EngineFailed("engine 'doomed': its scheduler process exited"), "its scheduler process exited"),
+])
+def test_a_dead_worker_fails_waiting_requests_and_the_engine(tmp_path, death, says):
+    """A worker thread that dies (a bug past every isolation, or a core's EngineFailed) answers what waits on
+    it, and run() raises."""
     env = EngineEnv(data_dir=tmp_path, cache_dir=Path.home() / ".cache" / "headrace", lookup=lambda name: None)
     engine = TorchLLM(EngineSpec(name="doomed", plugin="torch", options={"threads": 2}), env)
     with start_blocking_portal() as portal:
@@ -158,7 +165,7 @@ def test_a_dead_worker_fails_waiting_requests_and_the_engine(tmp_path):
 
         def step_then_die(out):
             if engine.core.stats()["decoding"] and decoding.is_set():
-                raise SystemExit("a bug that escapes the core")  # not an Exception: the worker thread ends
+                raise death
             step(out)
 
         engine.core.step = step_then_die
@@ -186,7 +193,7 @@ def test_a_dead_worker_fails_waiting_requests_and_the_engine(tmp_path):
             return out
 
         out = portal.call(run)
-        with pytest.raises(EngineError, match="worker thread stopped"):
+        with pytest.raises(EngineError, match=says):
             future.result(timeout=60)
     assert isinstance(out["decode"], EngineError) and "stopped" in str(out["decode"])
     # The prefill either ran before the worker died or was answered when it did: it never hangs.

@@ -34,7 +34,8 @@ class HeadraceReplica:
         self._lifespan = asyncio.create_task(self._host())
         try:
             with anyio.fail_after(ready_timeout_s):
-                while not self.app.state.lifecycle.ready:  # Serve routes to it only once its engines are loaded
+                # Serve routes to it only once its engines are loaded.
+                while not self.app.state.services.lifecycle.ready:
                     if self._lifespan.done():
                         self._lifespan.result()  # raises why it ended
                         raise RuntimeError("the daemon's lifespan ended before it was ready")
@@ -105,11 +106,12 @@ class HeadraceReplica:
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Ray polls this for the router: the engines loaded here now (residency is a routing input)."""
-        return {"resident": [s.name for s in self.app.state.pool.slots.values() if s.residency == "resident"]}
+        slots = self.app.state.services.daemon.pool.slots.values()
+        return {"resident": [s.name for s in slots if s.residency == "resident"]}
 
     def check_health(self) -> None:
         """Ray polls this; raising makes Serve replace the replica (a daemon loop died, or its lifespan ended)."""
-        health = self.app.state.lifecycle.health()
+        health = self.app.state.services.lifecycle.health()
         if self._lifespan.done() or not health.alive:
             raise RuntimeError(f"replica {self.tag} is unhealthy: {health.problems or 'its lifespan ended'}")
 

@@ -8,7 +8,8 @@
 - ``session_api``: /v1/sessions, their variables and calls (Parrot's semantic variables)
 - ``workflow_api``: /v1/workflows and /v1/runs
 
-Each handler reaches the daemon's parts through ``headrace.daemon.services.services(request)``.
+Each handler reaches the daemon's parts through ``headrace.daemon.services``: ``daemon(request)`` (the
+composed ``Daemon``: pool, workflows, sessions...) and ``services(request)`` (what the HTTP daemon adds).
 The probes, /metrics and the API's own documents (/openapi.json, /docs) are the app's (``app.py``).
 """
 

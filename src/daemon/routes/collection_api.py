@@ -26,7 +26,7 @@ from headrace.daemon import bodies as rq
 from headrace.daemon.collection_registry import Collection, CollectionRegistry, chunk_ids
 from headrace.daemon.errors import APIError, bad_request
 from headrace.daemon.headrace_schemas import AddDocumentsRequest, CreateCollectionRequest
-from headrace.daemon.services import services
+from headrace.daemon.services import daemon
 from headrace.daemon.slots import EngineSlot
 from headrace.graph.ops import chunk_text
 
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 def _collection(request: Request) -> Collection:
     name = request.path_params["collection"]
-    collection = services(request).collections.get(name)
+    collection = daemon(request).collections.get(name)
     if collection is None:
         raise APIError(404, f"no collection named {name!r}", param="collection", code="collection_not_found")
     return collection
@@ -43,7 +43,7 @@ def _collection(request: Request) -> Collection:
 
 def _slot(request: Request, name: str, kind: str, param: str | None) -> EngineSlot:
     """The ready engine ``name`` of ``kind``: 404 when unknown, 400 of another kind, 503 not ready."""
-    slot = services(request).pool.slots.get(name)
+    slot = daemon(request).pool.slots.get(name)
     if slot is None:
         raise APIError(404, f"the model '{name}' does not exist", param=param, code="model_not_found")
     if slot.engine.kind != kind:
@@ -55,14 +55,14 @@ def _slot(request: Request, name: str, kind: str, param: str | None) -> EngineSl
 
 
 def _default_engine(request: Request, kind: str, param: str) -> str:
-    for slot in services(request).pool.slots.values():
+    for slot in daemon(request).pool.slots.values():
         if slot.engine.kind == kind:
             return slot.name
     raise bad_request(f"no {kind} engine is configured; name one in '{param}'", param=param)
 
 
 async def list_collections(request: Request) -> Response:
-    collections = services(request).collections.all()
+    collections = daemon(request).collections.all()
     return JSONResponse({"object": "list", "data": [c.card() for c in collections]})
 
 
@@ -71,7 +71,7 @@ async def get_collection(request: Request) -> Response:
 
 
 async def create_collection(request: Request) -> Response:
-    raw = await rq.read_json(request, services(request).config.server.max_body_bytes)
+    raw = await rq.read_json(request, daemon(request).config.server.max_body_bytes)
     body = rq.validate(CreateCollectionRequest, raw)
     if body.chunk_overlap >= body.chunk_size:
         raise bad_request("'chunk_overlap' must be smaller than 'chunk_size'", param="chunk_overlap")
@@ -79,7 +79,7 @@ async def create_collection(request: Request) -> Response:
     store = body.vector_store or _default_engine(request, "vector_store", "vector_store")
     _slot(request, embed, "embed", "embedding_model")
     store_slot = _slot(request, store, "vector_store", "vector_store")
-    registry = services(request).collections
+    registry = daemon(request).collections
     async with registry.lock():
         if body.name in registry.collections:
             raise APIError(409, f"a collection named {body.name!r} already exists", param="name",
@@ -99,7 +99,7 @@ async def create_collection(request: Request) -> Response:
 
 
 async def delete_collection(request: Request) -> Response:
-    registry = services(request).collections
+    registry = daemon(request).collections
     async with registry.lock():
         collection = _collection(request)
         with anyio.CancelScope(shield=True):
@@ -122,7 +122,7 @@ async def delete_collection(request: Request) -> Response:
 
 async def add_documents(request: Request) -> Response:
     collection = _collection(request)
-    raw = await rq.read_json(request, services(request).config.server.max_body_bytes)
+    raw = await rq.read_json(request, daemon(request).config.server.max_body_bytes)
     body = rq.validate(AddDocumentsRequest, raw)
     ids: list[str] = []
     seen: set[str] = set()
@@ -149,7 +149,7 @@ async def add_documents(request: Request) -> Response:
         for doc_id, document, pieces in zip(ids, body.documents, chunks)
         for row_id, text in zip(chunk_ids(doc_id, len(pieces)), pieces)
     )
-    registry = services(request).collections
+    registry = daemon(request).collections
     async with registry.lock():
         if registry.get(collection.name) is not collection:  # deleted (and maybe re-created) meanwhile
             raise APIError(404, f"collection {collection.name!r} was deleted while its documents were embedded",
@@ -163,7 +163,7 @@ async def add_documents(request: Request) -> Response:
 
 
 async def delete_document(request: Request) -> Response:
-    registry = services(request).collections
+    registry = daemon(request).collections
     doc_id = request.path_params["document_id"]
     async with registry.lock():
         collection = _collection(request)
@@ -189,7 +189,7 @@ def _chunk(texts: list[str], collection: Collection) -> list[list[str]]:
 async def _embed(request: Request, slot: EngineSlot, texts: list[str]) -> torch.Tensor:
     """Every text's vector, submitted in pieces of the scheduler's batch size so they batch with
     other requests (one oversized request would run alone, as one huge engine call)."""
-    size = services(request).config.batching_for(slot.name).max_batch_size
+    size = daemon(request).config.batching_for(slot.name).max_batch_size
     pieces = [texts[i : i + size] for i in range(0, len(texts), size)]
     out: list[Any] = [None] * len(pieces)
 
@@ -240,7 +240,7 @@ def _restore(collection: Collection, counts: dict[str, int]) -> None:
 async def _maybe_index(request: Request, registry: CollectionRegistry, collection: Collection,
                        store: EngineSlot) -> None:
     """Build the ANN index once the collection reaches ``collections.ann_index_rows`` chunks."""
-    threshold = services(request).config.collections.ann_index_rows
+    threshold = daemon(request).config.collections.ann_index_rows
     build = getattr(store.engine, "build_vector_index", None)
     if collection.ann_index or not threshold or collection.chunks < threshold or build is None:
         return

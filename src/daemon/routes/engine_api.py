@@ -18,15 +18,15 @@ from headrace.batching.llm import LLMScheduler
 from headrace.daemon import bodies as rq
 from headrace.daemon.errors import APIError, bad_request
 from headrace.daemon.headrace_schemas import EngineSettingsRequest
-from headrace.daemon.services import services
+from headrace.daemon.services import daemon
 from headrace.plugins.engines.llm_front import EngineError
 from headrace.plugins.protocols import PrefixCaching
 
 
 async def update_engine(request: Request) -> Response:
-    raw = await rq.read_json(request, services(request).config.server.max_body_bytes)
+    raw = await rq.read_json(request, daemon(request).config.server.max_body_bytes)
     body = rq.validate(EngineSettingsRequest, raw)
-    pool = services(request).pool
+    pool = daemon(request).pool
     name = request.path_params["engine"]
     slot = pool.slots.get(name)
     if slot is None:
@@ -38,7 +38,7 @@ async def update_engine(request: Request) -> Response:
         if not is_llm:
             raise bad_request(f"'{name}' is an engine of kind '{slot.engine.kind}'; only LLM engines have an LLM "
                               "policy", param="llm_policy", code="model_not_supported")
-        known = sorted(services(request).registry.llm_policies)
+        known = sorted(daemon(request).registry.llm_policies)
         if body.llm_policy not in known:
             raise bad_request(f"unknown LLM policy '{body.llm_policy}'; known: {known}", param="llm_policy")
     if body.max_runs is not None and not is_llm:

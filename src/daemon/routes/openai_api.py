@@ -19,14 +19,14 @@ from headrace.daemon import retention, structured
 from headrace.daemon.errors import APIError, bad_request, internal
 from headrace.daemon.logprobs import CompletionLogprobs, TokenStrings, chat_content
 from headrace.daemon.openai_schemas import COMPLETIONS_MAX_TOKENS, MAX_CHOICES, ChatCompletionRequest, CompletionRequest
-from headrace.daemon.services import owner, services
+from headrace.daemon.services import daemon, owner, services
 from headrace.graph.collector import ChoiceDelta
 from headrace.plugins.protocols import DEFAULT_MAX_TOKENS, ReportsLogprobs, SamplingParams, TokenDelta, TokenLogprob
 
 
 def engine_for(request: Request, model: str, kind: str, what: str) -> Any:
     """The ready engine slot serving ``model``; 404/400/503 otherwise."""
-    pool = services(request).pool
+    pool = daemon(request).pool
     slot = pool.slots.get(model)
     if slot is None:
         raise APIError(404, f"the model '{model}' does not exist", param="model", code="model_not_found")
@@ -48,13 +48,13 @@ def _model_card(slot: Any) -> dict[str, Any]:
 
 
 async def list_models(request: Request) -> Response:
-    return JSONResponse({"object": "list", "data": [_model_card(s) for s in services(request).pool.slots.values()]})
+    return JSONResponse({"object": "list", "data": [_model_card(s) for s in daemon(request).pool.slots.values()]})
 
 
 async def get_model(request: Request) -> Response:
     """One model's card, whatever its state (OpenAI's retrieve-model); 404 for an unknown id."""
     model = request.path_params["model"]
-    slot = services(request).pool.slots.get(model)
+    slot = daemon(request).pool.slots.get(model)
     if slot is None:
         raise APIError(404, f"the model '{model}' does not exist", param="model", code="model_not_found")
     return JSONResponse(_model_card(slot))
@@ -94,7 +94,7 @@ def check_vocab(slot: Any, tokens: list[int], param: str = "prompt") -> None:
 
 
 async def _llm_request(request: Request, model: type[rq.Model], what: str) -> tuple[rq.Model, Any]:
-    raw = await rq.read_json(request, services(request).config.server.max_body_bytes)
+    raw = await rq.read_json(request, daemon(request).config.server.max_body_bytes)
     body = rq.validate(model, raw)
     return body, engine_for(request, body.model, "llm", what)  # type: ignore[attr-defined]
 
@@ -231,10 +231,10 @@ async def _respond(request: Request, slot: Any, prompts: list[list[int]], params
     # brings the tokens its earlier requests were served (``las`` ranks by them) and adds this one's.
     registry = services(request).programs
     if program is None:
-        deltas = services(request).workflows.generate_choices(slot.name, prompts, params, n)
+        deltas = daemon(request).workflows.generate_choices(slot.name, prompts, params, n)
     else:
         registry.back(program)
-        deltas = _served(services(request).workflows.generate_choices(
+        deltas = _served(daemon(request).workflows.generate_choices(
             slot.name, prompts, params, n, program=program, attained_tokens=registry.attained(program)),
             registry, program, n_prompt)
     if chat and (pins or program is not None):  # a chat turn's pins (headrace.daemon.retention)

@@ -15,12 +15,12 @@ from headrace.daemon import bodies as rq
 from headrace.daemon.errors import bad_request
 from headrace.daemon.routes.openai_api import engine_for
 from headrace.daemon.openai_schemas import EmbeddingRequest, RerankRequest
-from headrace.daemon.services import services
+from headrace.daemon.services import daemon
 from headrace.plugins.protocols import TokenInput
 
 
 async def embeddings(request: Request) -> Response:
-    raw = await rq.read_json(request, services(request).config.server.max_body_bytes)
+    raw = await rq.read_json(request, daemon(request).config.server.max_body_bytes)
     body = rq.validate(EmbeddingRequest, raw)
     slot = engine_for(request, body.model, "embed", "embeddings")
     texts = await _input_texts(slot, body.input)
@@ -67,10 +67,10 @@ async def _input_texts(slot: Any, given: str | list[str] | list[int] | list[list
 
 
 async def rerank(request: Request) -> Response:
-    raw = await rq.read_json(request, services(request).config.server.max_body_bytes)
+    raw = await rq.read_json(request, daemon(request).config.server.max_body_bytes)
     body = rq.validate(RerankRequest, raw)
     slot = engine_for(request, body.model, "rerank", "rerank")
-    limit = services(request).config.server.max_rerank_documents
+    limit = daemon(request).config.server.max_rerank_documents
     if len(body.documents) > limit:
         raise bad_request(f"'documents' holds {len(body.documents)} documents; at most {limit} per request",
                           param="documents", code="too_many_documents")

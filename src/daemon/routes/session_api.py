@@ -16,7 +16,7 @@ from headrace.daemon import bodies as rq
 from headrace.daemon.errors import APIError
 from headrace.daemon.headrace_schemas import (CreateSessionRequest, CreateVariableRequest, OutputSampling,
                                               SemanticCallRequest, SetVariableRequest, VariableQuery)
-from headrace.daemon.services import owner, services
+from headrace.daemon.services import daemon, owner
 from headrace.graph.sessions import Call, Session, SessionClosed, SessionError
 from headrace.plugins.protocols import SamplingParams
 
@@ -26,7 +26,7 @@ FAILED_DEPENDENCY = 424  # the variable's producer failed
 
 def _session(request: Request) -> Session:
     session_id = request.path_params["session_id"]
-    session = services(request).sessions.get(session_id, owner(request))
+    session = daemon(request).sessions.get(session_id, owner(request))
     if session is None:
         raise APIError(404, f"no session {session_id!r}", param="session_id", code="session_not_found")
     return session
@@ -61,9 +61,9 @@ async def create_session(request: Request) -> Response:
     # The body may be left out: a session has no settings yet.
     empty = request.headers.get("content-length") == "0" or not ({"content-length", "transfer-encoding"}
                                                                 & set(request.headers.keys()))
-    raw = {} if empty else await rq.read_json(request, services(request).config.server.max_body_bytes)
+    raw = {} if empty else await rq.read_json(request, daemon(request).config.server.max_body_bytes)
     rq.validate(CreateSessionRequest, raw)
-    manager = services(request).sessions
+    manager = daemon(request).sessions
     session = manager.create(owner(request))
     return JSONResponse(session_json(session, manager.idle_seconds))
 
@@ -71,12 +71,12 @@ async def create_session(request: Request) -> Response:
 async def get_session(request: Request) -> Response:
     session = _session(request)
     async with session.in_use():
-        return JSONResponse(session_json(session, services(request).sessions.idle_seconds))
+        return JSONResponse(session_json(session, daemon(request).sessions.idle_seconds))
 
 
 async def delete_session(request: Request) -> Response:
     session = _session(request)
-    await services(request).sessions.close(session)
+    await daemon(request).sessions.close(session)
     return JSONResponse({"id": session.id, "object": "session.deleted", "deleted": True})
 
 
@@ -94,7 +94,7 @@ async def _write_variable(request: Request, model: Any, write: Any) -> Response:
     """Read and validate the body, apply ``write(session, body)``, answer with the variable."""
     session = _session(request)
     async with session.in_use():
-        raw = await rq.read_json(request, services(request).config.server.max_body_bytes)
+        raw = await rq.read_json(request, daemon(request).config.server.max_body_bytes)
         body = rq.validate(model, raw)
         try:
             variable = write(session, body)
@@ -127,9 +127,9 @@ async def get_variable(request: Request) -> Response:
 async def create_call(request: Request) -> Response:
     session = _session(request)
     async with session.in_use():
-        raw = await rq.read_json(request, services(request).config.server.max_body_bytes)
+        raw = await rq.read_json(request, daemon(request).config.server.max_body_bytes)
         body = rq.validate(SemanticCallRequest, raw)
-        manager = services(request).sessions
+        manager = daemon(request).sessions
         try:
             engine = manager.llm_engine(body.model)
             call = session.add_call(body.template, {name: _sampling(s) for name, s in body.outputs.items()},

@@ -17,11 +17,11 @@ from headrace.daemon import bodies as rq
 from headrace.daemon import structured
 from headrace.daemon.routes.openai_api import check_vocab, engine_for
 from headrace.daemon.openai_schemas import DetokenizeRequest, TokenizeChatRequest, TokenizeRequest
-from headrace.daemon.services import services
+from headrace.daemon.services import daemon
 
 
 async def tokenize(request: Request) -> Response:
-    raw = await rq.read_json(request, services(request).config.server.max_body_bytes)
+    raw = await rq.read_json(request, daemon(request).config.server.max_body_bytes)
     # vLLM tells the two bodies apart the same way: chat ones carry messages.
     body = rq.validate(TokenizeChatRequest if "messages" in raw else TokenizeRequest, raw)
     slot = engine_for(request, body.model, "llm", "tokenization")
@@ -48,7 +48,7 @@ def _with_special_tokens(engine: Any, text: str) -> list[int]:
 
 
 async def detokenize(request: Request) -> Response:
-    raw = await rq.read_json(request, services(request).config.server.max_body_bytes)
+    raw = await rq.read_json(request, daemon(request).config.server.max_body_bytes)
     body = rq.validate(DetokenizeRequest, raw)
     slot = engine_for(request, body.model, "llm", "detokenization")
     check_vocab(slot, body.tokens, "tokens")

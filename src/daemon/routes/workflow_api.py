@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from headrace.daemon import bodies as rq
 from headrace.daemon.errors import APIError, bad_request
 from headrace.daemon.headrace_schemas import RunEventsQuery, RunListQuery, RunRequest
-from headrace.daemon.services import owner, services
+from headrace.daemon.services import daemon, owner
 from headrace.graph.collection_refs import UnknownCollection
 from headrace.graph.events import EventReader, RunEvent
 from headrace.graph.executor import Run
@@ -22,9 +22,9 @@ from headrace.graph.workflow import UnknownWorkflow, WorkflowInputError
 
 
 def _service(request: Request) -> WorkflowService:
-    if not services(request).pool.ready:
+    if not daemon(request).pool.ready:
         raise APIError(503, "the engines are still loading", code="not_ready")
-    return services(request).workflows
+    return daemon(request).workflows
 
 
 def run_json(run: Run) -> dict[str, Any]:
@@ -46,19 +46,19 @@ def _jsonable(value: Any) -> Any:
 
 def _run(request: Request) -> Run:
     """The run named in the path; another key's run is 404, as a missing one, so ids reveal nothing."""
-    run = services(request).workflows.runs.get(request.path_params["run_id"])
+    run = daemon(request).workflows.runs.get(request.path_params["run_id"])
     if run is None or run.owner != owner(request):
         raise APIError(404, f"no run {request.path_params['run_id']!r}", param="run_id", code="run_not_found")
     return run
 
 
 async def list_workflows(request: Request) -> Response:
-    return JSONResponse({"object": "list", "data": services(request).workflows.describe()})
+    return JSONResponse({"object": "list", "data": daemon(request).workflows.describe()})
 
 
 async def create_run(request: Request) -> Response:
     service = _service(request)
-    raw = await rq.read_json(request, services(request).config.server.max_body_bytes)
+    raw = await rq.read_json(request, daemon(request).config.server.max_body_bytes)
     body = rq.validate(RunRequest, raw)
     stream, background = bool(body.stream), bool(body.background)
     try:
@@ -140,7 +140,7 @@ async def list_runs(request: Request) -> Response:
     """The caller's own runs (those its API key created), a page at a time, as OpenAI lists."""
     query = rq.validate(RunListQuery, dict(request.query_params))
     caller = owner(request)
-    runs = [run for run in list(services(request).workflows.runs.values()) if run.owner == caller]  # oldest first
+    runs = [run for run in list(daemon(request).workflows.runs.values()) if run.owner == caller]  # oldest first
     if query.order == "desc":
         runs.reverse()
     if query.after is not None:
@@ -169,7 +169,7 @@ async def cancel_run(request: Request) -> Response:
 def run_timeline(request: Request, run: Run) -> dict[str, Any]:
     """The run's primitives and the engine batches computed meanwhile, in seconds from its start."""
     end = run.finished if run.finished is not None else time.monotonic()
-    busy = services(request).pool.metrics.busy_between(run.started, end)
+    busy = daemon(request).pool.metrics.busy_between(run.started, end)
     return {"run": run.id, "workflow": run.workflow, "status": run.status, "seconds": round(end - run.started, 6),
             "nodes": timeline(run), "engines": [b.to_json(run.started) for b in busy]}
 

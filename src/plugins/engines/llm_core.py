@@ -14,6 +14,8 @@ How a core plugs in (the torch engine in ``torch_llm.py`` is the reference):
    ``llama_decode`` holding decode tokens and prefill chunks). Everything for
    the event loop goes into ``out`` (an :class:`Outbox`): reply results and
    token deltas, delivered together after the iteration.
+   An engine that cannot go on (a process of it died) raises ``EngineFailed``
+   from ``step``: the worker stops, and the engine fails.
 3. Decoding rows are :class:`Row` objects made by ``new_row``; feed each sampled
    token to ``emit`` (detokenizing, stop strings, EOS, ``max_tokens`` and the
    context limit are handled there), fail a row with ``fail_row``, sample a

@@ -47,8 +47,8 @@ from anyio.from_thread import BlockingPortal
 from headrace.plugins.engines import chat
 from headrace.plugins.engines.chat import ChatMessages, ToolSpecs
 from headrace.plugins.engines.llm_core import LLMCore
-from headrace.plugins.engines.llm_messages import (CacheControl, Command, Decode, EngineError, Heartbeat, Logits,
-                                                   Outbox, Pin, Prefill, Reply, Stop, deliver_on_loop)
+from headrace.plugins.engines.llm_messages import (CacheControl, Command, Decode, EngineError, EngineFailed, Heartbeat,
+                                                   Logits, Outbox, Pin, Prefill, Reply, Stop, deliver_on_loop)
 from headrace.plugins.protocols import SamplingParams, TokenDelta
 from headrace.types import ContextId, TokenIds
 
@@ -112,7 +112,7 @@ class LLMFront:
             await anyio.to_thread.run_sync(self.core.load)
             loaded.set()
         worker_ended = anyio.Event()
-        load_error: list[BaseException] = []
+        load_error: list[BaseException] = []  # also the EngineFailed that stopped the worker, if one did
         async with BlockingPortal() as portal:
             self._portal, self._loop = portal, asyncio.get_running_loop()
             worker = threading.Thread(
@@ -135,8 +135,10 @@ class LLMFront:
                 # Cancelled (shutdown, or the daemon evicting us) or failed: the model's memory goes;
                 # the next run() loads it again.
                 self.core.unload()
-        # Only a bug ends the worker while serving: say so (outside the portal's task group, so
-        # unwrapped), and let the pool mark us failed.
+        # Only a failed engine (its core says how) or a bug ends the worker while serving: say so (outside
+        # the portal's task group, so unwrapped), and let the pool mark us failed.
+        if load_error and isinstance(load_error[0], EngineFailed):
+            raise load_error[0]
         raise EngineError(f"engine {self.name!r}: its worker thread stopped")
 
     # ----- tokenizing --------------------------------------------------------------------
@@ -350,6 +352,11 @@ class LLMFront:
                     out = Outbox()
                     try:
                         self.core.iterate(commands, out)
+                    except EngineFailed as exc:
+                        log.error("engine %s: %s", self.name, exc)
+                        load_error.append(exc)
+                        self._deliver(out)
+                        break
                     except Exception as exc:  # a last resort: the core isolates what it can
                         log.exception("engine %s: an iteration failed", self.name)
                         self.core.recover(exc, out)

@@ -21,6 +21,11 @@ class EngineError(RuntimeError):
     """A request the engine cannot serve (unknown context, context too long...)."""
 
 
+class EngineFailed(EngineError):
+    """Raised by a core's iteration when the engine cannot go on (a process of the engine's has died): the
+    worker stops and the front's ``run`` fails with it, so the pool marks the engine failed."""
+
+
 class Reply:
     """A result the worker hands back to one awaiting task."""
 

@@ -9,7 +9,7 @@ import sys
 import threading
 from typing import Sequence
 
-from headrace_ray.app import ServeRayArgs
+from headrace_ray.deployment import ServeRayArgs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,7 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    from headrace_ray.app import build_app
+    from headrace_ray.deployment import build_app
 
     settings = ServeRayArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServeRayArgs)
                                if f.name != "overrides"})

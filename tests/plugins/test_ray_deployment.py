@@ -15,8 +15,8 @@ from ray.serve import Application  # noqa: E402
 from ray.serve.schema import ServeDeploySchema  # noqa: E402
 
 from headrace.daemon.config import ConfigError  # noqa: E402
-from headrace_ray.app import ServeRayArgs, build_app  # noqa: E402
-from headrace_ray.cli import build_parser  # noqa: E402
+from headrace_ray.deployment import ServeRayArgs, build_app  # noqa: E402
+from headrace_ray.serve_command import build_parser  # noqa: E402
 
 
 def test_the_shipped_serve_config_builds_the_application():
@@ -27,7 +27,7 @@ def test_the_shipped_serve_config_builds_the_application():
 
 
 def test_serve_run_arguments_are_converted_and_checked(tmp_path):
-    # `serve run headrace_ray.app:build_app replicas=3 num_cpus=0.5` passes strings
+    # `serve run headrace_ray.deployment:build_app replicas=3 num_cpus=0.5` passes strings
     args = ServeRayArgs.from_dict({"replicas": "3", "num_cpus": "0.5", "router": "pow2"})
     assert (args.replicas, args.num_cpus, args.router) == (3, 0.5, "pow2")
     with pytest.raises(ValueError, match="unknown argument"):

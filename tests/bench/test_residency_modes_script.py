@@ -1,4 +1,4 @@
-"""scripts/bench/residency.py runs end to end (--tiny) and writes every figure, so it cannot rot."""
+"""scripts/bench/residency_modes.py runs end to end (--tiny) and writes every figure, so it cannot rot."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "bench" / "residency.py"
+SCRIPT = ROOT / "scripts" / "bench" / "residency_modes.py"
 
 
 def test_tiny_run_writes_every_mode(tmp_path):

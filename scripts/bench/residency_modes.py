@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Model residency under a memory budget: a mixed stream over two LLMs and the embedder, four ways.
 
-    python scripts/bench/residency.py [--tiny] [--workload chat|documents] [--requests N] [--config FILE]
+    python scripts/bench/residency_modes.py [--tiny] [--workload chat|documents] [--requests N] [--config FILE]
                                       [--budget-bytes B] [--out FILE]
 
 The stream (seeded) is served one request at a time, in-process on one set of engines per mode

@@ -1,6 +1,6 @@
 """The Serve application: an ingress in front of N headrace replicas and their router.
 
-``build_app`` is a Serve application builder, so ``serve run headrace_ray.app:build_app
+``build_app`` is a Serve application builder, so ``serve run headrace_ray.deployment:build_app
 config=configs/default.toml replicas=2`` and a Serve config file (serve.yaml here) both
 deploy it; ``headrace-ray serve`` calls it too.
 """
