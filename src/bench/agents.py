@@ -39,11 +39,16 @@ TAIL = 1.5  # turns per agent: P(n) proportional to n ** -TAIL over the shape's 
 # llm_policy and prefix_caching go through the harness's own switches (restored at the end); any other
 # key is patched as given and put back after the mode (room for retention and eviction settings).
 AGENT_MODES: dict[str, dict[str, Any]] = {
-    "per-request": {"llm_policy": "fifo", "prefix_caching": True},  # vLLM's semantics: FCFS, LRU prefix cache
-    "las": {"llm_policy": "las", "prefix_caching": True},  # program-level least attained service (Autellix)
-    "no-prefix-cache": {"llm_policy": "fifo", "prefix_caching": False},  # every turn prefilled whole
+    # vLLM's semantics: FCFS, LRU prefix cache
+    "per-request": {"llm_policy": "fifo", "prefix_caching": True, "retention": False},
+    # program-level least attained service (Autellix) alone
+    "las": {"llm_policy": "las", "prefix_caching": True, "retention": False},
+    # a program's context pinned across its tool calls, evicted by predicted next use (Continuum, KVFlow) alone
+    "retention": {"llm_policy": "fifo", "prefix_caching": True, "retention": True},
+    "program-aware": {"llm_policy": "las", "prefix_caching": True, "retention": True},  # both levers
+    "no-prefix-cache": {"llm_policy": "fifo", "prefix_caching": False, "retention": False},  # every turn prefilled whole
 }
-DEFAULT_AGENT_MODES = ("per-request", "las")
+DEFAULT_AGENT_MODES = ("per-request", "program-aware")
 BASE_MODE = "per-request"  # the capacity probe runs in it, and the ratios are against it
 
 

@@ -152,9 +152,11 @@ async def use_mode(systems: Any, mode: str | None, restore: dict[str, Any]) -> d
     await systems.use_prefix_caching(False)  # empties it: each mode starts cold
     if caching:
         await systems.use_prefix_caching(True)
+    current = await systems.daemon.engine_settings(llm)
+    if current.get("retention") is None and not settings.get("retention", True):
+        settings.pop("retention")  # an engine without pins retains nothing anyway
     if not settings:
         return {}
-    current = await systems.daemon.engine_settings(llm)
     await systems.daemon.engine_settings(llm, **settings)
     return {key: current.get(key) for key in settings}
 

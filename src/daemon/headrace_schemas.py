@@ -134,6 +134,9 @@ class EngineSettingsRequest(Body):
     max_runs: Annotated[int, Field(ge=0)] | None = Field(
         None, description="an LLM engine's bound on runs served at once from now on (0: none); waiting runs are "
                           "let in by the LLM policy's rank")
+    retention: bool | None = Field(None, description="an LLM engine with prefix-cache pins: whether a named program's "
+                                                     "context stays pinned across its tool calls (false: plain LRU "
+                                                     "for programs; cache_control marks still pin)")
 
 
 class EngineSettings(BaseModel):
@@ -143,6 +146,8 @@ class EngineSettings(BaseModel):
     llm_policy: str | None = Field(description="LLM engines: the scheduling policy in force")
     prefix_caching: bool | None = Field(description="LLM engines with a prefix cache: whether it is on")
     max_runs: int | None = Field(description="LLM engines: runs served at once (0: no bound)")
+    retention: bool | None = Field(description="LLM engines with prefix-cache pins: whether programs' contexts are "
+                                               "retained across tool calls")
 
 
 class Deleted(BaseModel):

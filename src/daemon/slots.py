@@ -25,6 +25,8 @@ class EngineSlot:
     load_seconds: float | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     died: bool = False  # its engine or scheduler loop stopped after it was serving
+    # A program's context pinned across its tool calls (daemon.retention); PATCH /v1/engines/{engine} switches it.
+    retention: bool = True
     restarting: str | None = None  # the scheduler loop's last crash, while it waits to restart
     # Residency (``state`` stays "ready" while an engine that loaded once is unloaded: requests wait for it).
     pinned: bool = True  # never unloaded (no budget, configured so, or the engine cannot unload)

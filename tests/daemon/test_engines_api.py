@@ -30,7 +30,7 @@ def test_the_llm_policy_changes_on_a_live_engine(server):
             r = c.patch("/v1/engines/smollm2", json={"llm_policy": "topology"})
             assert r.status_code == 200, r.text
             assert r.json() == {"id": "smollm2", "object": "engine.settings", "kind": "llm",
-                                "llm_policy": "topology", "prefix_caching": True, "max_runs": 0}
+                                "llm_policy": "topology", "prefix_caching": True, "max_runs": 0, "retention": True}
             chat(c, "Does the wheel turn?")  # still serves
             r = c.patch("/v1/engines/smollm2", json={"max_runs": 1})
             assert r.status_code == 200 and r.json()["max_runs"] == 1 and r.json()["llm_policy"] == "topology"
@@ -46,6 +46,7 @@ def test_the_llm_policy_changes_on_a_live_engine(server):
     ("all-minilm-l6-v2", {"prefix_caching": False}, 400, "prefix_caching"),
     ("smollm2", {"prefix_caching": "no"}, 400, "prefix_caching"),
     ("smollm2", {"max_runs": -1}, 400, "max_runs"),
+    ("smollm2", {"retention": "off"}, 400, "retention"),
     ("all-minilm-l6-v2", {"max_runs": 2}, 400, "max_runs"),
     ("smollm2", {"llm_policy": "fifo", "speed": 2}, 400, "speed"),
     ("nope", {"llm_policy": "fifo"}, 404, "engine"),

@@ -31,7 +31,7 @@ def system_prompt(tag: object, rules: int = 40) -> str:
     return f"Case {tag}. " + " ".join(f"Rule {i} of desk {tag}: answer the customer politely." for i in range(rules))
 
 
-def agent_turns(server, key: str | None) -> tuple[int, float]:
+def agent_turns(server, key: str | None, retained: bool = True) -> tuple[int, float]:
     """An agent's two turns (the first forced to call the tool) with unrelated traffic between them that
     fills the prefix cache many times over; the first turn's prompt tokens, and the second turn's hits."""
     tag = uuid.uuid4().hex[:8]
@@ -44,7 +44,7 @@ def agent_turns(server, key: str | None) -> tuple[int, float]:
     assert first.status_code == 200, first.text
     choice = first.json()["choices"][0]
     assert choice["finish_reason"] == "tool_calls", choice
-    if key:
+    if key and retained:
         assert cache(server, "pinned_tokens") >= first.json()["usage"]["prompt_tokens"] // 16 * 16
     for i in range(12):  # unrelated prompts: each a cache entry of its own (8 sequences hold 8)
         other = post(server, "/v1/completions", {"model": MODEL, "max_tokens": 2, "temperature": 0,
@@ -115,3 +115,19 @@ def test_a_bad_prompt_cache_key_is_400_with_the_envelope(server):
     r = post(server, "/v1/chat/completions", {"model": MODEL, "prompt_cache_key": ["a"], "messages": [
         {"role": "user", "content": "Hi"}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_cache_key", r.text
+
+
+def patch_engine(server, name: str, body: dict) -> httpx.Response:
+    return httpx.patch(f"{server.base_url}/v1/engines/{name}", json=body, timeout=60,
+                       headers={"Authorization": f"Bearer {server.api_key}"})
+
+
+def test_retention_switched_off_serves_a_program_as_lru_does_and_only_pin_engines_take_the_switch(server):
+    assert patch_engine(server, MODEL, {"retention": False}).json()["retention"] is False
+    try:
+        prompt, hits = agent_turns(server, key=f"agent-{uuid.uuid4().hex}", retained=False)
+        assert hits < 64, (prompt, hits)  # a named program, but nothing pinned: evicted as under LRU
+    finally:
+        assert patch_engine(server, MODEL, {"retention": True}).json()["retention"] is True
+    r = patch_engine(server, "all-minilm-l6-v2", {"retention": True})  # the default config's embedder
+    assert r.status_code == 400 and r.json()["error"]["param"] == "retention", r.text

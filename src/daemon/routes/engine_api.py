@@ -20,7 +20,7 @@ from headrace.daemon.errors import APIError, bad_request
 from headrace.daemon.headrace_schemas import EngineSettingsRequest
 from headrace.daemon.services import daemon
 from headrace.plugins.engines.llm_front import EngineError
-from headrace.plugins.protocols import PrefixCaching
+from headrace.plugins.protocols import PinsPrefixes, PrefixCaching
 
 
 async def update_engine(request: Request) -> Response:
@@ -47,6 +47,9 @@ async def update_engine(request: Request) -> Response:
     if body.prefix_caching is not None and not isinstance(slot.engine, PrefixCaching):
         raise bad_request(f"the engine '{name}' has no prefix cache to switch", param="prefix_caching",
                           code="model_not_supported")
+    if body.retention is not None and not isinstance(slot.engine, PinsPrefixes):
+        raise bad_request(f"the engine '{name}' has no prefix-cache pins to retain programs' contexts with",
+                          param="retention", code="model_not_supported")
     # Checked first, then applied: a refused body changes nothing.
     if body.llm_policy is not None:
         pool.set_llm_policy(name, body.llm_policy)
@@ -58,6 +61,8 @@ async def update_engine(request: Request) -> Response:
                 await slot.engine.set_prefix_caching(body.prefix_caching)
         except EngineError as exc:
             raise bad_request(str(exc), param="prefix_caching", code="model_not_supported") from None
+    if body.retention is not None:
+        slot.retention = body.retention  # pins already made run out at their TTL
     return JSONResponse(settings_of(slot, is_llm))
 
 
@@ -66,4 +71,5 @@ def settings_of(slot: Any, is_llm: bool) -> dict[str, Any]:
     return {"id": slot.name, "object": "engine.settings", "kind": engine.kind,
             "llm_policy": slot.scheduler.policy.name if is_llm else None,
             "max_runs": slot.scheduler.run_gate.limit if is_llm else None,
-            "prefix_caching": engine.prefix_caching_enabled() if isinstance(engine, PrefixCaching) else None}
+            "prefix_caching": engine.prefix_caching_enabled() if isinstance(engine, PrefixCaching) else None,
+            "retention": slot.retention if isinstance(engine, PinsPrefixes) else None}

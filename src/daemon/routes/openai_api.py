@@ -237,8 +237,9 @@ async def _respond(request: Request, slot: Any, prompts: list[list[int]], params
         deltas = _served(daemon(request).workflows.generate_choices(
             slot.name, prompts, params, n, program=program, attained_tokens=registry.attained(program)),
             registry, program, n_prompt)
-    if chat and (pins or program is not None):  # a chat turn's pins (headrace.daemon.retention)
-        deltas = retention.pinned_after(deltas, slot.engine, prompts[0], tools, program, registry, pins or [])
+    retained = program if slot.retention else None  # switched off: the program's turns are served as LRU finds them
+    if chat and (pins or retained is not None):  # a chat turn's pins (headrace.daemon.retention)
+        deltas = retention.pinned_after(deltas, slot.engine, prompts[0], tools, retained, registry, pins or [])
     if not spec.stream:
         collected = await _collect(request, deltas, count)
         if collected is None:
