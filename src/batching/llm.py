@@ -10,7 +10,11 @@ The engine batches every admitted request per iteration; this scheduler
   many requests are admitted (``max_running``), letting waiting ones in most
   urgent first, in the same order;
 - times each request for the metrics: queue time, time to first token (from the
-  prefill's arrival), inter-token latency and end-to-end latency.
+  prefill's arrival), inter-token latency and end-to-end latency;
+- under a policy that preempts (``las``), sends prefills and decodes ``preemptive``
+  to an engine that can pause decodes (``PausesDecodes``), so a request of a higher
+  rank may pause running decodes of a lower rank (decided per request: a policy
+  switched on a live daemon applies to the requests that come after).
 
 A context keeps the meta of the primitive using it (its prefill, then its decode).
 
@@ -38,7 +42,7 @@ from headrace.batching.observer import NullObserver, SchedulerObserver
 from headrace.batching.programs import ProgramRegistry
 from headrace.batching.residency import AlwaysResident, Residency
 from headrace.batching.run_gate import RunGate
-from headrace.plugins.protocols import LLMEngine, SamplingParams, TokenDelta
+from headrace.plugins.protocols import LLMEngine, PausesDecodes, SamplingParams, TokenDelta
 
 
 @dataclass
@@ -136,6 +140,14 @@ class LLMScheduler:
                 meta = replace(meta, attained_tokens=meta.attained_tokens + served)
         return priority(self.policy, run_policy, meta, int(arrival * 1000), None if now is None else int(now * 1000))
 
+    def _preemption(self) -> dict[str, bool]:
+        """The engine call's extra keywords: ``preemptive`` where the policy preempts and the engine can pause
+        decodes; none otherwise (an engine without the flag is never sent it)."""
+        if getattr(self.policy, "preempts", False) and isinstance(self.engine, PausesDecodes) \
+                and self.engine.pauses_decodes:
+            return {"preemptive": True}
+        return {}
+
     def busy_with_other_runs(self, run: str) -> bool:
         """Whether requests or live contexts of anything but ``run`` are on the engine now."""
         if any(n and owner != run for owner, n in self._requests_by_run.items()):
@@ -176,7 +188,7 @@ class LLMScheduler:
         arrival = time.monotonic()
         rank = self.priority(meta, arrival)
         async with self._admitted(arrival, rank, (meta,)) as rank:
-            await self.engine.prefill(ctx, tokens, parent, priority=rank)
+            await self.engine.prefill(ctx, tokens, parent, priority=rank, **self._preemption())
             # Recorded before the engine is let go: a live context keeps it loaded until freed,
             # and keeps its run in the run gate (its decode must not wait behind other runs).
             run = meta.run if meta is not None else None
@@ -193,7 +205,7 @@ class LLMScheduler:
         rank = self.priority(state.meta, arrival)
         try:
             async with self._admitted(arrival, rank, (state.meta,)) as rank:
-                deltas = self.engine.decode(ctx, params, priority=rank)
+                deltas = self.engine.decode(ctx, params, priority=rank, **self._preemption())
                 async for delta in self._timed(deltas, state.arrival, state.prompt_tokens, state.meta):
                     yield delta
         finally:
@@ -216,8 +228,8 @@ class LLMScheduler:
         arrival = time.monotonic()
         rank = self.priority(meta, arrival)
         async with self._admitted(arrival, rank, (meta,)) as rank:
-            async for delta in self._timed(self.engine.generate(tokens, params, priority=rank), arrival, len(tokens),
-                                           meta):
+            deltas = self.engine.generate(tokens, params, priority=rank, **self._preemption())
+            async for delta in self._timed(deltas, arrival, len(tokens), meta):
                 yield delta
 
     async def next_token_logits(self, prompts: Sequence[Sequence[int]], token_ids: Sequence[int],

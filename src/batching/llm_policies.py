@@ -12,6 +12,12 @@ requests, which belong to no run); ``node_rank`` orders one run's own requests
 among themselves. A run that names its own policy (``PrimitiveMeta.policy``)
 gets its ``node_rank`` from that policy and its ``run_rank`` from the engine's,
 so an override reorders that run's requests and no one else's.
+
+A policy whose ``preempts`` is true (``las``) also lets its ranks preempt: the scheduler sends its
+requests ``preemptive`` to an engine that can pause decodes (``PausesDecodes``), where a request that
+cannot get into the batch pauses running decodes of a lower rank (KV kept) until it has got in
+(``headrace.plugins.engines.preemption``). Without it (every other built-in) a running decode is never
+paused: a rank only orders what joins the batch next.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ CLASS_SPAN = 1 << 43
 
 class LLMPolicy(Protocol):
     name: str
+    # Optional (False when absent): the policy's ranks may pause running decodes of a lower rank.
+    preempts: bool
 
     def run_rank(self, meta: PrimitiveMeta | None, arrival_ms: int, now_ms: int) -> int:
         """Where the request's run stands against other runs (lower first). ``arrival_ms``: the request's own
@@ -48,6 +56,7 @@ class FifoLLMPolicy:
     arrive in the same millisecond: under FIFO there is no run to reorder within.)"""
 
     name = "fifo"
+    preempts = False
 
     def run_rank(self, meta: PrimitiveMeta | None, arrival_ms: int, now_ms: int) -> int:
         return arrival_ms
@@ -63,6 +72,7 @@ class TopologyLLMPolicy:
     A request from no run ranks by its own arrival, as a run of one."""
 
     name = "topology"
+    preempts = False
 
     def run_rank(self, meta: PrimitiveMeta | None, arrival_ms: int, now_ms: int) -> int:
         return arrival_ms if meta is None else meta_arrival_ms(meta)
@@ -121,10 +131,20 @@ class LasLLMPolicy(TopologyLLMPolicy):
     ``rank - now = attained_tokens * ms_per_token - waiting_ms``. A request of a long program is
     overtaken only by requests arriving within its handicap after it, so it waits at most that long
     behind newcomers; among equal ranks the earlier arrival goes first. Within a run, deepest node
-    first (as ``topology``). No preemption: a running decode is not paused."""
+    first (as ``topology``).
+
+    Preemption (``preempts``): where the engine can pause decodes (the llama.cpp core), a request that
+    cannot get into the engine's batch because running decodes of a lower rank fill it (a decode waiting
+    for a row slot, a prefill wanting the tokens the rows take) pauses the least urgent of them. A paused
+    decode keeps its KV, pending token and sampler state and resumes, unchanged, as soon as the more
+    urgent work has got in; its output is the same as unpaused. Pauses are bounded twice: by the aging
+    above (only requests arriving within a row's handicap after it outrank it, so what can pause it is
+    finite), and by the engine, which resumes a decode paused for ``preempt_max_pause_seconds`` in all
+    (10 s) ahead of all other preemptive work and never pauses it again."""
 
     name = "las"
     ranks_by_attained = True  # the scheduler adds the run's own service here to ``meta.attained_tokens``
+    preempts = True  # its ranks may pause running decodes of a lower rank (see above)
     ms_per_token = 1.0  # 1,000 attained tokens weigh as much as one second of waiting
     max_handicap_ms = 600_000  # ten minutes: the longest a program's history can hold a request back
 

@@ -236,6 +236,18 @@ class ReportsLogprobs(Protocol):
 
 
 @runtime_checkable
+class PausesDecodes(Protocol):
+    """An LLM engine that preempts (Autellix): its ``prefill``, ``decode`` and ``generate`` also take a
+    keyword-only ``preemptive`` flag, which the LLM scheduler sets under a policy that preempts (``las``).
+    When ``pauses_decodes`` is true, a preemptive request that cannot get into the engine's batch may pause
+    running preemptive decodes of a lower rank (a higher ``priority``): such a decode leaves the batch
+    with its KV kept and later resumes where it stopped, its output unchanged. Requests sent without the
+    flag neither pause nor are paused."""
+
+    pauses_decodes: bool
+
+
+@runtime_checkable
 class ScheduledScoring(Protocol):
     """An LLM's scheduler, as an engine that scores with that LLM sees it."""
 

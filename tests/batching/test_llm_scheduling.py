@@ -21,6 +21,7 @@ from headrace.batching.llm import LLMScheduler, PriorityGate
 from headrace.batching.llm_policies import (
     DeadlineLLMPolicy,
     FifoLLMPolicy,
+    LasLLMPolicy,
     ObjectiveLLMPolicy,
     TopologyLLMPolicy,
     priority,
@@ -32,7 +33,7 @@ from headrace.plugins.protocols import EngineEnv, EngineSpec, SamplingParams, To
 
 PROMPT_TOKENS = 96  # each queued prompt; one fits an iteration, two do not
 POLICIES = {"fifo": FifoLLMPolicy(), "topology": TopologyLLMPolicy(), "objective": ObjectiveLLMPolicy(),
-            "deadline": DeadlineLLMPolicy()}
+            "deadline": DeadlineLLMPolicy(), "las": LasLLMPolicy()}
 
 
 def test_the_builtin_llm_policies_register():
@@ -235,6 +236,19 @@ def test_deadline_lets_a_late_run_yield_to_one_that_can_still_make_its_slo(busy_
     requests = [*late, doomed, on_time]
     assert portal.call(prefill_order, engine, "topology", requests) == ["late0", "late1", "doomed", "on_time"]
     assert portal.call(prefill_order, engine, "deadline", requests) == ["on_time", "late0", "late1", "doomed"]
+
+
+@pytest.mark.slow
+def test_las_serves_a_one_call_program_before_an_older_long_one(busy_llm):
+    """Autellix's PLAS on the real engine: an agent's turn (its program served 20,000 tokens so far) queued
+    before a one-call chat is filled after it under ``las``, before it under ``fifo``."""
+    portal, engine = busy_llm
+    now = time.monotonic()
+    requests = [("agent", PrimitiveMeta(run="agent-turn", node="n", program="key:agent", attained_tokens=20_000,
+                                        arrival=now)),
+                ("chat", PrimitiveMeta(run="chat", node="n", arrival=now))]
+    assert portal.call(prefill_order, engine, "fifo", requests) == ["agent", "chat"]
+    assert portal.call(prefill_order, engine, "las", requests) == ["chat", "agent"]
 
 
 @pytest.mark.slow

@@ -174,3 +174,34 @@ async def test_fifo_ranks_do_not_see_the_served_count():
     meta = PrimitiveMeta(run="wf", node="a", program="key:p", attained_tokens=9_999, arrival=1.0)
     await _generate(sched, 10, meta)
     assert sched.priority(meta, 5.0) == 5_000 * NODE_RANKS == sched.priority(None, 5.0)
+
+
+class _PausingTokens(_Tokens):
+    """As ``_Tokens``, for an engine that can pause decodes: records the keywords each request came with."""
+
+    pauses_decodes = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keywords: list[dict] = []
+
+    async def generate(self, tokens, params, *, priority=0, **keywords):
+        self.keywords.append(keywords)
+        async for delta in super().generate(tokens, params, priority=priority):
+            yield delta
+
+
+@pytest.mark.anyio
+async def test_only_a_preempting_policy_sends_requests_preemptive_and_only_to_an_engine_that_pauses():
+    """``las`` preempts; ``fifo`` (and every other built-in) does not, so its requests go as before. An engine
+    that cannot pause decodes (``_Tokens`` takes no such keyword) is never sent the flag."""
+    assert LasLLMPolicy.preempts and not any(p.preempts for p in (FifoLLMPolicy(), TopologyLLMPolicy(),
+                                                                   ObjectiveLLMPolicy(), DeadlineLLMPolicy()))
+    meta = PrimitiveMeta(run="wf", node="a", arrival=1.0)
+    pausing = _PausingTokens()
+    await _generate(LLMScheduler(pausing, max_running=4, policy=LasLLMPolicy()), 4, meta)
+    await _generate(LLMScheduler(pausing, max_running=4, policy=FifoLLMPolicy()), 4, meta)
+    assert pausing.keywords == [{"preemptive": True}, {}]
+    plain = _Tokens()
+    await _generate(LLMScheduler(plain, max_running=4, policy=LasLLMPolicy()), 4, meta)
+    assert len(plain.priorities) == 1

@@ -52,6 +52,8 @@ def test_unknown_and_bad_options_are_errors(tmp_path):
         LlamaCppLLM(engine_spec(quantize="Q3"), make_env(tmp_path))
     with pytest.raises(ValueError, match="n_seq_max: must be a positive integer"):
         LlamaCppLLM(engine_spec(n_seq_max=0), make_env(tmp_path))
+    with pytest.raises(ValueError, match="preempt_max_pause_seconds: must be a number >= 0"):
+        LlamaCppLLM(engine_spec(preempt_max_pause_seconds=-1), make_env(tmp_path))
 
 
 @pytest.mark.slow
@@ -320,3 +322,116 @@ def test_cached_prefixes_give_their_cells_back_when_the_kv_is_full(tmp_path):
 def test_logprobs_are_the_models_log_softmax(llm):
     portal, engine = llm
     check_logprobs_are_log_softmax(portal, engine, chat(engine, "Name a colour."), tolerance=0.05)
+
+
+# ----- preemption (issue 28 item 2: Autellix's PLAS pauses low-rank decodes) --------------------------
+
+LOW_TOKENS = 24  # each low-rank row's output: more steps than the urgent request needs to get in
+
+
+def counting(engine, start: int) -> list[int]:
+    """A raw-text count the model goes on counting (its next tokens are sure, so greedy output is stable)."""
+    return engine.encode(", ".join(str(n) for n in range(start, start + 12)) + ",")
+
+
+async def low_rank_rows_and_an_urgent_request(engine, *, prefill, decode, urgent) -> tuple[list, list, dict]:
+    """Eight low-rank contexts are prefilled, then decode together, filling the batch's eight row slots
+    (``max_batch_tokens`` 16, set here once they are prefilled); once all eight decode, an urgent chat
+    comes. ``prefill(i, ctx, tokens)``, ``decode(i, ctx, params)`` and ``urgent(tokens, params)`` make the
+    calls. Returns the low rows' token ids, the events in order (("urgent first", the tokens each low row
+    had then), ("low done", i)), and the core's stats after."""
+    core = engine.core
+    params = SamplingParams(max_tokens=LOW_TOKENS, temperature=0)
+    contexts = [engine.new_context_id() for _ in range(8)]
+    produced, outputs, events = [0] * 8, [[] for _ in range(8)], []
+
+    async def one_low(i: int) -> None:
+        async for delta in decode(i, contexts[i], params):
+            outputs[i] += delta.token_ids
+            produced[i] = len(outputs[i])
+            if delta.finish_reason is not None:
+                assert delta.finish_reason == "length"  # the scenario needs rows that run their full length
+                events.append(("low done", i))
+
+    async def one_urgent() -> None:
+        async for _ in urgent(chat(engine, "Name a colour."), SamplingParams(max_tokens=4, temperature=0)):
+            if not any(e[0] == "urgent first" for e in events):
+                events.append(("urgent first", list(produced)))
+
+    saved = core.max_batch_tokens
+    with anyio.fail_after(300):
+        try:
+            async with anyio.create_task_group() as tg:
+                for i, ctx in enumerate(contexts):
+                    tg.start_soon(prefill, i, ctx, counting(engine, 100 * i))
+            core.max_batch_tokens = 16  # eight row slots (// 2); the worker is idle, llama.cpp's buffers stay larger
+            async with anyio.create_task_group() as tg:
+                for i in range(8):
+                    tg.start_soon(one_low, i)
+                while core.stats()["decoding"] < 8:
+                    await anyio.sleep(0.005)
+                tg.start_soon(one_urgent)
+        finally:
+            core.max_batch_tokens = saved
+    for ctx in contexts:
+        await engine.free(ctx)  # a context decoded outside the scheduler stays until freed
+    return outputs, events, await wait_for_no_contexts(engine)
+
+
+@pytest.mark.slow
+def test_las_pauses_low_rank_decodes_for_a_new_program_and_they_resume_unchanged(llm):
+    """A new one-call program under ``las`` pauses an agent's running decodes (KV kept) to get in: its
+    prefill takes the tokens they held, its decode a row slot they held. Without preemption (``fifo``; or
+    the same priorities without the ``preemptive`` flag) it waits for a row to finish. The paused rows
+    resume as the same rows: their greedy output is the unpaused one, token for token."""
+    from headrace.batching.llm import LLMScheduler
+    from headrace.batching.llm_policies import FifoLLMPolicy, LasLLMPolicy
+    from headrace.batching.meta import PrimitiveMeta
+
+    portal, engine = llm
+    core = engine.core
+
+    def agent(i: int) -> PrimitiveMeta:  # one long program: 50,000 tokens served already (a 50 s handicap)
+        return PrimitiveMeta(run=f"agent-turn-{i}", node="llm", program="key:agent", attained_tokens=50_000)
+
+    def scheduled(policy) -> dict:
+        sched = LLMScheduler(engine, max_running=64, policy=policy)
+        return {"prefill": lambda i, ctx, tokens: sched.prefill(ctx, tokens, meta=agent(i)),
+                "decode": lambda i, ctx, params: sched.decode(ctx, params, agent(i)),
+                "urgent": lambda tokens, params: sched.generate(tokens, params, PrimitiveMeta(run="chat", node="llm"))}
+
+    by_priority = {"prefill": lambda i, ctx, tokens: engine.prefill(ctx, tokens, priority=1000 + i),
+                   "decode": lambda i, ctx, params: engine.decode(ctx, params, priority=1000 + i),
+                   "urgent": lambda tokens, params: engine.generate(tokens, params, priority=0)}
+
+    async def scenario(calls: dict) -> tuple[list, list, dict, int]:
+        before = core.stats()["preemptions"]
+        outputs, events, stats = await low_rank_rows_and_an_urgent_request(engine, **calls)
+        return outputs, events, stats, stats["preemptions"] - before
+
+    async def switch(on: bool) -> None:
+        await engine.set_prefix_caching(on)
+
+    portal.call(switch, False)  # every run prefills its prompts the same way
+    try:
+        runs = {name: portal.call(scenario, calls) for name, calls in
+                (("fifo", scheduled(FifoLLMPolicy())), ("priority only", by_priority),
+                 ("las", scheduled(LasLLMPolicy())))}
+    finally:
+        portal.call(switch, True)
+    for name, (outputs, events, stats, pauses) in runs.items():
+        assert idle(stats) and stats["paused"] == 0, name
+        urgent_at = next(k for k, e in enumerate(events) if e[0] == "urgent first")
+        first_done = next(k for k, e in enumerate(events) if e[0] == "low done")
+        if name == "las":
+            # Its first token came while every low-rank row was still running, short of its length.
+            assert urgent_at < first_done and max(events[urgent_at][1]) < LOW_TOKENS, (events, pauses)
+            # All eight paused for its prefill (it wants more tokens than they leave it), and one more
+            # for its decode's row slot.
+            assert pauses >= 8 + 1, (events, pauses)
+        else:
+            # No preemption: the urgent request's decode waits for a row slot, which a finished row frees.
+            assert pauses == 0 and first_done < urgent_at, (name, events, pauses)
+    # Paused and resumed, the rows' greedy output is the unpaused one.
+    assert runs["las"][0] == runs["fifo"][0] == runs["priority only"][0]
+    assert all(len(ids) == LOW_TOKENS for ids in runs["las"][0])

@@ -13,6 +13,7 @@ fork tags the parent's cells rather than copying them. Each worker iteration is
 ONE ``llama_decode`` of what ``llama_cpp_batch`` plans. Logits are requested
 only where a prompt ends or a row decodes, and sampled by headrace's own
 sampler, so temperature, top_p and seed mean what they mean on the torch engine.
+Preemptive decodes of a lower rank pause, KV kept, for more urgent work (``_preempt``).
 
 The tokenizer and chat template are the model's own, loaded by transformers
 from the GGUF as the torch engine loads them, so both engines see the same
@@ -45,6 +46,7 @@ from headrace.plugins.engines.llama_cpp_options import SCORE_SEQUENCES, parse_op
 from headrace.plugins.engines.llm_core import LLMCore, Row, logprobs_row, sample_rows_numpy
 from headrace.plugins.engines.llm_front import LLMFront
 from headrace.plugins.engines.llm_messages import Decode, EngineError, Logits, Outbox, Prefill
+from headrace.plugins.engines.preemption import PausedRows, Want
 from headrace.plugins.engines.prefix_cache import PrefixCache, PrefixCacheStats, cache_stats
 from headrace.plugins.hookspecs import hookimpl
 from headrace.plugins.protocols import EngineEnv, EngineSpec
@@ -68,6 +70,8 @@ class _Sequence:
 
 
 class LlamaCppCore(LLMCore):
+    pauses_decodes = True
+
     def __init__(self, spec: EngineSpec, env: EngineEnv) -> None:
         o = parse_options(spec)
         self._path, self._env, self._threads, self._kv_unified = o.path, env, o.threads, o.kv_unified
@@ -86,6 +90,7 @@ class LlamaCppCore(LLMCore):
         self._contexts: dict[ContextId, _Sequence] = {}
         self._rows: list[Row] = []
         self._waiting: list[Row] = []
+        self._paused = PausedRows(o.max_pause)  # rows out of the batch for more urgent work, KV kept
         self._prefills: deque[Fill] = deque()
         # Prefills waiting for a free sequence (all n_seq_max in use), oldest first, with when they came.
         self._blocked: deque[tuple[float, Prefill]] = deque()
@@ -196,7 +201,8 @@ class LlamaCppCore(LLMCore):
         # A blocked prefill with a sequence free was deferred behind a shared-prefix fill: once that
         # fill ends it is admissible now, not when its context wait times out.
         blocked_admissible = bool(self._blocked and self._free_seqs)
-        return bool(self._rows or self._waiting or self._prefills or self._scoring or blocked_admissible)
+        return bool(self._rows or self._waiting or self._paused or self._prefills or self._scoring
+                    or blocked_admissible)
 
     def add_prefills(self, jobs: list[Prefill], out: Outbox) -> None:
         now = time.monotonic()
@@ -315,6 +321,7 @@ class LlamaCppCore(LLMCore):
         self._blocked = deque((t, job) for t, job in self._blocked if job.ctx != ctx)
         self._rows = [r for r in self._rows if r.ctx != ctx]
         self._waiting = [r for r in self._waiting if r.ctx != ctx]
+        self._paused.drop(ctx)
         seq = self._contexts.get(ctx)
         if seq is not None:
             seq.decoding = False
@@ -365,7 +372,8 @@ class LlamaCppCore(LLMCore):
     def stats(self) -> dict[str, int]:
         # Waiting: decodes not yet in the batch, and prefills waiting for a free sequence.
         stats = {"contexts": len(self._contexts), "decoding": len(self._rows),
-                 "waiting": len(self._waiting) + len(self._blocked)}
+                 "waiting": len(self._waiting) + len(self._blocked),
+                 "paused": len(self._paused), "preemptions": self._paused.pauses}
         if self.prefix_cache_tokens > 0:
             stats.update(cache_stats(self._cache_stats, self.prefix_cache, self.prefix_cache_tokens, self._pins))
         # Contexts and cached prefixes share the llama context's n_ctx cells (read on the event loop: list() copies).
@@ -377,6 +385,7 @@ class LlamaCppCore(LLMCore):
 
     def step(self, out: Outbox) -> None:
         self._admit_blocked(out)
+        self._preempt()
         self._admit(out)
         parts = self._plan()
         if parts:
@@ -398,6 +407,16 @@ class LlamaCppCore(LLMCore):
             except Exception as exc:  # this row's sampling or detokenising: it fails alone
                 log.exception("engine %s: starting a decode failed", self.name)
                 self.fail_row(r, exc, out)
+
+    def _preempt(self) -> None:
+        """Pause preemptive rows that hold more urgent preemptive work back (a decode waiting for one of
+        ``_admit``'s ``max_batch_tokens // 2`` row slots, a prefill wanting the tokens the rows take), resume
+        those that no longer do (``preemption``)."""
+        wants = [Want(f.prefill.priority, 0, f.remaining) for f in self._prefills
+                 if f.prefill is not None and f.prefill.preemptive]
+        wants += [Want(r.priority, 1, 1) for r in self._waiting if r.preemptive]
+        self._rows = self._paused.update(self._rows, wants, row_limit=self.max_batch_tokens // 2,
+                                         token_budget=self.max_batch_tokens)
 
     def _plan(self) -> list[Part]:
         """This iteration's batch (llama_cpp_batch.plan), prefills and scoring jobs in the policy's order: the
@@ -550,7 +569,7 @@ class LlamaCppCore(LLMCore):
     def recover(self, exc: BaseException, out: Outbox) -> None:
         """An iteration raised past the isolation above: fail everything in flight; contexts at rest stay."""
         error = self.error(exc)
-        for r in self._rows + self._waiting:
+        for r in self._rows + self._waiting + self._paused.take_all():
             self.fail_row(r, error, out)
         self._rows, self._waiting = [], []
         for fill in list(self._prefills):
@@ -563,7 +582,7 @@ class LlamaCppCore(LLMCore):
 
     def abandon(self, error: BaseException, out: Outbox) -> None:
         """The worker has stopped (and freed llama.cpp's state): answer what is left, on the event loop."""
-        for r in self._rows + self._waiting:
+        for r in self._rows + self._waiting + self._paused.take_all():
             out.fail_stream(r.send, error)
         for fill in self._prefills:
             out.reply(fill.prefill.reply, error=error)

@@ -9,6 +9,7 @@ from typing import Any
 
 from headrace.plugins.engines.llama_cpp_files import QUANT_TYPES
 from headrace.plugins.engines.model_paths import resolve_model
+from headrace.plugins.engines.preemption import MAX_PAUSE_SECONDS
 from headrace.plugins.engines.prefix_cache import PinPolicy, pin_policy
 from headrace.plugins.protocols import EngineSpec
 
@@ -38,6 +39,7 @@ class LlamaCppOptions:
     cache_sequences: int
     pins: PinPolicy  # pinned prefixes: their budget and the retention TTL
     context_wait: float
+    max_pause: float  # seconds a preemptive decode may be paused in all (``preemption``)
     quantize: str
     max_context_tokens: int
     n_ctx: int  # KV cells in all
@@ -67,6 +69,9 @@ def parse_options(spec: EngineSpec) -> LlamaCppOptions:
     wait = opts.pop("context_wait_seconds", 120)
     if isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait < 0:
         raise ValueError(f"{key}.context_wait_seconds: must be a number >= 0, not {wait!r}")
+    max_pause = opts.pop("preempt_max_pause_seconds", MAX_PAUSE_SECONDS)
+    if isinstance(max_pause, bool) or not isinstance(max_pause, (int, float)) or max_pause < 0:
+        raise ValueError(f"{key}.preempt_max_pause_seconds: must be a number >= 0, not {max_pause!r}")
     quantize = str(opts.pop("quantize", DEFAULT_QUANTIZE))
     max_context_tokens = positive(opts.pop("max_context_tokens", 2048), f"{key}.max_context_tokens")
     if opts:
@@ -79,7 +84,7 @@ def parse_options(spec: EngineSpec) -> LlamaCppOptions:
     n_ctx = positive(n_ctx if n_ctx is not None else (16384 if kv_unified else sequences * max_context_tokens),
                      f"{key}.n_ctx")
     return LlamaCppOptions(path, threads, kv_unified, max_contexts, max_batch_tokens, cache_tokens, cache_sequences,
-                           pins, float(wait), quantize, max_context_tokens, n_ctx)
+                           pins, float(wait), float(max_pause), quantize, max_context_tokens, n_ctx)
 
 
 def positive(value: Any, key: str) -> int:

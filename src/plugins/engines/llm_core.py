@@ -68,6 +68,9 @@ class Row:
     pending: int = -1  # sampled token not yet in the KV
     produced: int = 0
     matcher: Any = None  # a constrained decode's llguidance matcher, advanced with each sampled token
+    preemptive: bool = False  # takes part in preemption (``preemption``): may be paused, may pause others
+    paused_at: float | None = None  # when it last left the batch for more urgent work; None: not paused
+    paused_for: float = 0.0  # seconds paused before that, in all
 
 
 class LLMCore(ABC):
@@ -78,6 +81,9 @@ class LLMCore(ABC):
     # belongs to the thread that built it, as vLLM's CPU worker pins its threads); False: on a
     # thread of its own, before the worker starts.
     load_on_worker = False
+    # True: the core pauses preemptive decodes for more urgent preemptive work (``preemption``); the front
+    # passes the commands' ``preemptive`` flag either way, and a core that cannot pause ignores it.
+    pauses_decodes = False
 
     def __init__(self, name: str, max_context_tokens: int) -> None:
         self.name = name
@@ -244,7 +250,7 @@ class LLMCore(ABC):
                 raise EngineError(f"the output constraint does not compile: {exc}") from None
         return Row(ctx=cmd.ctx, params=cmd.params, send=cmd.send, free_after=cmd.free_after, priority=cmd.priority,
                    generator=make_generator(cmd.params.seed), detok=Detokenizer(self.tokenizer, cmd.params.stop),
-                   length=length, matcher=matcher)
+                   length=length, matcher=matcher, preemptive=cmd.preemptive)
 
     def emit(self, r: Row, token: int, out: Outbox, logits: torch.Tensor | None = None) -> bool:
         """Record one sampled token of ``r`` (its KV holds ``r.length`` tokens); True when the row is finished.

@@ -24,7 +24,9 @@ is for the core to refuse (it knows the parent's length).
 Every request carries the LLM scheduler's ``priority`` (lower first; the
 ``Prefill``, ``Decode`` and ``Logits`` commands and each ``Row`` have it): when a
 core cannot run all its work in one iteration, it takes the most urgent first,
-in arrival order among equals. A core with a prefix cache implements
+in arrival order among equals. A request sent ``preemptive`` (the scheduler's policy
+preempts) may also pause a lower-ranked preemptive decode, where the core can
+(``pauses_decodes``; see ``preemption``). A core with a prefix cache implements
 ``set_prefix_caching`` and ``prefix_caching_enabled`` (the front carries the
 switch to the worker as a command); one whose ``prefix_cache`` is a ``PrefixCache``
 gets pins (``pin_prefix``, the ``Pin`` command) from the base class.
@@ -162,11 +164,11 @@ class LLMFront:
         return f"{self.name}-ctx-{next(self._ctx_ids)}"
 
     async def prefill(self, ctx: ContextId, tokens: Sequence[int], parent: ContextId | None = None, *,
-                      priority: int = 0) -> None:
-        await self._open(Prefill, ctx, tokens, parent, priority)
+                      priority: int = 0, preemptive: bool = False) -> None:
+        await self._open(Prefill, ctx, tokens, parent, priority, preemptive)
 
     async def _open(self, command: type[Prefill], ctx: ContextId, tokens: Sequence[int], parent: ContextId | None,
-                    priority: int) -> None:
+                    priority: int, preemptive: bool = False) -> None:
         self._require_running()
         check_priority(priority)
         if ctx in self._live:
@@ -178,7 +180,7 @@ class LLMFront:
         self._check_tokens(tokens)
         reply = Reply()
         self._live.add(ctx)
-        self._commands.put(command(ctx, list(tokens), parent, reply, priority))
+        self._commands.put(command(ctx, list(tokens), parent, reply, priority, preemptive=bool(preemptive)))
         try:
             await self._wait(reply)
         except BaseException:
@@ -187,8 +189,9 @@ class LLMFront:
             self._live.discard(ctx)
             raise
 
-    async def decode(self, ctx: ContextId, params: SamplingParams, *, priority: int = 0) -> AsyncIterator[TokenDelta]:
-        async for delta in self._decode(ctx, params, free_after=False, priority=priority):
+    async def decode(self, ctx: ContextId, params: SamplingParams, *, priority: int = 0,
+                     preemptive: bool = False) -> AsyncIterator[TokenDelta]:
+        async for delta in self._decode(ctx, params, free_after=False, priority=priority, preemptive=preemptive):
             yield delta
 
     async def free(self, ctx: ContextId) -> None:
@@ -197,11 +200,11 @@ class LLMFront:
             self._commands.put(Stop(ctx, free=True))
 
     async def generate(self, tokens: Sequence[int], params: SamplingParams, *,
-                       priority: int = 0) -> AsyncIterator[TokenDelta]:
+                       priority: int = 0, preemptive: bool = False) -> AsyncIterator[TokenDelta]:
         ctx = self.new_context_id()
-        await self._open(self.generate_prefill, ctx, tokens, None, priority)
+        await self._open(self.generate_prefill, ctx, tokens, None, priority, preemptive)
         try:
-            async for delta in self._decode(ctx, params, free_after=True, priority=priority):
+            async for delta in self._decode(ctx, params, free_after=True, priority=priority, preemptive=preemptive):
                 yield delta
         finally:
             self._live.discard(ctx)
@@ -231,6 +234,11 @@ class LLMFront:
 
     def stats(self) -> dict[str, int]:
         return self.core.stats()
+
+    @property
+    def pauses_decodes(self) -> bool:
+        """``PausesDecodes``: whether the core pauses preemptive decodes for more urgent preemptive work."""
+        return self.core.pauses_decodes
 
     @property
     def reloadable(self) -> bool:
@@ -302,7 +310,7 @@ class LLMFront:
         check_token_ids(tokens, self.vocab_size, self.name)
 
     async def _decode(self, ctx: ContextId, params: SamplingParams, free_after: bool,
-                      priority: int) -> AsyncIterator[TokenDelta]:
+                      priority: int, preemptive: bool = False) -> AsyncIterator[TokenDelta]:
         self._require_running()
         check_priority(priority)
         if ctx not in self._live:
@@ -310,7 +318,7 @@ class LLMFront:
         # One item per token at most, so the buffer bounds memory and the worker never blocks.
         send, receive = anyio.create_memory_object_stream[TokenDelta | BaseException](params.max_tokens + 1)
         self._streams.add(send)
-        self._commands.put(Decode(ctx, params, send, free_after, priority))
+        self._commands.put(Decode(ctx, params, send, free_after, priority, preemptive=bool(preemptive)))
         finished = False
         try:
             async with receive:

@@ -53,6 +53,7 @@ class Prefill:
     parent: ContextId | None
     reply: Reply  # resolved with None once the context holds the tokens
     priority: int = 0  # lower runs first (the LLM scheduler's policy sets it)
+    preemptive: bool = False  # may pause preemptive decodes of a lower rank (``preemption``)
 
 
 @dataclass
@@ -62,6 +63,7 @@ class Decode:
     send: Any  # MemoryObjectSendStream[TokenDelta | BaseException]
     free_after: bool  # generate(): the context goes when the decode ends
     priority: int = 0
+    preemptive: bool = False  # may pause, and be paused by, preemptive work of another rank (``preemption``)
 
 
 @dataclass
