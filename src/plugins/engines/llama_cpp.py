@@ -1,29 +1,24 @@
 """The built-in llama.cpp LLM engine (plugin ``llama-cpp``): a core on the shared LLM front.
 
-One llama.cpp context holds every KV context as a *sequence*. By default each
-sequence has a KV stream of its own (``kv_unified = false``, what llama-server
-runs with ``-np``): attention then reads only the sequence's own cells, so
-prompts that prefill, score or decode side by side do not pay for each other's
-cells, as they do in one unified cache whose attention (and mask) spans every
-sequence's cells. A fork or a prefix-cache hit copies the parent's stream
-(``seq_cp`` across streams copies the buffer; the copy is then trimmed to the
-prefix), a few milliseconds for a 2,048-cell stream of SmolLM2-135M. With
-``kv_unified = true`` every sequence may use any of the ``n_ctx`` cells and a
-fork tags the parent's cells rather than copying them. Each worker iteration is
-ONE ``llama_decode`` of what ``llama_cpp_batch`` plans. Logits are requested
-only where a prompt ends or a row decodes, and sampled by headrace's own
-sampler, so temperature, top_p and seed mean what they mean on the torch engine.
-Preemptive decodes of a lower rank pause, KV kept, for more urgent work (``_preempt``).
+One llama.cpp context holds every KV context as a *sequence*. By default each sequence has a KV stream of its
+own (``kv_unified = false``, what llama-server runs with ``-np``): attention then reads only the sequence's
+own cells, so prompts that prefill, score or decode side by side do not pay for each other's cells, as they do
+in one unified cache whose attention (and mask) spans every sequence's cells. A fork or a prefix-cache hit
+copies the parent's stream (``seq_cp`` across streams copies the buffer; the copy is then trimmed to the
+prefix), a few milliseconds for a 2,048-cell stream of SmolLM2-135M. With ``kv_unified = true`` every sequence
+may use any of the ``n_ctx`` cells and a fork tags the parent's cells rather than copying them. Each worker
+iteration is ONE ``llama_decode`` of what ``llama_cpp_batch`` plans. Logits are requested only where a prompt
+ends or a row decodes, and sampled by headrace's own sampler, so temperature, top_p and seed mean what they
+mean on the torch engine. Preemptive decodes of a lower rank pause, KV kept, for more urgent work
+(``_preempt``).
 
-The tokenizer and chat template are the model's own, loaded by transformers
-from the GGUF as the torch engine loads them, so both engines see the same
-token ids for the same text.
+The tokenizer and chat template are the model's own, loaded by transformers from the GGUF as the torch engine
+loads them, so both engines see the same token ids for the same text.
 
-Faults stay with their request: the front refuses token ids outside the
-vocabulary before they are queued, and should a combined ``llama_decode`` fail
-anyway, its parts are retried one by one (llama.cpp restores the KV cache after
-a failed decode), so only a part that fails alone gets an error: the decoding
-rows together, or one prefill, or one scoring job.
+Faults stay with their request: the front refuses token ids outside the vocabulary before they are queued, and
+should a combined ``llama_decode`` fail anyway, its parts are retried one by one (llama.cpp restores the KV
+cache after a failed decode), so only a part that fails alone gets an error: the decoding rows together, or
+one prefill, or one scoring job.
 """
 
 from __future__ import annotations
@@ -39,9 +34,9 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from headrace.plugins.engines.llama_cpp_batch import (Fill, Part, ScoringQueue, batch_entries, common_length, plan,
-                                                       write_batch)
-from headrace.plugins.engines.llama_cpp_files import llama, load_tokenizer, quantized_model
+from headrace.plugins.engines.llama_cpp_batch import (DecodeFailed, Fill, Part, ScoringQueue, batch_entries,
+                                                       common_length, plan, write_batch)
+from headrace.plugins.engines.llama_cpp_files import llama, load_tokenizer, model_footprint_bytes, quantized_model
 from headrace.plugins.engines.llama_cpp_options import SCORE_SEQUENCES, parse_options
 from headrace.plugins.engines.llm_core import LLMCore, Row, logprobs_row, sample_rows_numpy
 from headrace.plugins.engines.llm_front import LLMFront
@@ -139,17 +134,10 @@ class LlamaCppCore(LLMCore):
     reloadable = True
 
     def footprint_bytes(self) -> int:
-        """llama.cpp's count of the weights (``llama_model_size``) plus the KV cache it preallocates:
-        ``n_ctx`` cells x layers x K and V x the KV width (f16, llama.cpp's default cache type)."""
-        model = self._model
-        if model is None:
+        if self._model is None:
             return 0
-        lc = llama()
-        heads = lc.llama_model_n_head(model)
-        kv_width = lc.llama_model_n_embd(model) // max(1, heads) * lc.llama_model_n_head_kv(model)
-        cells = lc.llama_n_ctx(self._ctx) if self._ctx is not None else self._n_ctx  # llama.cpp pads streams
-        kv = cells * lc.llama_model_n_layer(model) * 2 * kv_width * 2
-        return int(lc.llama_model_size(model)) + kv
+        cells = llama().llama_n_ctx(self._ctx) if self._ctx is not None else self._n_ctx  # llama.cpp pads streams
+        return model_footprint_bytes(self._model, cells)
 
     @contextlib.contextmanager
     def serving(self) -> Iterator[None]:
@@ -429,7 +417,7 @@ class LlamaCppCore(LLMCore):
         """Decode the parts in one llama_decode; should it fail, each part alone, failing alone."""
         try:
             logits = self._decode(parts)
-        except _DecodeFailed as exc:
+        except DecodeFailed as exc:
             self._undo(parts)
             if exc.rc == 1 and self.prefix_cache is not None and len(self.prefix_cache):
                 # No room in the KV: cached prefixes give their cells back before anything fails.
@@ -474,7 +462,7 @@ class LlamaCppCore(LLMCore):
         rc = lc.llama_decode(self._ctx, batch)
         end = time.monotonic()
         if rc != 0:
-            raise _DecodeFailed(rc)
+            raise DecodeFailed(rc)
         for part in parts:
             self.token_counts[part.kind] += part.count
         if outputs:
@@ -596,15 +584,6 @@ class LlamaCppCore(LLMCore):
         self._scoring.jobs.clear()
         self._contexts.clear()
         self.prefix_cache = None  # its sequences went with llama.cpp's state
-
-
-class _DecodeFailed(RuntimeError):
-    MEANINGS = {1: "no room in the KV cache (raise the engine's n_ctx option)", 2: "aborted",
-                -1: "invalid input batch"}
-
-    def __init__(self, rc: int) -> None:
-        super().__init__(f"llama_decode returned {rc}: {self.MEANINGS.get(rc, 'fatal error')}")
-        self.rc = rc
 
 
 class LlamaCppLLM(LLMFront):

@@ -297,3 +297,14 @@ def write_batch(batch: Any, entries: list[BatchEntry]) -> None:
         batch.seq_id[i][0] = e.seq
         batch.logits[i] = e.logits
     batch.n_tokens = len(entries)
+
+
+class DecodeFailed(RuntimeError):
+    """``llama_decode`` returned an error code for a batch."""
+
+    MEANINGS = {1: "no room in the KV cache (raise the engine's n_ctx option)", 2: "aborted",
+                -1: "invalid input batch"}
+
+    def __init__(self, rc: int) -> None:
+        super().__init__(f"llama_decode returned {rc}: {self.MEANINGS.get(rc, 'fatal error')}")
+        self.rc = rc
