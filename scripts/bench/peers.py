@@ -225,13 +225,11 @@ def vllm_pair() -> Pair | str:
     entry = llm_entry(config)
     opts = entry.get("options", {})
     threads = opts.get("threads", 2)
-    # The plugin's model directory, found as its _model_dir finds it, in its own venv (the GGUF is that
-    # venv's copy, so the cached conversion's name differs from the main venv's).
+    # The plugin's model directory, found as the plugin finds it (safetensors_model), in its own venv (the
+    # GGUF is that venv's copy, so the cached conversion's name differs from the main venv's).
     find = ("import sys; from pathlib import Path; "
-            "from headrace.plugins.engines.model_paths import resolve_model; "
-            "from headrace.plugins.engines.torch_loading import convert_gguf; "
-            "p = resolve_model(sys.argv[1]); "
-            "print(convert_gguf(p, Path(sys.argv[2])) if p.is_file() and p.suffix == '.gguf' else p)")
+            "from headrace.plugins.api import safetensors_model; "
+            "print(safetensors_model(sys.argv[1], 'model', Path(sys.argv[2])))")
     found = subprocess.run([str(python), "-c", find, entry["model"], str(CACHE)], capture_output=True, text=True,
                            env=BASE_ENV, cwd=ROOT)
     if found.returncode != 0:

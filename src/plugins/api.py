@@ -8,7 +8,8 @@ each group and how an engine plugin is written.
   the protocols it meets (``LLMEngine``, ``EmbedEngine``, ...) and their value types.
 - **An in-process LLM engine**: ``LLMFront`` (the event-loop half, which serves the ``LLMEngine``
   protocol) over a subclass of ``LLMCore`` (the worker-thread half: the model, its KV and batches),
-  with the commands they exchange; ``EngineError`` is the error every LLM engine raises (``EngineFailed``, raised
+  with the commands they exchange (``TokenListCore`` and ``Hold`` for a core over an engine that takes whole
+  token lists and caches prefixes itself, as vLLM and SGLang do); ``EngineError`` is the error every LLM engine raises (``EngineFailed``, raised
   by a core's iteration, fails the whole engine).
 - **Helpers**: token checks, sampling (``Detokenizer``, ``is_greedy``), chat templates, output
   constraints, model files (``resolve_model``, ``convert_gguf``).
@@ -29,6 +30,7 @@ from headrace.plugins.engines.llm_core import LLMCore, Row, sample_row, sample_r
 from headrace.plugins.engines.llm_front import LLMFront, check_token_ids
 from headrace.plugins.engines.llm_messages import (CacheControl, Command, Decode, EngineError, EngineFailed, Heartbeat,
                                                    Logits, Outbox, Prefill, Reply, Stop)
+from headrace.plugins.engines.llm_token_lists import Hold, TokenListCore, safetensors_model
 from headrace.plugins.engines.model_paths import ModelNotFound, resolve_model
 from headrace.plugins.engines.sampling import LOGPROB_FLOOR, Detokenizer, is_greedy
 from headrace.plugins.engines.torch_loading import convert_gguf
@@ -54,9 +56,10 @@ __all__ = [
     # an in-process LLM engine
     "EngineError", "EngineFailed", "LLMFront", "LLMCore", "Row", "sample_rows", "sample_row",
     "Command", "Prefill", "Decode", "Stop", "Logits", "CacheControl", "Heartbeat", "Reply", "Outbox",
+    "TokenListCore", "Hold",
     # helpers
     "check_token_ids", "Detokenizer", "is_greedy", "LOGPROB_FLOOR", "ChatMessages", "ToolSpecs", "apply_template",
-    "json_schema_text", "resolve_model", "ModelNotFound", "convert_gguf",
+    "json_schema_text", "resolve_model", "ModelNotFound", "convert_gguf", "safetensors_model",
     # hosting the daemon
     *_HOSTING,
 ]

@@ -200,16 +200,15 @@ def core_without_sglang(context: int = 16):
 
 
 def test_a_context_is_its_token_list_checked_before_sglang_sees_it():
-    from headrace.plugins.api import Outbox, Reply
-    from headrace_sglang.core import _Hold
-
+    from headrace.plugins.api import Hold, Outbox, Reply
+    
     core, out = core_without_sglang(), Outbox()
     root, child, too_long, orphan = Reply(), Reply(), Reply(), Reply()
-    core.add_prefills([_Hold("a", [1, 2, 3], None, root), _Hold("b", [4, 5], "a", child),
-                       _Hold("c", list(range(12)), "b", too_long), _Hold("d", [1], "nobody", orphan)], out)
+    core.add_prefills([Hold("a", [1, 2, 3], None, root), Hold("b", [4, 5], "a", child),
+                       Hold("c", list(range(12)), "b", too_long), Hold("d", [1], "nobody", orphan)], out)
     answers = {id(reply): error for reply, _, error in out.replies}
     assert answers[id(root)] is None and answers[id(child)] is None
-    assert core._contexts == {"a": [1, 2, 3], "b": [1, 2, 3, 4, 5]}  # a child is its parent's tokens, then its own
+    assert core.contexts == {"a": [1, 2, 3], "b": [1, 2, 3, 4, 5]}  # a child is its parent's tokens, then its own
     assert "17 tokens" in str(answers[id(too_long)]) and "at most 16" in str(answers[id(too_long)])
     assert "parent context 'nobody' does not exist" in str(answers[id(orphan)])
     with pytest.raises(EngineError, match="context 'c' does not exist"):

@@ -33,9 +33,9 @@ from typing import Any
 
 import anyio
 
-from headrace.plugins.api import EngineEnv, EngineError, EngineSpec, LLMFront, Reply, resolve_model
+from headrace.plugins.api import EngineEnv, EngineError, EngineSpec, Hold, LLMFront, Reply, resolve_model
 from headrace.plugins.hookspecs import hookimpl
-from headrace_sglang.core import SGLangCore, _FlushCache, _Hold
+from headrace_sglang.core import SGLangCore, _FlushCache
 from headrace_sglang.options import SGLangOptions, StopText, sampling_params
 from headrace_sglang.processes import catch_sigquit
 
@@ -56,7 +56,7 @@ def sglang_is_installed() -> bool:
 class SGLangEngine(LLMFront):
     """The ``sglang`` engine: headrace's LLM front over an :class:`SGLangCore`."""
 
-    generate_prefill = _Hold  # generate()'s decode is its one SGLang request
+    generate_prefill = Hold  # generate()'s decode is its one SGLang request
     reports_logprobs = False  # SGLang's deltas carry no log-probabilities here: such requests get a 400
 
     def __init__(self, spec: EngineSpec, env: EngineEnv) -> None:

@@ -12,7 +12,7 @@ task on it, and each iteration's ``step`` runs the loop until some request has n
 A KV context is its token list (the parent's tokens plus its own). A prefill is a prefill-only
 request (``max_new_tokens = 0``) that leaves its KV in SGLang's radix cache; a decode runs the real
 request on the whole list (a radix-cache hit) and streams deltas; ``generate`` records its tokens
-only (``_Hold``) and its decode is its one request. Stopping a context cancels its requests' tasks,
+only (``Hold``) and its decode is its one request (``TokenListCore``, shared with headrace-vllm). Stopping a context cancels its requests' tasks,
 which abort them in SGLang.
 """
 
@@ -33,8 +33,8 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from headrace.plugins.api import (Command, ContextId, Decode, EngineEnv, EngineError, EngineFailed, LLMCore, Logits,
-                                  Outbox, Prefill, Reply, TokenDelta, TokenIds, convert_gguf, resolve_model)
+from headrace.plugins.api import (Command, ContextId, Decode, EngineEnv, EngineError, EngineFailed, Logits, Outbox,
+                                  Prefill, Reply, TokenDelta, TokenIds, TokenListCore, safetensors_model)
 from headrace_sglang.options import SGLangOptions, StopText, sampling_params
 from headrace_sglang.processes import (engine_class, prepare_sglang_process, prompt_limit, shut_down,
                                        stop_processes)
@@ -48,12 +48,6 @@ IDLE_CHECK = 1.0  # seconds: while idle, the worker still looks at SGLang's proc
 SHUTDOWN_GRACE = 10.0  # seconds the tasks get to abort their requests when the engine stops
 PREFILL_ONLY = {"max_new_tokens": 0, "temperature": 0.0}
 FINISH_REASONS = {"stop": "stop", "length": "length"}
-
-
-@dataclass
-class _Hold(Prefill):
-    """A generate()'s context: the core records its tokens, and the decode that follows computes them
-    (one SGLang request for both)."""
 
 
 @dataclass
@@ -108,7 +102,7 @@ def token_scores(item: dict[str, Any], token_ids: Sequence[int], engine: str) ->
     return torch.tensor([got[t] for t in token_ids], dtype=torch.float32)
 
 
-class SGLangCore(LLMCore):
+class SGLangCore(TokenListCore):
     """SGLang's ``Engine`` driven on the front's worker thread, its requests tasks on the Engine's loop."""
 
     load_on_worker = True  # the Engine's private event loop belongs to the thread that builds it
@@ -124,7 +118,6 @@ class SGLangCore(LLMCore):
         self._processes: list[multiprocessing.Process] = []
         self._receiver: asyncio.Task | None = None  # SGLang's output loop
         self.child_quit = threading.Event()  # set by the front's SIGQUIT handler: an SGLang process failed
-        self._contexts: dict[ContextId, TokenIds] = {}
         self._requests: dict[str, _Request] = {}  # request id -> what it serves
         self._of_context: dict[ContextId, set[str]] = {}  # a context's requests, aborted when it stops
         self._tasks: set[asyncio.Task] = set()  # every task on the loop not finished yet
@@ -143,7 +136,7 @@ class SGLangCore(LLMCore):
     def load(self) -> None:
         if not torch.cuda.is_available():
             raise EngineError(f"engine {self.name!r}: SGLang runs on a CUDA GPU, and torch sees none here")
-        path = self._model_dir()
+        path = safetensors_model(self._model_ref, self._key, self._env.cache_dir)  # SGLang loads safetensors
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
@@ -177,13 +170,6 @@ class SGLangCore(LLMCore):
         manager.event_loop = loop
         self._news = asyncio.Event()
         self._receiver = loop.create_task(manager.handle_loop())
-
-    def _model_dir(self) -> Path:
-        """SGLang loads safetensors: a GGUF is converted once into the cache, as the torch engine does."""
-        path = resolve_model(self._model_ref, key=self._key)
-        if path.is_file() and path.suffix == ".gguf":
-            path = convert_gguf(path, self._env.cache_dir)
-        return path
 
     def _start(self, path: Path) -> tuple[Any, list[multiprocessing.Process]]:
         """SGLang's Engine and the processes it started."""
@@ -240,28 +226,12 @@ class SGLangCore(LLMCore):
                 run.append(cmd)
         super().apply(run, out)
 
-    def add_prefills(self, jobs: list[Prefill], out: Outbox) -> None:
-        for job in jobs:
-            try:
-                if job.parent is not None and job.parent not in self._contexts:
-                    raise EngineError(f"parent context {job.parent!r} does not exist")
-                full = (self._contexts[job.parent] if job.parent is not None else []) + list(job.tokens)
-                error = self.context_too_long(len(full))
-                if error is not None:
-                    raise error
-                self._contexts[job.ctx] = full
-                if isinstance(job, _Hold):
-                    out.reply(job.reply)
-                    continue
-                # Prefill only: its one purpose is to leave the tokens' KV in the radix cache.
-                self._submit(full, dict(PREFILL_ONLY), job.priority, _Request("prefill", 0.0, ctx=job.ctx,
-                                                                              reply=job.reply))
-            except Exception as exc:  # this prefill fails alone
-                self._contexts.pop(job.ctx, None)
-                out.reply(job.reply, error=self.error(exc))
+    def prefill_request(self, job: Prefill, tokens: TokenIds) -> None:
+        # Prefill only: its one purpose is to leave the tokens' KV in the radix cache.
+        self._submit(tokens, dict(PREFILL_ONLY), job.priority, _Request("prefill", 0.0, ctx=job.ctx, reply=job.reply))
 
     def start_decode(self, cmd: Decode, out: Outbox) -> None:
-        tokens = self._contexts.get(cmd.ctx)
+        tokens = self.contexts.get(cmd.ctx)
         if tokens is None:
             raise EngineError(f"context {cmd.ctx!r} does not exist")
         p = cmd.params
@@ -291,10 +261,7 @@ class SGLangCore(LLMCore):
         for rid in list(self._of_context.pop(ctx, ())):
             self._cancel(rid)
         if free:
-            self._contexts.pop(ctx, None)
-
-    def release(self, ctx: ContextId) -> None:
-        self._contexts.pop(ctx, None)
+            self.release(ctx)
 
     # ----- one iteration ----------------------------------------------------------------
 
@@ -476,7 +443,7 @@ class SGLangCore(LLMCore):
             if request.free_after:
                 self.release(request.ctx)
         elif request.op == "prefill":
-            self._contexts.pop(request.ctx, None)
+            self.release(request.ctx)
             out.reply(request.reply, error=error)
         elif request.scoring in self._scoring:
             self._end_scoring(request.scoring)
@@ -494,13 +461,13 @@ class SGLangCore(LLMCore):
         # SGLang has gone with the worker (serving() ended); the front answers every request still waiting.
         self._requests.clear()
         self._of_context.clear()
-        self._contexts.clear()
+        self.contexts.clear()
         self._scoring.clear()
         self._unscored.clear()
         self._tasks.clear()
 
     def stats(self) -> dict[str, int]:
-        return {"contexts": len(self._contexts), "requests": self.unfinished, "cached_tokens": self.cached_tokens}
+        return {"contexts": len(self.contexts), "requests": self.unfinished, "cached_tokens": self.cached_tokens}
 
     # ----- metrics ----------------------------------------------------------------------
 

@@ -42,10 +42,10 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from headrace.plugins.api import (LOGPROB_FLOOR, Command, ContextId, Decode, EngineEnv, EngineError, EngineSpec,
-                                  JsonSchemaConstraint, LarkConstraint, LLMCore, LLMFront, Logits, Outbox,
-                                  OutputConstraint, Prefill, Reply, TokenDelta, TokenIds, TokenLogprob, convert_gguf,
-                                  json_schema_text, resolve_model)
+from headrace.plugins.api import (LOGPROB_FLOOR, Command, ContextId, Decode, EngineEnv, EngineError, EngineSpec, Hold,
+                                  JsonSchemaConstraint, LarkConstraint, LLMFront, Logits, Outbox, OutputConstraint,
+                                  Prefill, Reply, TokenDelta, TokenIds, TokenListCore, TokenLogprob, json_schema_text,
+                                  resolve_model, safetensors_model)
 from headrace.plugins.hookspecs import hookimpl
 
 __all__ = ["EngineError", "VLLMEngine", "register_engines"]
@@ -124,12 +124,6 @@ def structured_outputs(constraint: OutputConstraint | None) -> Any:
 
 
 @dataclass
-class _Hold(Prefill):
-    """A generate()'s context: the core records its tokens, and the decode that follows computes them
-    (one vLLM request for both, rather than a prefill request first)."""
-
-
-@dataclass
 class _ResetPrefixCache:
     reply: Reply  # resolved with True when the cache was emptied
 
@@ -157,7 +151,7 @@ class _Live:
     row: int = 0  # ... and its row there
 
 
-class VLLMCore(LLMCore):
+class VLLMCore(TokenListCore):
     """vLLM's in-process ``LLMEngine``, built and stepped on the front's worker thread.
 
     A context is its token list; every prefill, decode and scoring prompt is a vLLM request,
@@ -174,7 +168,6 @@ class VLLMCore(LLMCore):
         self._env = env
         self.engine: Any = None
         self._ids = itertools.count()
-        self._contexts: dict[ContextId, TokenIds] = {}
         self._live: dict[str, _Live] = {}  # request id -> what it serves
         self._of_context: dict[ContextId, set[str]] = {}  # a context's requests, aborted when it stops
         self._new_scoring: list[Logits] = []
@@ -186,7 +179,7 @@ class VLLMCore(LLMCore):
 
     def load(self) -> None:
         try:
-            path = self._model_dir()
+            path = safetensors_model(self._model_ref, self._key, self._env.cache_dir)  # vLLM loads safetensors
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(str(path))
@@ -197,13 +190,6 @@ class VLLMCore(LLMCore):
         self.max_context_tokens = min(self.options.max_model_len, config.max_model_len)
         self.vocab_size = config.get_vocab_size()
         self.eos = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
-
-    def _model_dir(self) -> Path:
-        """vLLM loads safetensors: a GGUF is converted once into the cache, as the torch engine does."""
-        path = resolve_model(self._model_ref, key=self._key)
-        if path.is_file() and path.suffix == ".gguf":
-            path = convert_gguf(path, self._env.cache_dir)
-        return path
 
     def _build(self, path: Path) -> Any:
         _prepare_vllm_process()
@@ -272,28 +258,13 @@ class VLLMCore(LLMCore):
                 run.append(cmd)
         super().apply(run, out)
 
-    def add_prefills(self, jobs: list[Prefill], out: Outbox) -> None:
-        for job in jobs:
-            try:
-                if job.parent is not None and job.parent not in self._contexts:
-                    raise EngineError(f"parent context {job.parent!r} does not exist")
-                full = (self._contexts[job.parent] if job.parent is not None else []) + list(job.tokens)
-                error = self.context_too_long(len(full))
-                if error is not None:
-                    raise error
-                self._contexts[job.ctx] = full
-                if isinstance(job, _Hold):
-                    out.reply(job.reply)
-                    continue
-                # One token, greedy: its only purpose is to leave the prompt's KV blocks in the prefix cache.
-                params = _vllm_params(max_tokens=1, temperature=0.0, detokenize=False, output_kind="final")
-                self._add(full, params, job.priority, _Live("prefill", ctx=job.ctx, reply=job.reply))
-            except Exception as exc:  # this prefill fails alone
-                self._contexts.pop(job.ctx, None)
-                out.reply(job.reply, error=self.error(exc))
+    def prefill_request(self, job: Prefill, tokens: TokenIds) -> None:
+        # One token, greedy: its only purpose is to leave the prompt's KV blocks in the prefix cache.
+        params = _vllm_params(max_tokens=1, temperature=0.0, detokenize=False, output_kind="final")
+        self._add(tokens, params, job.priority, _Live("prefill", ctx=job.ctx, reply=job.reply))
 
     def start_decode(self, cmd: Decode, out: Outbox) -> None:
-        tokens = self._contexts.get(cmd.ctx)
+        tokens = self.contexts.get(cmd.ctx)
         if tokens is None:
             raise EngineError(f"context {cmd.ctx!r} does not exist")
         p = cmd.params
@@ -311,10 +282,7 @@ class VLLMCore(LLMCore):
     def stop(self, ctx: ContextId, free: bool) -> None:
         self._abort(self._of_context.pop(ctx, set()))
         if free:
-            self._contexts.pop(ctx, None)
-
-    def release(self, ctx: ContextId) -> None:
-        self._contexts.pop(ctx, None)
+            self.release(ctx)
 
     def _add(self, tokens: TokenIds, params: Any, priority: int, live: _Live) -> str:
         from vllm.inputs import tokens_input
@@ -452,7 +420,7 @@ class VLLMCore(LLMCore):
             if live.free_after:
                 self.release(live.ctx)
         elif live.op == "prefill":
-            self._contexts.pop(live.ctx, None)
+            self.release(live.ctx)
             out.reply(live.reply, error=error)
         elif live.scoring in self._scoring:
             self._end_scoring(live.scoring)
@@ -476,12 +444,12 @@ class VLLMCore(LLMCore):
             out.reply(job.reply, error=error)
         self._live.clear()
         self._of_context.clear()
-        self._contexts.clear()
+        self.contexts.clear()
         self._new_scoring.clear()
         self._scoring.clear()
 
     def stats(self) -> dict[str, int]:
-        return {"contexts": len(self._contexts), "requests": self.unfinished, "cached_tokens": self.cached_tokens}
+        return {"contexts": len(self.contexts), "requests": self.unfinished, "cached_tokens": self.cached_tokens}
 
 
 def _vllm_params(*, output_kind: str, **kwargs: Any) -> Any:
@@ -498,7 +466,7 @@ def _vllm_params(*, output_kind: str, **kwargs: Any) -> Any:
 class VLLMEngine(LLMFront):
     """The ``vllm`` engine: headrace's LLM front over a :class:`VLLMCore`."""
 
-    generate_prefill = _Hold
+    generate_prefill = Hold  # generate()'s decode is its one vLLM request
 
     def __init__(self, spec: EngineSpec, env: EngineEnv) -> None:
         self.options = VLLMOptions.parse(spec.name, dict(spec.options))
