@@ -1,4 +1,5 @@
-"""`headrace run` and `headrace profile`: the engines loaded in the command's own process."""
+"""`headrace run` and `headrace profile`: the engines loaded by the command itself, not by a daemon (run in its
+own process, profile in the test's)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from conftest import ROOT, in_process
 
 
 def cli(*args: str, timeout: float = 300, cwd=ROOT) -> subprocess.CompletedProcess:
-    """The ``headrace`` command in its own process (the runs that load engines; one smoke test of the entry point)."""
+    """The ``headrace`` command in its own process (``headrace run``: a smoke test of the entry point)."""
     env = {k: v for k, v in os.environ.items() if k != "HEADRACE_CONFIG"}
     return subprocess.run([sys.executable, "-m", "headrace.cli", *args], capture_output=True, text=True,
                           cwd=cwd, timeout=timeout, env={**env, "HF_HUB_OFFLINE": "1"})
