@@ -54,6 +54,9 @@ def test_unknown_and_bad_options_are_errors(tmp_path):
         LlamaCppLLM(engine_spec(n_seq_max=0), make_env(tmp_path))
     with pytest.raises(ValueError, match="preempt_max_pause_seconds: must be a number >= 0"):
         LlamaCppLLM(engine_spec(preempt_max_pause_seconds=-1), make_env(tmp_path))
+    # Fewer batch tokens than sequences: llama.cpp would abort the process at load (GGML_ASSERT).
+    with pytest.raises(ValueError, match=r"max_batch_tokens: must be at least the engine's 34 llama.cpp sequences"):
+        LlamaCppLLM(engine_spec(n_seq_max=10, max_batch_tokens=16), make_env(tmp_path))
 
 
 @pytest.mark.slow

@@ -79,6 +79,10 @@ def parse_options(spec: EngineSpec) -> LlamaCppOptions:
     if quantize != "none" and quantize not in QUANT_TYPES:
         raise ValueError(f"{key}.quantize: unknown type {quantize!r}; choose one of {sorted(QUANT_TYPES) + ['none']}")
     sequences = max_contexts + SCORE_SEQUENCES + cache_sequences
+    if max_batch_tokens < sequences:  # llama.cpp would abort the whole process (an assert on its output buffer)
+        raise ValueError(f"{key}.max_batch_tokens: must be at least the engine's {sequences} llama.cpp sequences "
+                         f"(n_seq_max {max_contexts} + {SCORE_SEQUENCES} for scoring + prefix_cache_sequences "
+                         f"{cache_sequences}), not {max_batch_tokens}")
     # KV cells in all: unified, shared by every sequence; per sequence, llama.cpp gives each stream
     # n_ctx / sequences of them (as llama-server's -c and -np), so by default each stream holds a full context.
     n_ctx = positive(n_ctx if n_ctx is not None else (16384 if kv_unified else sequences * max_context_tokens),
