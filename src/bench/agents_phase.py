@@ -105,8 +105,9 @@ async def agents_phase(systems: Any, corpus: Corpus, opts: AgentsOptions, log: C
     log(f"  agents ({shape.name}): system prompt {sizes['system_tokens']} tokens with the tool schemas, "
         f"{opts.programs} agents per point, {sum(p.turns for p in programs)} turns, modes {', '.join(opts.modes)}")
     client = AgentClient(daemon.base_url, daemon.api_key, llm, shape, system)
+    base_restore: dict[str, Any] = {}
     try:
-        await use_mode(systems, BASE_MODE, {})
+        base_restore = await use_mode(systems, BASE_MODE, {})  # the warm-up and the probe run in it
         await client.warm_up(programs[0].task)
         capacity = None
         if opts.fractions:
@@ -135,6 +136,7 @@ async def agents_phase(systems: Any, corpus: Corpus, opts: AgentsOptions, log: C
             out["points"].append(point)
     finally:
         await client.aclose()
+        await use_mode(systems, None, base_restore)  # the daemon's own settings again (a shared daemon serves on)
     return out
 
 

@@ -101,7 +101,8 @@ def test_smoke_every_agent_completes_and_the_counts_agree(server, tmp_path):
     assert set(point["ratios"]) == {"las"} and point["ratios"]["las"]["job_mean"] > 0
     text = (out / "results.txt").read_text()
     assert "== agents (smoke)" in text and "las vs per-request" in text and "capacity" in text
-    # The daemon's own LLM settings are back (the server runs fifo with its prefix cache on).
+    # The daemon's own LLM settings are back (the server runs fifo with its prefix cache on and retention on;
+    # per-request, the base mode, switches retention off).
     settings = httpx.patch(f"{server.base_url}/v1/engines/smollm2", json={},
                            headers={"Authorization": f"Bearer {API_KEY}"}).json()
-    assert settings["llm_policy"] == "fifo" and settings["prefix_caching"] is True
+    assert settings["llm_policy"] == "fifo" and settings["prefix_caching"] is True and settings["retention"] is True
