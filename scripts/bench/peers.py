@@ -383,9 +383,11 @@ async def timed_round(client: Client, prompts: list[str], max_tokens: int) -> tu
 
 
 async def measure(base: str, extra: dict[str, Any], work: Workload, args) -> dict:
-    # Idle connections are dropped after 1 s, well before a server closes them (llama-server's cpp-httplib after
-    # 5 s, httpx's own default expiry too): reusing one the server has just closed fails the request.
-    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64, keepalive_expiry=1.0)
+    # A new connection per request, to every server alike: a kept-alive connection can be closed by the server
+    # just as the client reuses it, which fails the request ("Server disconnected without sending a response").
+    # Dropping idle ones after 1 s (below cpp-httplib's 5 s) was not enough: llama-server also closes after a
+    # number of requests per connection. A localhost connect costs far less than the milliseconds measured.
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as http:
         client = Client(http, extra)
         # Warm-up: a full-width round, one solo request and one long prompt, so no shape is first seen while timed.
