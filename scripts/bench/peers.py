@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """headrace against each of its LLM engines' own standalone servers, on the same weights and settings.
 
-    python scripts/bench/peers.py [--tiny] [--pair llama-cpp|llama-server|vllm|all ...] [--out FILE]
+    python scripts/bench/peers.py [--tiny] [--pair llama-cpp|llama-server|vllm|all ...] [--repeat N] [--out FILE]
 
 Pairs (one server runs at a time, never two sharing the cores):
   llama-cpp     `headrace serve --config configs/llama-cpp.toml` vs `python -m llama_cpp.server`
@@ -528,15 +528,23 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 def bench_pair(pair: Pair, work: Workload, args, tmp: Path) -> dict:
     out: dict[str, Any] = {"title": pair.title, "settings": pair.settings, "notes": pair.notes}
-    for role, spec in (("headrace", pair.headrace), ("peer", pair.peer)):  # one at a time, never two
-        print(f"[{pair.name}] starting {spec.label} ...", flush=True)
-        run_dir = tmp / f"{pair.name}-{role}"
-        run_dir.mkdir()
-        with running(spec, run_dir, args.ready_timeout) as (base, pids, argv):
-            cpu = CPUWatch(pids)
-            res = anyio.run(measure, base, spec.body_extra, work, args)
-            res["cpu_cores"] = cpu.cores()
-        out[role] = {"server": spec.label, "argv": argv, "env": spec.env, "body_extra": spec.body_extra, **res}
+    runs: dict[str, list[dict]] = {"headrace": [], "peer": []}
+    roles = [("headrace", pair.headrace), ("peer", pair.peer)]
+    for rep in range(args.repeat):
+        # One server at a time, never two; the order alternates (H P, P H, ...) so a machine that drifts
+        # over the run favours neither server.
+        for role, spec in (roles if rep % 2 == 0 else roles[::-1]):
+            print(f"[{pair.name}] starting {spec.label} ({rep + 1}/{args.repeat}) ...", flush=True)
+            run_dir = tmp / f"{pair.name}-{role}-{rep}"
+            run_dir.mkdir()
+            with running(spec, run_dir, args.ready_timeout) as (base, pids, argv):
+                cpu = CPUWatch(pids)
+                res = anyio.run(measure, base, spec.body_extra, work, args)
+                res["cpu_cores"] = cpu.cores()
+            runs[role].append({"server": spec.label, "argv": argv, "env": spec.env, "body_extra": spec.body_extra,
+                               **res})
+    for role in runs:
+        out[role] = combine_repeats(runs[role])
     h, p = out["headrace"], out["peer"]
     out["ratios"] = {
         "tok_s": {c: h["levels"][c]["tok_s"] / p["levels"][c]["tok_s"] for c in args.concurrency},
@@ -546,8 +554,32 @@ def bench_pair(pair: Pair, work: Workload, args, tmp: Path) -> dict:
     return out
 
 
+def combine_repeats(runs: list[dict]) -> dict:
+    """One server's figures over --repeat starts: each figure the median of its per-start figures (each of
+    those a median of rounds), the per-start figures kept beside it; the last start's CPU note."""
+    out = {**runs[-1], "levels": {}, "repeats": len(runs)}
+    for c in runs[0]["levels"]:
+        per = [r["levels"][c] for r in runs]
+        reported = [f["tokens_reported"] for f in per]
+        out["levels"][c] = {**per[0], "requests": sum(f["requests"] for f in per), "tokens": sum(f["tokens"] for f in per),
+                            "tok_s": median([f["tok_s"] for f in per]), "tok_s_repeats": [f["tok_s"] for f in per],
+                            "tok_s_rounds": [x for f in per for x in f["tok_s_rounds"]],
+                            "tokens_reported": None if None in reported else sum(reported)}
+    out["ttft"] = {**runs[0]["ttft"], "ttft_s": median([r["ttft"]["ttft_s"] for r in runs]),
+                   "ttft_s_repeats": [r["ttft"]["ttft_s"] for r in runs],
+                   "ttft_s_reps": [x for r in runs for x in r["ttft"]["ttft_s_reps"]]}
+    out["prefill"] = {**runs[0]["prefill"], "tok_s": median([r["prefill"]["tok_s"] for r in runs]),
+                      "tok_s_repeats": [r["prefill"]["tok_s"] for r in runs],
+                      "tok_s_rounds": [x for r in runs for x in r["prefill"]["tok_s_rounds"]],
+                      "wall_s_rounds": [x for r in runs for x in r["prefill"]["wall_s_rounds"]],
+                      "prompt_tokens_reported_rounds": [x for r in runs
+                                                        for x in r["prefill"]["prompt_tokens_reported_rounds"]]}
+    return out
+
+
 def report(res: dict) -> None:
-    print(f"\n(streamed /v1/completions, greedy, max_tokens={res['max_tokens']}, median of {res['rounds']} rounds; "
+    print(f"\n(streamed /v1/completions, greedy, max_tokens={res['max_tokens']}, median of {res['rounds']} rounds"
+          f"{'' if res.get('repeat', 1) == 1 else ' per start, median of ' + str(res['repeat']) + ' starts per server'}; "
           f"ratio = headrace/peer, peer/headrace for TTFT; target >= {TARGET:g}x)")
     for name, pair in res["pairs"].items():
         if "skipped" in pair:
@@ -572,6 +604,13 @@ def report(res: dict) -> None:
                       f"peer {p['levels'][c]['tokens']} (an answer ended before max_tokens)")
         for note in pair["notes"]:
             print(f"  note: {note}")
+        if res.get("repeat", 1) > 1:
+            for role in ("headrace", "peer"):
+                m = pair[role]
+                print(f"  {m['server']} per start: decode " + " | ".join(
+                    f"{c}: " + "/".join(f"{x:.1f}" for x in m["levels"][c]["tok_s_repeats"]) for c in m["levels"])
+                      + "; TTFT " + "/".join(f"{x * 1000:.0f}ms" for x in m["ttft"]["ttft_s_repeats"])
+                      + "; prefill " + "/".join(f"{x:.0f}" for x in m["prefill"]["tok_s_repeats"]))
         for role in ("headrace", "peer"):
             cores = pair[role]["cpu_cores"]
             print(f"  {pair[role]['server']}: {cpu_note(pair[role])}; server {cores['pids']:.2f} cores, "
@@ -586,6 +625,9 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="minimal sizes: checks the script works, measures nothing")
     ap.add_argument("--pair", choices=[*PAIRS, "all"], nargs="+", default=["all"],
                     help="which pairs (default all)")
+    ap.add_argument("--repeat", type=int, default=1, metavar="N",
+                    help="start and measure each server N times, alternating which goes first; each figure is "
+                         "the median over the N starts (default 1)")
     ap.add_argument("--out", type=Path, default=OUT, help=f"where the JSON goes (default {OUT.relative_to(ROOT)})")
     args = ap.parse_args()
     if args.tiny:
@@ -610,7 +652,7 @@ def main() -> None:
             else:
                 pairs[name] = bench_pair(pair, work, args, Path(tmp_s))
     res = {"tiny": args.tiny, "endpoint": "/v1/completions", "stream": True, "temperature": 0,
-           "max_tokens": args.max_tokens, "rounds": args.rounds, "concurrency": args.concurrency,
+           "max_tokens": args.max_tokens, "rounds": args.rounds, "repeat": args.repeat, "concurrency": args.concurrency,
            "long_prompt_tokens_target": args.long_tokens, "ttft_reps": args.ttft_reps,
            "prefill_streams": args.prefill_streams, "prefill_prompt_tokens_target": args.prefill_tokens, "target": TARGET,
            "pairs": pairs}

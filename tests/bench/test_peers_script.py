@@ -57,14 +57,14 @@ def check_pair(res: dict, pair: dict) -> None:
         measured = pair[role]
         assert sorted(measured["levels"]) == sorted(levels), role
         for conc, figures in measured["levels"].items():
-            assert figures["requests"] == int(conc) * res["rounds"], (role, conc, figures)
+            assert figures["requests"] == int(conc) * res["rounds"] * res["repeat"], (role, conc, figures)
             assert positive(figures["tokens"]) and positive(figures["tok_s"]), (role, conc, figures)
         assert positive(measured["ttft"]["ttft_s"]) and positive(measured["ttft"]["prompt_tokens"]), measured["ttft"]
-        assert len(measured["ttft"]["ttft_s_reps"]) == res["ttft_reps"]
+        assert len(measured["ttft"]["ttft_s_reps"]) == res["ttft_reps"] * res["repeat"]
         # Prefill: prefill_streams concurrent one-token requests a round, no two prompts sharing a prefix.
         prefill = measured["prefill"]
         assert prefill["streams"] == res["prefill_streams"], prefill
-        assert positive(prefill["tok_s"]) and len(prefill["tok_s_rounds"]) == res["rounds"], prefill
+        assert positive(prefill["tok_s"]) and len(prefill["tok_s_rounds"]) == res["rounds"] * res["repeat"], prefill
         assert all(positive(w) for w in prefill["wall_s_rounds"]), prefill
         assert prefill["prompt_tokens"] >= prefill["streams"] * res["prefill_prompt_tokens_target"] // 2, prefill
         assert all(positive(n) for n in prefill["prompt_tokens_reported_rounds"]), prefill
@@ -96,3 +96,31 @@ def test_tiny_llama_server_pair_writes_every_figure(tiny_run):
     assert argv[argv.index("-np") + 1] == "16" and "--cont-batching" in argv
     assert settings["built_now"] is False and positive(settings["build_seconds"])
     assert "llama.cpp's llama-server" in stdout
+
+
+def test_repeats_combine_into_medians_and_keep_every_start():
+    """--repeat N: each figure is the median over the N starts of one server, every start's figure kept beside it."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from peers import combine_repeats
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+
+    def start(tok_s: float, ttft: float, prefill: float, reported) -> dict:
+        return {"server": "s", "cpu_cores": {"pids": 1.0},
+                "levels": {"1": {"requests": 3, "tokens": 300, "tok_s": tok_s, "tok_s_rounds": [tok_s] * 3,
+                                 "tokens_reported": reported}},
+                "ttft": {"prompt_tokens": 1000, "ttft_s": ttft, "ttft_s_reps": [ttft] * 5},
+                "prefill": {"streams": 16, "prompt_tokens": 6400, "tok_s": prefill, "tok_s_rounds": [prefill] * 3,
+                            "wall_s_rounds": [1.0] * 3, "prompt_tokens_reported_rounds": [6400] * 3}}
+
+    out = combine_repeats([start(50.0, 3.0, 400.0, 300), start(70.0, 2.0, 300.0, 300), start(60.0, 9.0, 350.0, 300)])
+    assert out["repeats"] == 3
+    level = out["levels"]["1"]
+    assert level["tok_s"] == 60.0 and level["tok_s_repeats"] == [50.0, 70.0, 60.0]
+    assert level["requests"] == 9 and level["tokens"] == 900 and level["tokens_reported"] == 900
+    assert len(level["tok_s_rounds"]) == 9
+    assert out["ttft"]["ttft_s"] == 3.0 and len(out["ttft"]["ttft_s_reps"]) == 15
+    assert out["prefill"]["tok_s"] == 350.0 and out["prefill"]["tok_s_repeats"] == [400.0, 300.0, 350.0]
+    # A server that reports no usage when streaming in any start has no reported total.
+    assert combine_repeats([start(1.0, 1.0, 1.0, None), start(1.0, 1.0, 1.0, 5)])["levels"]["1"]["tokens_reported"] is None
