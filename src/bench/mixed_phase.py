@@ -112,9 +112,13 @@ async def warm_up(runner: MixRunner, client: AgentClient, programs: list[MixProg
     agent = next((p.agent for p in programs if p.agent is not None), None)
     if agent is not None:
         await client.warm_up(agent.task)
-    async with anyio.create_task_group() as tg:
-        for p in programs:
-            tg.start_soon(runner.run, p, f"{key}-{p.index}", ProgramRecord(p.index, p.kind), False)
+    try:
+        async with anyio.create_task_group() as tg:
+            for p in programs:
+                tg.start_soon(runner.run, p, f"{key}-{p.index}", ProgramRecord(p.index, p.kind), False)
+    except Exception as exc:  # a kind that cannot run at all stops the benchmark here, said plainly
+        first = exc.exceptions[0] if isinstance(exc, ExceptionGroup) else exc
+        raise BenchError(f"the mixed benchmark's warm-up failed: {type(first).__name__}: {first}"[:500]) from exc
 
 
 async def probe_capacity(runner: MixRunner, probe: list[MixProgram], concurrency: int, key: str) -> dict[str, Any]:

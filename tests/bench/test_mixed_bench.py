@@ -12,7 +12,8 @@ import pytest
 
 from conftest import API_KEY
 from headrace.bench.corpus import build_corpus
-from headrace.bench.mixed import KINDS, SHAPES, draw_mix, quotas
+from headrace.bench.mixed import KINDS, SHAPES, MixProgram, ProgramRecord, draw_mix, quotas
+from headrace.bench.mixed_phase import ratios, summarize
 from headrace.cli import main
 
 MODES = ["per-request", "program-aware"]
@@ -41,6 +42,26 @@ def test_the_mix_is_drawn_from_the_seed_in_exact_shares_with_heavy_tailed_sizes(
     assert all(a is not None and 2 <= a.turns <= 12 for a in agents) and len({a.index for a in agents}) == len(agents)
     smoke = Counter(p.kind for p in draw_mix(5, SHAPES["smoke"], corpus, snippets, seed=0))
     assert smoke == {kind: 1 for kind in KINDS}
+
+
+def test_a_program_that_did_not_finish_counts_against_its_mode_not_for_it():
+    programs = [MixProgram(0, "chat", 0, max_tokens=16), MixProgram(1, "agent", 1, max_steps=3),
+                MixProgram(2, "chat", 2, max_tokens=16)]
+    records = [ProgramRecord(0, "chat", 2.0), ProgramRecord(1, "agent", None, error="not finished when the drain "
+                                                                                      "time ran out"),
+               ProgramRecord(2, "chat", 4.0)]
+    row = summarize(programs, records, [1.0, 2.0, 3.0], 0.5, {})
+    assert (row["arrivals"], row["completed"], row["mean_s"], row["max_s"]) == (3, 2, 3.0, 4.0)
+    assert row["kinds"]["agent"] == {"arrivals": 1, "completed": 0, "mean_s": None, "p50_s": None, "p95_s": None,
+                                     "max_s": None}
+    assert row["errors"] == ["not finished when the drain time ran out"]
+    # The window runs from the first arrival (1 s) to the last finish (3 + 4 s): two programs in 6 s.
+    assert row["window_s"] == 6.0 and row["throughput"] == pytest.approx(2 / 6)
+    assert [p["program"] for p in row["longest_programs"]] == [2, 0] and row["longest_programs"][0]["size"] == 1
+    base = {**row, "mean_s": 6.0, "p95_s": 8.0, "throughput": 1 / 6}
+    versus = ratios({"per-request": base, "program-aware": row})["program-aware"]
+    assert versus["mean"] == 2.0 and versus["throughput"] == pytest.approx(2.0)
+    assert versus["kinds_mean"] == {"chat": 1.0, "agent": None}
 
 
 @pytest.mark.parametrize("flags, message", [
