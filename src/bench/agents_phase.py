@@ -83,20 +83,7 @@ async def agents_phase(systems: Any, corpus: Corpus, opts: AgentsOptions, log: C
     if "llm" not in systems.models:
         raise BenchError("the agents benchmark needs an LLM engine")
     daemon, llm, shape = systems.daemon, systems.models["llm"], opts.shape
-
-    async def post(path: str, body: dict[str, Any]) -> dict[str, Any]:
-        response = await daemon.http.post(path, json=body)
-        if response.status_code >= 400:
-            raise BenchError(f"POST {path}: HTTP {response.status_code}: {response.text[:500]}")
-        return response.json()
-
-    async def tokenize(text: str) -> list[int]:
-        return (await post("/tokenize", {"model": llm, "prompt": text, "add_special_tokens": False}))["tokens"]
-
-    async def detokenize(tokens: list[int]) -> str:
-        return (await post("/detokenize", {"model": llm, "tokens": tokens}))["prompt"]
-
-    system, snippets, sizes = await build_prompts(corpus, shape, tokenize, detokenize, seed=opts.seed)
+    system, snippets, sizes = await build_prompts(corpus, shape, *daemon_tokenizer(systems), seed=opts.seed)
     programs = draw_programs(opts.programs, shape, corpus, snippets, opts.seed)
     run_tag = uuid.uuid4().hex[:8]  # program ids never repeat across runs: the daemon keeps attained service
     out: dict[str, Any] = {"shape": {**vars(shape), **sizes, "mean_turns": mean_turns(shape)},
@@ -138,6 +125,25 @@ async def agents_phase(systems: Any, corpus: Corpus, opts: AgentsOptions, log: C
         await client.aclose()
         await use_mode(systems, None, base_restore)  # the daemon's own settings again (a shared daemon serves on)
     return out
+
+
+def daemon_tokenizer(systems: Any) -> tuple[Callable, Callable]:
+    """(tokenize, detokenize) in the daemon's LLM's own tokens, through its /tokenize and /detokenize."""
+    daemon, llm = systems.daemon, systems.models["llm"]
+
+    async def post(path: str, body: dict[str, Any]) -> dict[str, Any]:
+        response = await daemon.http.post(path, json=body)
+        if response.status_code >= 400:
+            raise BenchError(f"POST {path}: HTTP {response.status_code}: {response.text[:500]}")
+        return response.json()
+
+    async def tokenize(text: str) -> list[int]:
+        return (await post("/tokenize", {"model": llm, "prompt": text, "add_special_tokens": False}))["tokens"]
+
+    async def detokenize(tokens: list[int]) -> str:
+        return (await post("/detokenize", {"model": llm, "tokens": tokens}))["prompt"]
+
+    return tokenize, detokenize
 
 
 async def use_mode(systems: Any, mode: str | None, restore: dict[str, Any]) -> dict[str, Any]:

@@ -81,6 +81,7 @@ class Options:
     seed: int = 0
     max_tokens: int | None = None  # override every workload's output length
     agents: Any = None  # an agents.AgentsOptions: run the agents benchmark (agents_phase.py) after the rest
+    mixed_programs: Any = None  # a mixed.MixedOptions: run the mixed benchmark (mixed_phase.py) after that
     log: Callable[[str], None] = print
 
 
@@ -476,7 +477,7 @@ async def _run_phases(systems: Systems, corpus: Corpus, opts: Options) -> dict[s
     if opts.mixed_rate:  # a bad mixed mode fails here, before the hours of the phases ahead of it
         not_headrace = [m for m in opts.mixed_modes if not is_headrace(m)]
         if not_headrace:
-            raise BenchError(f"--mixed-modes takes headrace modes (the baselines always run): {not_headrace}")
+            raise BenchError(f"--mixed-rate-modes takes headrace modes (the baselines always run): {not_headrace}")
         for name in MIXED:
             check_modes(WORKLOADS[name], opts.mixed_modes)
     for name in opts.workloads:
@@ -518,6 +519,10 @@ async def _run_phases(systems: Systems, corpus: Corpus, opts: Options) -> dict[s
         from headrace.bench.agents_phase import agents_phase
 
         results["agents"] = await agents_phase(systems, corpus, opts.agents, opts.log)
+    if opts.mixed_programs is not None:
+        from headrace.bench.mixed_phase import RESULTS_KEY, mixed_programs_phase
+
+        results[RESULTS_KEY] = await mixed_programs_phase(systems, corpus, opts.mixed_programs, opts.log)
     return results
 
 

@@ -124,6 +124,10 @@ def text_report(results: dict[str, Any]) -> str:
         from headrace.bench.agents_phase import agents_table
 
         lines += agents_table(results["agents"]) + [""]
+    if "mixed_programs" in results:
+        from headrace.bench.mixed_phase import mixed_programs_table
+
+        lines += mixed_programs_table(results["mixed_programs"]) + [""]
     meta = results.get("meta", {})
     if meta:
         lines.append(f"machine: {meta.get('machine')}; other processes used {meta.get('cpu_other', 0):.2f} cores "

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from headrace.bench.agents import AGENT_MODES, AGENTS, DEFAULT_AGENT_MODES, SHAPES
+from headrace.bench.mixed import MIXED_BENCH
+from headrace.bench.mixed import SHAPES as MIX_SHAPES
 from headrace.bench.workloads import MIXED_MODES, WORKLOADS
 from headrace.daemon.config import default_config_path
 
@@ -22,7 +24,8 @@ def add_parser(sub: Any) -> None:
                                    "or one started here with --config) and write results.json, results.txt and "
                                    "PNG plots to --out.")
     p.add_argument("workloads", nargs="+", metavar="WORKLOAD",
-                   help=f"one or more of {', '.join(WORKLOADS)}, {AGENTS} (the agents benchmark: --agents-...)")
+                   help=f"one or more of {', '.join(WORKLOADS)}, {AGENTS} (the agents benchmark: --agents-...), "
+                        f"{MIXED_BENCH} (one stream of chats, workflows and agents: --mixed-...)")
     p.add_argument("--modes", nargs="+", help="modes for the single-query phase (default: the workload's baseline, "
                    "sequential, headrace); server modes: sequential, +<pass>..., headrace, headrace-fifo, "
                    "headrace-topology, headrace-objective, headrace-deadline, headrace-las (headrace under that LLM "
@@ -42,12 +45,15 @@ def add_parser(sub: Any) -> None:
                    help="the workloads that get the load phase (default: all of them, when --rates is given)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per load point (default 60)")
     p.add_argument("--drain", type=float, help="seconds to wait for stragglers after arrivals (default 2 x SLO)")
-    p.add_argument("--mixed-rate", type=float, help="req/s of the mixed load (advanced_rag + map_reduce_summary)")
+    p.add_argument("--mixed-rate", type=float,
+                   help="req/s of the SLO-based mixed load (advanced_rag + map_reduce_summary; not the mixed "
+                        "benchmark)")
     p.add_argument("--mixed-chat", action="store_true",
-                   help="the mixed load carries plain chats on a shared system prompt too (a third of the arrivals)")
-    p.add_argument("--mixed-modes", nargs="+", default=list(MIXED_MODES), metavar="MODE",
-                   help=f"the headrace modes the mixed load runs after its baselines (default {' '.join(MIXED_MODES)}; "
-                        "e.g. headrace-deadline, whose runs state their SLO)")
+                   help="the --mixed-rate load carries plain chats on a shared system prompt too (a third of the "
+                        "arrivals)")
+    p.add_argument("--mixed-rate-modes", dest="mixed_rate_modes", nargs="+", default=list(MIXED_MODES), metavar="MODE",
+                   help=f"the headrace modes the --mixed-rate load runs after its baselines (default "
+                        f"{' '.join(MIXED_MODES)}; e.g. headrace-deadline, whose runs state their SLO)")
     p.add_argument("--chat", type=int, default=0, metavar="N",
                    help="chat phase: N chats on a shared system prompt, time to first token with prefix caching "
                         "off, then on (default 0: none)")
@@ -66,6 +72,20 @@ def add_parser(sub: Any) -> None:
                         f"(default {' '.join(DEFAULT_AGENT_MODES)})")
     p.add_argument("--agents-probe", type=int, metavar="N",
                    help="agents at once in the capacity probe (default: the size's, 8 for full)")
+    p.add_argument("--mixed-size", choices=list(MIX_SHAPES), default="full",
+                   help="the mixed benchmark's sizes: full (40%% chats, 25%% naive_rag, 15%% map_reduce_summary, 10%% "
+                        "traced agent runs, 10%% client agents of the agents benchmark's full size) or smoke (one of "
+                        "each per five arrivals, each as small as it goes)")
+    p.add_argument("--mixed-fractions", type=float, nargs="*",
+                   help="mixed load points as fractions of the capacity a closed-loop probe measures "
+                        "(default 0.7 0.9 unless --mixed-rates)")
+    p.add_argument("--mixed-rates", type=float, nargs="*", default=[], help="mixed load points in programs/s")
+    p.add_argument("--mixed-programs", type=int, default=60, help="Poisson program arrivals per point (default 60)")
+    p.add_argument("--mixed-modes", nargs="+", metavar="MODE",
+                   help=f"modes of the mixed benchmark, from {', '.join(AGENT_MODES)} "
+                        f"(default {' '.join(DEFAULT_AGENT_MODES)})")
+    p.add_argument("--mixed-probe", type=int, metavar="N",
+                   help="programs at once in the mixed capacity probe (default: the size's, 8 for full)")
     p.add_argument("--documents", type=int, default=4, help="corpus documents (default 4)")
     p.add_argument("--doc-tokens", type=int, default=2000, help="minimum tokens per document (default 2000)")
     p.add_argument("--seed", type=int, default=0)
@@ -93,16 +113,18 @@ def run(args: argparse.Namespace) -> int:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     unknown = [w for w in [*args.workloads, *(args.ladder or ()), *(args.load_workloads or ())]
-               if w not in WORKLOADS and w != AGENTS]
+               if w not in WORKLOADS and w not in (AGENTS, MIXED_BENCH)]
     if unknown:
-        print(f"headrace bench: unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}, {AGENTS}",
-              file=sys.stderr)
+        print(f"headrace bench: unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}, {AGENTS}, "
+              f"{MIXED_BENCH}", file=sys.stderr)
         return 2
     agents = agents_options(args) if AGENTS in args.workloads else None
-    if isinstance(agents, str):
-        print(f"headrace bench: {agents}", file=sys.stderr)
-        return 2
-    workloads = [w for w in args.workloads if w != AGENTS]
+    mixed = mixed_options(args) if MIXED_BENCH in args.workloads else stray_mixed_flags(args)
+    for problem in (agents, mixed):
+        if isinstance(problem, str):
+            print(f"headrace bench: {problem}", file=sys.stderr)
+            return 2
+    workloads = [w for w in args.workloads if w not in (AGENTS, MIXED_BENCH)]
     t0 = time.perf_counter()
     process = None
     try:
@@ -118,10 +140,12 @@ def run(args: argparse.Namespace) -> int:
         ladder = set() if args.ladder is None else set(args.ladder or workloads)
         opts = Options(workloads=workloads, modes=args.modes, ladder=ladder, reps=args.reps, warmup=args.warmup,
                        rates=args.rates, load_fractions=args.load_fractions, arrivals=args.arrivals,
-                       load_modes=args.load_modes, chat=args.chat, mixed_chat=args.mixed_chat, mixed_modes=args.mixed_modes,
+                       load_modes=args.load_modes, chat=args.chat, mixed_chat=args.mixed_chat,
+                       mixed_modes=args.mixed_rate_modes,
                        system_tokens=args.system_tokens,
                        load_workloads=set(args.load_workloads or workloads), duration=args.duration, drain=args.drain,
                        mixed_rate=args.mixed_rate, seed=args.seed, max_tokens=args.max_tokens, agents=agents,
+                       mixed_programs=mixed,
                        log=lambda line: print(line, flush=True))
         cpu = CPUWatch(pids=[process.proc.pid] if process else ())
 
@@ -166,6 +190,39 @@ def agents_options(args: argparse.Namespace) -> Any:
         return str(exc)
     if not opts.fractions and not opts.rates:
         return "the agents benchmark needs --agents-fractions or --agents-rates"
+    return opts
+
+
+def stray_mixed_flags(args: argparse.Namespace) -> str | None:
+    """The mixed benchmark's flags given without it (``--mixed-rates`` is one letter from the older load's
+    ``--mixed-rate``): said, rather than silently ignored."""
+    flags = {"--mixed-fractions": args.mixed_fractions is not None, "--mixed-rates": args.mixed_rates,
+             "--mixed-programs": args.mixed_programs != 60, "--mixed-modes": args.mixed_modes,
+             "--mixed-probe": args.mixed_probe, "--mixed-size": args.mixed_size != "full"}
+    given = [flag for flag, value in flags.items() if value]
+    if not given:
+        return None
+    return (f"{', '.join(given)} belong to the mixed benchmark: add {MIXED_BENCH} to the workloads (the SLO-based "
+            "mixed load is --mixed-rate, --mixed-chat, --mixed-rate-modes)")
+
+
+def mixed_options(args: argparse.Namespace) -> Any:
+    """The mixed benchmark's options from the flags, or what is wrong with them."""
+    from headrace.bench.mixed import MixedOptions
+
+    fractions = args.mixed_fractions
+    if fractions is None:
+        fractions = [] if args.mixed_rates else [0.7, 0.9]
+    opts = MixedOptions(shape=MIX_SHAPES[args.mixed_size], fractions=fractions, rates=args.mixed_rates,
+                        programs=args.mixed_programs, modes=args.mixed_modes or list(DEFAULT_AGENT_MODES),
+                        probe_concurrency=args.mixed_probe,
+                        drain_s=300.0 if args.drain is None else args.drain, seed=args.seed)
+    try:
+        opts.check()
+    except ValueError as exc:
+        return str(exc)
+    if not opts.fractions and not opts.rates:
+        return "the mixed benchmark needs --mixed-fractions or --mixed-rates"
     return opts
 
 

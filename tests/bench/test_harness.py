@@ -149,7 +149,7 @@ def test_the_mixed_load_serves_both_workflows_and_chats_on_one_llm_in_each_mode(
     """Ayo §7.2's co-located load: advanced_rag, map_reduce_summary and plain chats drawn from one Poisson
     stream, first through the baselines (LlamaIndex, client chaining, chats), then each named headrace mode."""
     code = main(["bench", *MIXED, "--modes", "sequential", *TINY, "--mixed-rate", "2", "--arrivals", "3",
-                 "--mixed-chat", "--system-tokens", "200", "--mixed-modes", "headrace-deadline", "--drain", "120",
+                 "--mixed-chat", "--system-tokens", "200", "--mixed-rate-modes", "headrace-deadline", "--drain", "120",
                  "--url", server.base_url, "--api-key", API_KEY, "--out", str(tmp_path)])
     assert code == 0
     mixed = json.loads((tmp_path / "results.json").read_text())["mixed"]
@@ -163,10 +163,10 @@ def test_the_mixed_load_serves_both_workflows_and_chats_on_one_llm_in_each_mode(
 
 
 def test_mixed_modes_must_be_headrace_modes(server, capsys, tmp_path):
-    code = main(["bench", *MIXED, "--modes", "sequential", *TINY, "--mixed-rate", "1", "--mixed-modes", "chaining",
+    code = main(["bench", *MIXED, "--modes", "sequential", *TINY, "--mixed-rate", "1", "--mixed-rate-modes", "chaining",
                  "--url", server.base_url, "--api-key", API_KEY, "--out", str(tmp_path)])
     assert code == 2
-    assert "--mixed-modes takes headrace modes (the baselines always run): ['chaining']" in capsys.readouterr().err
+    assert "--mixed-rate-modes takes headrace modes (the baselines always run): ['chaining']" in capsys.readouterr().err
     assert not (tmp_path / "results.json").exists()  # refused before any phase ran
 
 
