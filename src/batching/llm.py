@@ -18,9 +18,15 @@ The engine batches every admitted request per iteration; this scheduler
 
 A context keeps the meta of the primitive using it (its prefill, then its decode).
 
-Each run's service on this engine (the prompt and generated tokens of its finished requests) is
-counted, so a policy ranking by attained service (``las``) sees a workflow run's or a session's
+Each run's service on this engine is counted, so a policy ranking by attained service (``las``) sees a workflow run's or a session's
 earlier calls as well as a named program's earlier requests (``PrimitiveMeta.attained_tokens``).
+Service is what the engine computed: a finished request's prompt tokens less those its prefix cache
+held, plus its generated tokens. A client-side agent resends its whole context every turn; counted as
+sent, each turn would add its history again, though the engine serves it almost free from the cache
+(Autellix counts a call's engine time; tokens computed are its deterministic stand-in, and a batched
+iteration's time is shared among its requests anyway). The count of cached tokens comes from the
+engine (its prefill's answer, or a generate's first delta, ``TokenDelta.cached_tokens``); the first
+delta a decode yields carries it on, for the OpenAI usage and a route's own program count.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ class ContextState:
     prompt_tokens: int
     meta: PrimitiveMeta | None  # the primitive using it now: its prefill, then its decode
     holds: str | None = None  # the run this context keeps in the run gate (released when it is freed)
+    cached: int = 0  # of ``prompt_tokens``, those the engine's prefix cache held (not computed)
 
 
 @dataclass(order=True)
@@ -188,12 +195,13 @@ class LLMScheduler:
         arrival = time.monotonic()
         rank = self.priority(meta, arrival)
         async with self._admitted(arrival, rank, (meta,)) as rank:
-            await self.engine.prefill(ctx, tokens, parent, priority=rank, **self._preemption())
+            cached = await self.engine.prefill(ctx, tokens, parent, priority=rank, **self._preemption())
             # Recorded before the engine is let go: a live context keeps it loaded until freed,
             # and keeps its run in the run gate (its decode must not wait behind other runs).
             run = meta.run if meta is not None else None
             self._forget(ctx)  # a context filled again (a fork's target reused) holds once
-            self.contexts[ctx] = ContextState(arrival, len(tokens), meta, holds=run)
+            self.contexts[ctx] = ContextState(arrival, len(tokens), meta, holds=run,
+                                              cached=cached if isinstance(cached, int) else 0)
             self.run_gate.hold(run)
 
     async def decode(self, ctx: str, params: SamplingParams,
@@ -206,7 +214,7 @@ class LLMScheduler:
         try:
             async with self._admitted(arrival, rank, (state.meta,)) as rank:
                 deltas = self.engine.decode(ctx, params, priority=rank, **self._preemption())
-                async for delta in self._timed(deltas, state.arrival, state.prompt_tokens, state.meta):
+                async for delta in self._timed(deltas, state.arrival, state.prompt_tokens, state.meta, state.cached):
                     yield delta
         finally:
             self._forget(ctx)
@@ -244,7 +252,9 @@ class LLMScheduler:
             return await self.engine.next_token_logits(prompts, token_ids, priority=rank)
 
     async def _timed(self, deltas: AsyncIterator[TokenDelta], arrival: float, prompt_tokens: int,
-                     meta: PrimitiveMeta | None = None):
+                     meta: PrimitiveMeta | None = None, cached: int = 0):
+        """``deltas``, timed for the metrics and counted to the run; ``cached``: the prompt tokens the prefill
+        found cached (a generate's engine says so on its first delta instead), put on the first delta."""
         generated, last = 0, None
         outcome = "abort"  # unless it finishes or fails: the client left, or the run was cancelled
         try:
@@ -253,6 +263,10 @@ class LLMScheduler:
                 now = time.monotonic()
                 if last is None:
                     self._observer.first_token(self.name, now - arrival)
+                    if delta.cached_tokens:
+                        cached = delta.cached_tokens
+                    elif cached:
+                        delta = replace(delta, cached_tokens=cached)
                 else:
                     self._observer.next_token(self.name, (now - last) / max(1, len(delta.token_ids)))
                 last = now
@@ -264,5 +278,5 @@ class LLMScheduler:
         finally:
             await deltas.aclose()
             if meta is not None:
-                self.served.add(meta.run, prompt_tokens + generated)
+                self.served.add(meta.run, max(0, prompt_tokens - cached) + generated)
             self._observer.finished(self.name, time.monotonic() - arrival, prompt_tokens, generated, outcome)

@@ -120,8 +120,9 @@ class LasLLMPolicy(TopologyLLMPolicy):
     """Autellix (PLAS, program-level least attained service): the request whose program has been served
     the least so far goes first, so a one-call chat is not queued behind a twelve-step agent. A program
     is a workflow run, or the OpenAI requests that name one (``prompt_cache_key``, ``user``, the
-    ``X-Headrace-Program`` header); its attained service is ``meta.attained_tokens``, the prompt and
-    generated tokens of its earlier requests, to which the LLM scheduler adds what the run itself was
+    ``X-Headrace-Program`` header); its attained service is ``meta.attained_tokens``, the tokens the
+    engine computed for its earlier requests (prompt tokens less prefix-cache hits, plus generated: a
+    client agent's resent history is not service again), to which the LLM scheduler adds what the run itself was
     served so far on the engine (a workflow run's or a session's earlier calls). A one-call request
     naming no program has 0.
 

@@ -42,8 +42,8 @@ class PrimitiveMeta:
     policy: str | None = None  # the run's batch policy override; None: the engine's own
     # The program the run belongs to across runs (an OpenAI request naming one); None: the run is its program.
     program: str | None = None
-    # Prompt + generated tokens the program's earlier requests (before this run) were served: its attained
-    # service, which ``las`` ranks by (least first). 0 for a program's first request and for a workflow run.
+    # Tokens the engine computed for the program's earlier requests (before this run): prompt tokens less
+    # prefix-cache hits, plus generated. Its attained service, which ``las`` ranks by (least first). 0 for a program's first request and for a workflow run.
     attained_tokens: int = 0
 
     @property

@@ -12,7 +12,8 @@ the first given wins):
 
 The three are kept apart (``key:``, ``user:``, ``header:`` prefixes) and per API key, so one
 client's ``user`` never adds to another's program. ``ProgramRegistry`` keeps each named
-program's attained service (prompt + generated tokens of its finished requests), bounded in
+program's attained service (the tokens the engine computed for its finished requests: prompt tokens
+less its prefix-cache hits, plus generated ones), bounded in
 size and forgotten after an idle time: a program that stops calling starts again at zero.
 
 It also times each program's pauses on a tool (from a turn that ended in tool calls to the
@@ -76,7 +77,7 @@ class ProgramRegistry:
         return entry[0]
 
     def add(self, program: str | None, tokens: int) -> int:
-        """Count ``tokens`` (a finished request's prompt + generated) to ``program``; its new total."""
+        """Count ``tokens`` (a finished request's computed prompt tokens + generated) to ``program``; its new total."""
         if program is None:
             return 0
         now = self._clock()

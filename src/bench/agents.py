@@ -65,12 +65,16 @@ class AgentShape:
     answer_tokens: int  # max_tokens of the last turn's answer
     probe_agents: int  # agents at once in the closed-loop capacity probe
     probe_programs: int  # agents the probe runs in all
+    background_tokens: int = 500  # a background chat's prompt, about (``agents_chats``)
+    chat_tokens: int = 150  # a probe chat's prompt, about
+    chat_output: int = 8  # max_tokens of a background or probe chat
 
 
 SHAPES = {
     "full": AgentShape("full", 1000, (2, 12), (0.2, 3.0), 20, 64, 24, probe_agents=8, probe_programs=24),
     # The smallest that still exercises everything: a short prompt, two or three turns, quick tools.
-    "smoke": AgentShape("smoke", 200, (2, 3), (0.05, 0.2), 12, 64, 8, probe_agents=2, probe_programs=3),
+    "smoke": AgentShape("smoke", 200, (2, 3), (0.05, 0.2), 12, 64, 8, probe_agents=2, probe_programs=3,
+                        background_tokens=100, chat_tokens=60, chat_output=4),
 }
 
 # Arguments are enums, so a forced call is short and bounded whatever the model writes.
@@ -274,6 +278,10 @@ class AgentsOptions:
     probe_agents: int | None = None  # None: the shape's
     drain_s: float = 300.0  # after the last arrival, how long stragglers may finish
     seed: int = 0
+    background: float = 0.0  # unrelated chats per second beside the agents (``agents_chats``); 0: none
+    background_tokens: int | None = None  # their prompts, about; None: the shape's
+    chats: float = 0.0  # probe chats per second beside the agents, their TTFT set against an idle engine's; 0: none
+    idle_chats: int = 5  # probe chats, one at a time, on the idle engine before each point
 
     def check(self) -> None:
         unknown = [m for m in self.modes if m not in AGENT_MODES]
@@ -283,3 +291,7 @@ class AgentsOptions:
             raise ValueError("--agents-programs, --agents-fractions and --agents-rates must be > 0")
         if self.probe_agents is not None and self.probe_agents < 1:
             raise ValueError("--agents-probe must be >= 1")
+        if self.background < 0 or self.chats < 0:
+            raise ValueError("--agents-background and --agents-chats must be >= 0")
+        if self.background_tokens is not None and self.background_tokens < 1:
+            raise ValueError("--agents-background-tokens must be >= 1")

@@ -14,6 +14,10 @@ p95 interpolated within its buckets), the prefix cache's hit rate (``headrace_pr
 ``headrace_prefix_cache_queries``, before/after deltas), tokens prefilled per job (prompt tokens
 from each response's ``usage`` less the cache's hits), completed agents, and the oldest waits (the
 longest turns and jobs). Each mode starts with an empty prefix cache.
+
+Beside the agents, optionally (``agents_chats``): a background stream of unrelated chats, and probe
+chats whose time to first token is set against an idle engine's; each reported on its own and taken
+out of the agents' figures (the agents' TTFT p95 then goes: the histogram's buckets cannot be split).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import anyio
 
 from headrace.bench.agents import (AGENT_MODES, BASE_MODE, AgentClient, AgentRecord, AgentsOptions, Program,
                                    build_prompts, draw_programs, mean_turns)
+from headrace.bench.agents_chats import ChatStream, exclude, idle_ttft, run_stream
 from headrace.bench.client import BenchError
 from headrace.bench.corpus import Corpus
 from headrace.bench.load import percentile, poisson
@@ -88,7 +93,9 @@ async def agents_phase(systems: Any, corpus: Corpus, opts: AgentsOptions, log: C
     run_tag = uuid.uuid4().hex[:8]  # program ids never repeat across runs: the daemon keeps attained service
     out: dict[str, Any] = {"shape": {**vars(shape), **sizes, "mean_turns": mean_turns(shape)},
                            "modes": list(opts.modes), "programs": opts.programs, "seed": opts.seed,
-                           "drain_s": opts.drain_s, "points": []}
+                           "drain_s": opts.drain_s, "points": [],
+                           "beside": [{"name": c.name, "rate": c.rate, "prompt_tokens": c.prompt_tokens,
+                                       "max_tokens": c.max_tokens} for c in side_streams(opts)]}
     log(f"  agents ({shape.name}): system prompt {sizes['system_tokens']} tokens with the tool schemas, "
         f"{opts.programs} agents per point, {sum(p.turns for p in programs)} turns, modes {', '.join(opts.modes)}")
     client = AgentClient(daemon.base_url, daemon.api_key, llm, shape, system)
@@ -113,7 +120,7 @@ async def agents_phase(systems: Any, corpus: Corpus, opts: AgentsOptions, log: C
                 restore = await use_mode(systems, mode, {})
                 try:
                     rows[mode] = await run_point(systems, client, programs, point["rate"], opts,
-                                                 f"bench-{run_tag}-p{p}-{mode}")
+                                                 f"bench-{run_tag}-p{p}-{mode}", snippets)
                 finally:
                     await use_mode(systems, None, restore)
                 log(f"    agents {point['rate']:g}/s, {mode}: " + point_line(rows[mode]))
@@ -205,21 +212,64 @@ async def probe_capacity(client: AgentClient, probe: list[Program], agents: int,
             "programs_per_s": turns_per_s / turns_per_agent, "elapsed_s": time.perf_counter() - t0}
 
 
+def side_streams(opts: AgentsOptions) -> list[ChatStream]:
+    """The chat streams beside the agents the options ask for (``agents_chats``)."""
+    shape, out = opts.shape, []
+    if opts.background > 0:
+        out.append(ChatStream("background", opts.background, opts.background_tokens or shape.background_tokens,
+                              shape.chat_output, opts.seed))
+    if opts.chats > 0:
+        out.append(ChatStream("chats", opts.chats, shape.chat_tokens, shape.chat_output, opts.seed))
+    return out
+
+
 async def run_point(systems: Any, client: AgentClient, programs: list[Program], rate: float, opts: AgentsOptions,
-                    key: str) -> dict[str, Any]:
+                    key: str, snippets: list[str] | None = None) -> dict[str, Any]:
     records = [AgentRecord(p.index, p.turns) for p in programs]
 
     async def agent(i: int) -> None:
         await client.run(programs[i], f"{key}-{i}", records[i])
 
-    llm = systems.models["llm"]
+    llm, streams, span = systems.models["llm"], side_streams(opts), opts.shape.result_tokens
+    idle = None
+    for stream in streams:  # the probe chats' idle figure: the same kind of chat, nothing beside it
+        if stream.name == "chats":
+            idle = await idle_ttft(client.client, llm, stream, snippets or ["-"], span, key, opts.idle_chats)
     before = await systems.daemon.metrics()
-    result = await poisson({"agents": agent}, rate, 0.0, 0.0, opts.seed, opts.drain_s, count=len(programs))
-    delta = deltas(before, await systems.daemon.metrics(), llm)
-    return summarize(records, result, delta)
+    side: dict[str, dict[str, Any]] = {}
+    stop = anyio.Event()
+
+    async def send(stream: ChatStream) -> None:
+        side[stream.name] = await run_stream(client.client, llm, stream, snippets or ["-"], span, key, stop,
+                                             opts.drain_s)
+
+    async with anyio.create_task_group() as tg:
+        for stream in streams:
+            tg.start_soon(send, stream)
+        try:
+            result = await poisson({"agents": agent}, rate, 0.0, 0.0, opts.seed, opts.drain_s, count=len(programs))
+        finally:
+            stop.set()  # the streams run while the agents do
+    delta = exclude(deltas(before, await systems.daemon.metrics(), llm), list(side.values()))
+    row = summarize(records, result, delta, split=bool(side))
+    if "background" in side:
+        row["background"] = side["background"]
+    if "chats" in side:
+        chats = side["chats"]
+        row["chats"] = {**chats, "idle": idle,
+                        "ttft_vs_idle": _over(chats["ttft_mean_s"], idle and idle["ttft_mean_s"]),
+                        "ttft_p95_vs_idle": _over(chats["ttft_p95_s"], idle and idle["ttft_mean_s"])}
+    return row
 
 
-def summarize(records: list[AgentRecord], result: Any, delta: dict[tuple[str, str], float]) -> dict[str, Any]:
+def _over(x: float | None, y: float | None) -> float | None:
+    return x / y if x is not None and y else None
+
+
+def summarize(records: list[AgentRecord], result: Any, delta: dict[tuple[str, str], float],
+              split: bool = False) -> dict[str, Any]:
+    """A point's figures; ``split``: ``delta`` had chats beside the agents taken out (``exclude``), so the TTFT
+    histogram's p95, whose buckets hold theirs too, is not the agents'."""
     jobs = sorted(r.job_s for r in records if r.job_s is not None)
     turns = [(r.program, t) for r in records for t in r.turns]
     latencies = sorted(t.latency_s for _, t in turns)
@@ -243,7 +293,7 @@ def summarize(records: list[AgentRecord], result: Any, delta: dict[tuple[str, st
         "turn_p95_s": percentile(latencies, 95),
         "ttft_mean_s": delta.get((f"{TTFT}_sum", ""), 0.0) / ttft_n if ttft_n else None,
         # Each turn's TTFT is within its latency, so the turns' p95 bounds the histogram's coarse interpolation.
-        "ttft_p95_s": _at_most(histogram_quantile(delta, TTFT, 0.95), percentile(latencies, 95)),
+        "ttft_p95_s": None if split else _at_most(histogram_quantile(delta, TTFT, 0.95), percentile(latencies, 95)),
         "prefix_queries": int(queries), "prefix_hits": int(hits), "hit_rate": hits / queries if queries else None,
         "prompt_tokens": prompt, "daemon_prompt_tokens": int(delta.get(("headrace_prompt_tokens_total", ""), 0.0)),
         "tokens_prefilled": int(prompt - hits),
@@ -281,9 +331,26 @@ def _f(x: Any, spec: str = ".2f") -> str:
 
 
 def point_line(row: dict[str, Any]) -> str:
-    return (f"{row['completed']}/{row['arrivals']} agents done, job mean {_f(row['job_mean_s'])}s p95 "
+    line = (f"{row['completed']}/{row['arrivals']} agents done, job mean {_f(row['job_mean_s'])}s p95 "
             f"{_f(row['job_p95_s'])}s, TTFT mean {_f(row['ttft_mean_s'])}s, hit rate {_f(row['hit_rate'], '.1%')}, "
             f"{_f(row['prefilled_per_job'], '.0f')} tokens prefilled per job")
+    return "; ".join([line, *side_lines(row)])
+
+
+def side_lines(row: dict[str, Any]) -> list[str]:
+    """The chats beside a point's agents, a line each."""
+    lines = []
+    bg = row.get("background")
+    if bg:
+        lines.append(f"background {bg['completed']}/{bg['sent']} chats at {bg['rate']:g}/s, latency mean "
+                     f"{_f(bg['latency_mean_s'])}s p95 {_f(bg['latency_p95_s'])}s, TTFT mean {_f(bg['ttft_mean_s'])}s")
+    chats = row.get("chats")
+    if chats:
+        idle = chats.get("idle") or {}
+        lines.append(f"one-call chats {chats['completed']}/{chats['sent']} at {chats['rate']:g}/s, TTFT mean "
+                     f"{_f(chats['ttft_mean_s'])}s p95 {_f(chats['ttft_p95_s'])}s, idle {_f(idle.get('ttft_mean_s'))}s: "
+                     f"{_f(chats['ttft_vs_idle'])}x idle (p95 {_f(chats['ttft_p95_vs_idle'])}x)")
+    return lines
 
 
 def agents_table(agents: dict[str, Any]) -> list[str]:
@@ -293,6 +360,10 @@ def agents_table(agents: dict[str, Any]) -> list[str]:
     lines = [f"== agents ({shape['name']}): client-side tool-calling agents, {agents['programs']} Poisson arrivals "
              f"per point and mode, turns {shape['turns'][0]}-{shape['turns'][1]} (mean {shape['mean_turns']:.2f}), "
              f"tools {shape['tool_s'][0]:g}-{shape['tool_s'][1]:g}s, system prompt {shape['system_tokens']} tokens =="]
+    for c in agents.get("beside", []):
+        label = "one-call probe" if c["name"] == "chats" else c["name"]
+        lines.append(f"beside the agents: {label} chats at {c['rate']:g}/s, prompts of about {c['prompt_tokens']} "
+                     f"tokens, {c['max_tokens']} out" + (", TTFT against an idle engine's" if c["name"] == "chats" else ""))
     if cap:
         lines.append(f"capacity {cap['programs_per_s']:.4f} agents/s: {cap['turns_per_s']:.3f} turns/s with "
                      f"{cap['agents']} closed-loop agents busy (tools instant), over {shape['mean_turns']:.2f} turns "
@@ -310,9 +381,11 @@ def agents_table(agents: dict[str, Any]) -> list[str]:
                          f"{_f(r['job_mean_s']):>8} {_f(r['job_p95_s']):>8} {_f(r['ttft_mean_s']):>9} "
                          f"{_f(r['ttft_p95_s']):>8} {_f(r['turn_p95_s']):>8} {_f(r['hit_rate'], '.1%'):>8} "
                          f"{_f(r['prefilled_per_job'], '.0f'):>11} {_f(oldest):>11}")
+            lines += [f"      {mode}: {line}" for line in side_lines(r)]
         for mode, v in point["ratios"].items():
             lines.append(f"      {mode} vs {BASE_MODE}: job mean {_f(v['job_mean'])}x, p95 {_f(v['job_p95'])}x, "
                          f"TTFT {_f(v['ttft_mean'])}x, tokens prefilled {_f(v['prefilled_per_job'])}x fewer")
     lines.append("seconds; job: first request to last answer, tools included; TTFT from the daemon's histogram "
-                 "(p95 within its buckets, capped at the turns' p95); oldest turn: the longest one turn waited")
+                 "(p95 within its buckets, capped at the turns' p95; none with chats beside the agents); oldest "
+                 "turn: the longest one turn waited; background and one-call chats: apart from the agents' figures")
     return lines

@@ -86,6 +86,14 @@ def add_parser(sub: Any) -> None:
                         f"(default {' '.join(DEFAULT_AGENT_MODES)})")
     p.add_argument("--mixed-probe", type=int, metavar="N",
                    help="programs at once in the mixed capacity probe (default: the size's, 8 for full)")
+    p.add_argument("--agents-background", type=float, default=0.0, metavar="RATE",
+                   help="unrelated chats per second beside the agents, each its own prefix with a short answer, "
+                        "reported apart (default 0: none)")
+    p.add_argument("--agents-background-tokens", type=int, metavar="N",
+                   help="a background chat's prompt, about (default: the size's, 500 for full)")
+    p.add_argument("--agents-chats", type=float, default=0.0, metavar="RATE",
+                   help="one-call probe chats per second beside the agents: their time to first token against an "
+                        "idle engine's, measured before each point (default 0: none)")
     p.add_argument("--documents", type=int, default=4, help="corpus documents (default 4)")
     p.add_argument("--doc-tokens", type=int, default=2000, help="minimum tokens per document (default 2000)")
     p.add_argument("--seed", type=int, default=0)
@@ -183,7 +191,9 @@ def agents_options(args: argparse.Namespace) -> Any:
         fractions = [] if args.agents_rates else [0.5, 0.7, 0.9]
     opts = AgentsOptions(shape=SHAPES[args.agents_size], fractions=fractions, rates=args.agents_rates,
                          programs=args.agents_programs, modes=args.agents_modes, probe_agents=args.agents_probe,
-                         drain_s=300.0 if args.drain is None else args.drain, seed=args.seed)
+                         drain_s=300.0 if args.drain is None else args.drain, seed=args.seed,
+                         background=args.agents_background, background_tokens=args.agents_background_tokens,
+                         chats=args.agents_chats)
     try:
         opts.check()
     except ValueError as exc:

@@ -322,10 +322,16 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="prompt tokens the engine's prefix cache served (0 from an engine that "
+                                           "does not say; with n > 1, the choices' own prefills only)")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class AssistantMessage(BaseModel):

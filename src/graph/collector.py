@@ -27,7 +27,8 @@ class ChoiceDelta:
 def merged(first: TokenDelta, then: TokenDelta) -> TokenDelta:
     return TokenDelta(text=first.text + then.text, token_ids=[*first.token_ids, *then.token_ids],
                       finish_reason=then.finish_reason or first.finish_reason,
-                      logprobs=first.logprobs + then.logprobs)
+                      logprobs=first.logprobs + then.logprobs,
+                      cached_tokens=first.cached_tokens + then.cached_tokens)
 
 
 class ChoiceCollector:

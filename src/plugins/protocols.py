@@ -170,6 +170,10 @@ class TokenDelta:
     finish_reason: FinishReason | None = None
     # One per token of ``token_ids`` when the request asked for ``logprobs``; empty otherwise.
     logprobs: tuple[TokenLogprob, ...] = ()
+    # Prompt tokens the engine found in its prefix cache and did not compute (OpenAI's ``usage.
+    # prompt_tokens_details.cached_tokens``): on a request's first delta only, 0 on the rest and on an
+    # engine that does not say. ``las`` counts a program's service as the tokens computed, not the ones sent.
+    cached_tokens: int = 0
 
 
 Priority = int
@@ -206,8 +210,9 @@ class LLMEngine(Engine, Protocol):
         ...
 
     async def prefill(self, ctx: ContextId, tokens: Sequence[int], parent: ContextId | None = None, *,
-                      priority: Priority = 0) -> None:
-        """Fill a new KV context; a child reuses its parent's KV as its prefix."""
+                      priority: Priority = 0) -> int | None:
+        """Fill a new KV context; a child reuses its parent's KV as its prefix. Returns how many of ``tokens``
+        were found in the engine's prefix cache (None: the engine does not say; counted as none)."""
         ...
 
     def decode(self, ctx: ContextId, params: SamplingParams, *, priority: Priority = 0) -> AsyncIterator[TokenDelta]:

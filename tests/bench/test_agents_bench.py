@@ -62,6 +62,7 @@ def test_metric_deltas_and_the_histogram_quantile():
     (["--agents-modes", "per-request", "retain-forever"], "unknown agents mode"),
     (["--agents-fractions"], "needs --agents-fractions or --agents-rates"),
     (["--agents-rates", "0"], "must be > 0"),
+    (["--agents-rates", "1", "--agents-background", "-1"], "must be >= 0"),
 ])
 def test_bad_agents_flags_stop_before_anything_runs(flags, message, capsys, tmp_path):
     code = main(["bench", "agents", *flags, "--url", "http://127.0.0.1:9", "--out", str(tmp_path)])
@@ -73,9 +74,11 @@ def test_bad_agents_flags_stop_before_anything_runs(flags, message, capsys, tmp_
 @pytest.mark.timeout(900)  # a server start, a capacity probe and two load points: several tests' work in one
 def test_smoke_every_agent_completes_and_the_counts_agree(server, tmp_path):
     out = tmp_path / "agents"
-    # Twice the probed capacity: the three agents overlap (their turns queue), and the run stays short.
+    # Twice the probed capacity: the three agents overlap (their turns queue), and the run stays short. Beside
+    # them a background stream and probe chats, whose requests must not count in the agents' figures.
     code = main(["bench", "agents", "--agents-size", "smoke", "--agents-programs", "3", "--agents-fractions", "2",
                  "--agents-modes", *MODES, "--documents", "2", "--doc-tokens", "300", "--drain", "300",
+                 "--agents-background", "0.2", "--agents-chats", "0.1",
                  "--url", server.base_url, "--api-key", API_KEY, "--out", str(out)])
     assert code == 0
     agents = json.loads((out / "results.json").read_text())["agents"]
@@ -96,11 +99,23 @@ def test_smoke_every_agent_completes_and_the_counts_agree(server, tmp_path):
         assert row["prefix_hits"] <= row["prefix_queries"] and 0 < row["hit_rate"] <= 1  # the shared prompt hits
         assert agents["shape"]["system_tokens"] < row["max_context_tokens"] < 2048
         assert row["job_mean_s"] > row["tool_mean_s"] > 0 and row["job_p95_s"] >= row["job_p50_s"]
-        assert 0 < row["ttft_mean_s"] <= row["turn_mean_s"] and row["ttft_p95_s"] <= row["turn_p95_s"]
+        assert 0 < row["ttft_mean_s"] <= row["turn_mean_s"]
+        assert row["ttft_p95_s"] is None  # the histogram's buckets hold the chats' too
         assert len(row["longest_turns"]) == 3 and len(row["longest_jobs"]) == 3
+        # The chats beside the agents: every one sent came back, with its own prompt (no cache hit but the
+        # template's opening), and the daemon's counts above are the agents' alone (they add up without them).
+        for name in ("background", "chats"):
+            chats = row[name]
+            assert chats["sent"] >= 2 and chats["completed"] == chats["sent"] and chats["errors"] == [], (name, chats)
+            assert chats["prompt_tokens"] > 0 and chats["cached_tokens"] < 32 * chats["completed"], (name, chats)
+            assert 0 < chats["ttft_mean_s"] <= chats["latency_mean_s"], (name, chats)
+        idle = row["chats"]["idle"]
+        assert idle["completed"] == 5 and idle["ttft_mean_s"] > 0
+        assert row["chats"]["ttft_vs_idle"] == pytest.approx(row["chats"]["ttft_mean_s"] / idle["ttft_mean_s"])
     assert set(point["ratios"]) == {"las"} and point["ratios"]["las"]["job_mean"] > 0
     text = (out / "results.txt").read_text()
     assert "== agents (smoke)" in text and "las vs per-request" in text and "capacity" in text
+    assert "background chats at 0.2/s" in text and "x idle" in text
     # The daemon's own LLM settings are back (the server runs fifo with its prefix cache on and retention on;
     # per-request, the base mode, switches retention off).
     settings = httpx.patch(f"{server.base_url}/v1/engines/smollm2", json={},

@@ -78,6 +78,25 @@ def test_chat_stream_with_usage_matches_non_stream(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
 
 
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_served(client):
+    """OpenAI's ``prompt_tokens_details.cached_tokens``, as the engine tells it: none for a fresh prompt, its
+    whole resent history for the next turn (streamed or not)."""
+    import uuid
+
+    system = f"Desk {uuid.uuid4().hex}. " + " ".join(f"Rule {i}: answer politely and briefly." for i in range(30))
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]
+    first = client.chat.completions.create(model=LLM, messages=messages, temperature=0, max_tokens=4)
+    assert first.usage.prompt_tokens_details.cached_tokens < 32  # the chat template's opening at most
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And then?"}]
+    second = client.chat.completions.create(model=LLM, messages=messages, temperature=0, max_tokens=4)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens // 16 * 16 - 32 <= cached < second.usage.prompt_tokens, (first.usage, cached)
+    chunks = list(client.chat.completions.create(model=LLM, messages=messages, temperature=0, max_tokens=4,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= cached
+
+
 def test_max_tokens_and_stop(client):
     r = client.chat.completions.create(
         model=LLM, messages=[{"role": "user", "content": "Count from 1 to 20, separated by commas."}],

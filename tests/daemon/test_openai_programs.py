@@ -91,3 +91,21 @@ def test_the_program_reaches_every_meta_of_the_run():
         assert (meta.run, meta.program, meta.attained_tokens, meta.program_id) == ("run-1", "key:p", 42, "key:p")
     plain = OpContext("run-2", resolve=lambda name: None).meta(node)
     assert (plain.program, plain.attained_tokens, plain.program_id) == (None, 0, "run-2")
+
+
+def test_a_requests_cached_prompt_tokens_are_not_counted_to_its_program():
+    """What the engine found in its prefix cache (its first delta says) was not computed: a client agent's
+    resent history is no new service."""
+    reg = ProgramRegistry()
+
+    async def deltas():
+        yield ChoiceDelta(0, TokenDelta(text="a", token_ids=[1], cached_tokens=96))
+        yield ChoiceDelta(0, TokenDelta(text="b", token_ids=[2], finish_reason="stop"))
+
+    async def drain() -> None:
+        async with aclosing(_served(deltas(), reg, "key:p", n_prompt=100)) as served:
+            async for _ in served:
+                pass
+
+    anyio.run(drain)
+    assert reg.attained("key:p") == 100 - 96 + 2

@@ -438,3 +438,53 @@ def test_las_pauses_low_rank_decodes_for_a_new_program_and_they_resume_unchanged
     # Paused and resumed, the rows' greedy output is the unpaused one.
     assert runs["las"][0] == runs["fifo"][0] == runs["priority only"][0]
     assert all(len(ids) == LOW_TOKENS for ids in runs["las"][0])
+
+
+@pytest.mark.slow
+def test_a_program_attains_the_tokens_the_engine_computed_not_the_cache_hits_it_resent(llm):
+    """``las`` counts service as the engine computed it: an agent's next turn resends its whole history,
+    which the prefix cache holds, so the program attains the new prompt tokens and the generated ones,
+    not the resent ones. Both ways a request reaches the engine tell the hits: a prefill then a decode (a
+    route's request; the prefill answers them) and a generate (the engine's first delta carries them)."""
+    import uuid
+
+    from headrace.batching.llm import LLMScheduler
+    from headrace.batching.llm_policies import LasLLMPolicy
+    from headrace.batching.meta import PrimitiveMeta
+
+    portal, engine = llm
+    block = engine.core.prefix_cache.block
+    sched = LLMScheduler(engine, max_running=8, policy=LasLLMPolicy())
+    meta = PrimitiveMeta(run=f"agent-{uuid.uuid4().hex}", node="llm")
+    params = SamplingParams(max_tokens=4, temperature=0)
+
+    async def turn(tokens: list[int], split: bool) -> tuple[list[int], int, int]:
+        """The turn's generated ids, the cached tokens its first delta reports, and the service it added."""
+        before = sched.served.attained(meta.run)
+        if split:
+            ctx = engine.new_context_id()
+            await sched.prefill(ctx, tokens, meta=meta)
+            deltas = sched.decode(ctx, params, meta)
+        else:
+            deltas = sched.generate(tokens, params, meta)
+        ids, cached = [], []
+        async for delta in deltas:
+            ids += delta.token_ids
+            cached.append(delta.cached_tokens)
+        assert cached[1:] == [0] * (len(cached) - 1)  # the first delta's alone
+        return ids, cached[0], sched.served.attained(meta.run) - before
+
+    def new_tokens(i: int) -> list[int]:
+        return engine.encode(f" Tool result {i}: the record was found and the order shipped on Monday.")
+
+    history = engine.encode(f"Agent {uuid.uuid4().hex}. " + " ".join(
+        f"Step {i}: it looked up record {i * 7} and noted the result." for i in range(40)))
+    out, cached, served = portal.call(turn, history, False)
+    assert cached == 0 and served == len(history) + len(out)  # a fresh prompt: all of it computed
+    for i, split in enumerate((True, False)):
+        prompt = history + out + new_tokens(i)  # the next turn resends everything so far
+        out, cached, served = portal.call(turn, prompt, split)
+        assert cached >= (len(history) // block) * block, (split, cached, len(history))
+        assert served == len(prompt) - cached + len(out), split
+        assert served < len(prompt) // 4, (split, served, len(prompt))  # far less than the prompt sent
+        history = prompt

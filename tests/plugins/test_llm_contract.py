@@ -368,6 +368,18 @@ def test_a_shared_prefix_is_served_from_the_prefix_cache_and_decodes_as_uncached
     reused = llm.reused_tokens(engine.stats()) - before
     assert n - llm.block <= reused < len(second)  # the prefix, to its last whole block
     assert cached == uncached
+    if llm.token_lists:
+        return  # the engine's own cache (vLLM's, SGLang's) does not say per request: its deltas say 0
+
+    async def hits(tokens):
+        async with aclosing(engine.generate(tokens, SamplingParams(max_tokens=8, temperature=0))) as deltas:
+            return [d.cached_tokens async for d in deltas]
+
+    # The request's first delta says what its prompt found cached (what ``las`` does not count as service).
+    before = llm.reused_tokens(engine.stats())
+    told = portal.call(hits, second)
+    assert told[0] == llm.reused_tokens(engine.stats()) - before and n - llm.block <= told[0] < len(second)
+    assert set(told[1:]) <= {0}
 
 
 def test_logprobs_are_one_per_token_ranked(llm):

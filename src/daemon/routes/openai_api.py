@@ -160,15 +160,17 @@ def _program(request: Request, body: Any) -> str | None:
 
 async def _served(deltas: AsyncIterator[ChoiceDelta], registry: ProgramRegistry, program: str,
                   n_prompt: int) -> AsyncIterator[ChoiceDelta]:
-    """``deltas``, counting the request's prompt and generated tokens to its program once it ends (however)."""
-    generated = 0
+    """``deltas``, counting to its program the tokens the engine computed for the request once it ends (however):
+    its prompt less what the prefix cache held (as the engine tells), and what it generated."""
+    generated = cached = 0
     try:
         async with aclosing(deltas):
             async for c in deltas:
                 generated += len(c.delta.token_ids)
+                cached += c.delta.cached_tokens
                 yield c
     finally:
-        registry.add(program, n_prompt + generated)
+        registry.add(program, max(0, n_prompt - cached) + generated)
 
 
 def _encode_all(engine: Any, texts: list[str]) -> list[list[int]]:
@@ -181,12 +183,14 @@ class _Choice:
 
     text: list[str] = field(default_factory=list)
     generated: int = 0
+    cached: int = 0  # prompt tokens its engine found in the prefix cache
     finish: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def add(self, d: TokenDelta) -> None:
         self.text.append(d.text)
         self.generated += len(d.token_ids)
+        self.cached += d.cached_tokens
         self.finish = d.finish_reason or self.finish
         self.logprobs.extend(d.logprobs)
 
@@ -248,7 +252,7 @@ async def _respond(request: Request, slot: Any, prompts: list[list[int]], params
         return JSONResponse({
             "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": slot.name, "choices": choices,
-            "usage": _usage(n_prompt, sum(c.generated for c in collected)),
+            "usage": _usage(n_prompt, sum(c.generated for c in collected), sum(c.cached for c in collected)),
         })
     return StreamingResponse(
         _sse(_chunks(rid, created, slot.name, n_prompt, count, deltas, spec, chat, strings, tools)),
@@ -274,8 +278,11 @@ def _choice(index: int, c: _Choice, strings: TokenStrings | None, chat: bool,
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish}
 
 
-def _usage(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    """OpenAI's usage object. ``cached``: prompt tokens served from the prefix cache, as the engine tells (each
+    choice's own prefill: with ``n`` > 1 the shared prompt's prefill is no choice's, so its hits are not in it)."""
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": min(prompt, cached)}}
 
 
 async def _chunks(rid: str, created: int, model: str, n_prompt: int, count: int, deltas: AsyncIterator[ChoiceDelta],
@@ -315,11 +322,12 @@ async def _chunks(rid: str, created: int, model: str, n_prompt: int, count: int,
     parsers = [structured.ToolCallParser(tools.names) for _ in range(count)] if tools is not None else []
     calls_sent = [0] * count
     unsent: list[tuple[TokenLogprob, ...]] = [()] * count
-    generated = 0
+    generated = cached = 0
     async with aclosing(deltas):
         async for c in deltas:
             d = c.delta
             generated += len(d.token_ids)
+            cached += d.cached_tokens
             if not parsers:
                 if d.text or d.finish_reason or d.logprobs:
                     yield chunk(c.index, d)
@@ -342,7 +350,7 @@ async def _chunks(rid: str, created: int, model: str, n_prompt: int, count: int,
                 sent, unsent[c.index] = unsent[c.index], ()
                 yield chunk(c.index, TokenDelta(text="", token_ids=[]), text="", finish=done, token_logprobs=sent)
     if spec.include_usage:
-        yield {**base, "choices": [], "usage": _usage(n_prompt, generated)}
+        yield {**base, "choices": [], "usage": _usage(n_prompt, generated, cached)}
 
 
 async def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:

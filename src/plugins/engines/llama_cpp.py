@@ -292,7 +292,8 @@ class LlamaCppCore(LLMCore):
             self._copy_sequence(entry.kv, seq, skip)  # positions [0, skip)
         prompt = (parent.tokens if parent is not None else []) + list(job.tokens)
         self._contexts[job.ctx] = _Sequence(seq=seq, length=base + skip, tokens=prompt)
-        self._prefills.append(Fill(seq=seq, tokens=list(job.tokens[skip:]), start=base + skip, prefill=job))
+        self._prefills.append(Fill(seq=seq, tokens=list(job.tokens[skip:]), start=base + skip, prefill=job,
+                                   cached=skip))
 
     def add_scoring(self, job: Logits) -> None:
         self._scoring.add(job)
@@ -491,7 +492,7 @@ class LlamaCppCore(LLMCore):
                 seq.filling, seq.next_logits = False, logits[0].copy()  # not a view that pins the batch's
                 if self.prefix_cache is not None:
                     self.prefix_cache.insert(seq.tokens, lambda n, src=seq.seq: self._cache_copy(src, n))
-                out.reply(fill.prefill.reply)
+                out.reply(fill.prefill.reply, fill.cached)
         else:
             self._scoring.filled(fill, torch.from_numpy(logits), out)
 

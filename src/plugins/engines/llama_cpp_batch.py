@@ -36,6 +36,7 @@ class Fill:
     start: int  # position of tokens[0]
     done: int = 0  # tokens already decoded
     prefill: Prefill | None = None
+    cached: int = 0  # a prefill's tokens found in the prefix cache (not in ``tokens``): its reply says so
     job: ScoreJob | None = None
     index: int = 0  # the prompt's row in the scoring job
     group: SharedPrefix | None = None  # set on a scoring group's shared-prefix fill

@@ -40,6 +40,7 @@ import itertools
 import logging
 import queue
 import threading
+from dataclasses import replace
 from typing import Any, AsyncIterator, Sequence
 
 import anyio
@@ -164,11 +165,13 @@ class LLMFront:
         return f"{self.name}-ctx-{next(self._ctx_ids)}"
 
     async def prefill(self, ctx: ContextId, tokens: Sequence[int], parent: ContextId | None = None, *,
-                      priority: int = 0, preemptive: bool = False) -> None:
-        await self._open(Prefill, ctx, tokens, parent, priority, preemptive)
+                      priority: int = 0, preemptive: bool = False) -> int | None:
+        return await self._open(Prefill, ctx, tokens, parent, priority, preemptive)
 
     async def _open(self, command: type[Prefill], ctx: ContextId, tokens: Sequence[int], parent: ContextId | None,
-                    priority: int, preemptive: bool = False) -> None:
+                    priority: int, preemptive: bool = False) -> int | None:
+        """Queue the context's prefill and wait for it; the prompt tokens its prefix cache held (None: the core
+        does not say)."""
         self._require_running()
         check_priority(priority)
         if ctx in self._live:
@@ -182,12 +185,13 @@ class LLMFront:
         self._live.add(ctx)
         self._commands.put(command(ctx, list(tokens), parent, reply, priority, preemptive=bool(preemptive)))
         try:
-            await self._wait(reply)
+            cached = await self._wait(reply)
         except BaseException:
             # Cancelled or failed: the worker frees whatever it made (commands run in order).
             self._commands.put(Stop(ctx, free=True))
             self._live.discard(ctx)
             raise
+        return cached if isinstance(cached, int) else None
 
     async def decode(self, ctx: ContextId, params: SamplingParams, *, priority: int = 0,
                      preemptive: bool = False) -> AsyncIterator[TokenDelta]:
@@ -202,9 +206,11 @@ class LLMFront:
     async def generate(self, tokens: Sequence[int], params: SamplingParams, *,
                        priority: int = 0, preemptive: bool = False) -> AsyncIterator[TokenDelta]:
         ctx = self.new_context_id()
-        await self._open(self.generate_prefill, ctx, tokens, None, priority, preemptive)
+        cached = await self._open(self.generate_prefill, ctx, tokens, None, priority, preemptive)
         try:
             async for delta in self._decode(ctx, params, free_after=True, priority=priority, preemptive=preemptive):
+                if cached:  # the request's first delta says what its prompt found cached
+                    delta, cached = replace(delta, cached_tokens=cached), None
                 yield delta
         finally:
             self._live.discard(ctx)

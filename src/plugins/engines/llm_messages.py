@@ -51,7 +51,7 @@ class Prefill:
     ctx: ContextId
     tokens: TokenIds
     parent: ContextId | None
-    reply: Reply  # resolved with None once the context holds the tokens
+    reply: Reply  # resolved once the context holds the tokens: with how many its prefix cache held (or None)
     priority: int = 0  # lower runs first (the LLM scheduler's policy sets it)
     preemptive: bool = False  # may pause preemptive decodes of a lower rank (``preemption``)
 

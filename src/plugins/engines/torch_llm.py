@@ -296,7 +296,7 @@ class TorchCore(LLMCore):
                 self.prefix_cache.use(hit[0] if hit else None, len(job.tokens), skip)
         suffixes = [job.tokens[skip:] for job in chunk]
         try:
-            self._prefill_chunk(chunk, suffixes, base, base_len, out)
+            self._prefill_chunk(chunk, suffixes, base, base_len, out, skip)
         except Exception as exc:
             if len(chunk) == 1:
                 log.exception("engine %s: prefill failed", self.name)
@@ -307,7 +307,7 @@ class TorchCore(LLMCore):
                             self.name, len(chunk), exc)
                 for job, suffix in zip(chunk, suffixes):
                     try:
-                        self._prefill_chunk([job], [suffix], base, base_len, out)
+                        self._prefill_chunk([job], [suffix], base, base_len, out, skip)
                     except Exception as job_exc:
                         log.exception("engine %s: prefill failed", self.name)
                         out.reply(job.reply, error=EngineError(f"prefill failed: {job_exc}"))
@@ -318,8 +318,9 @@ class TorchCore(LLMCore):
         self._prefills = [(key, job) for key, job in self._prefills if id(job) not in taken]
 
     def _prefill_chunk(self, chunk: list[Prefill], suffixes: list[TokenIds], base: _Context | None, base_len: int,
-                       out: Outbox) -> None:
-        """Fill ``suffixes`` (one per job) on top of ``base`` (or from nothing) in one forward pass."""
+                       out: Outbox, cached: int = 0) -> None:
+        """Fill ``suffixes`` (one per job) on top of ``base`` (or from nothing) in one forward pass; ``cached``: the
+        tokens of each job's prompt ``base`` is (a prefix-cache hit; 0 for a fork), which its reply says."""
         lengths = [len(t) for t in suffixes]
         width = max(lengths)
         pad = self.tokenizer.pad_token_id or 0
@@ -345,7 +346,7 @@ class TorchCore(LLMCore):
             if self.prefix_cache is not None:
                 layers = ctx.kv
                 self.prefix_cache.insert(ctx.tokens, lambda n: [(k[:, :, :n], v[:, :, :n]) for k, v in layers])
-            out.replies.append((job.reply, None, None))
+            out.replies.append((job.reply, cached, None))
 
     def _score_next(self, job: Logits, out: Outbox) -> int:
         """Score the next chunk of ``job``; the tokens spent."""
