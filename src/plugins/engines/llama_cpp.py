@@ -66,6 +66,7 @@ class _Sequence:
 
 class LlamaCppCore(LLMCore):
     pauses_decodes = True
+    keeps_contexts = True
 
     def __init__(self, spec: EngineSpec, env: EngineEnv) -> None:
         o = parse_options(spec)
@@ -352,7 +353,9 @@ class LlamaCppCore(LLMCore):
         if seq is not None:
             seq.decoding = False
             seq.length = r.length
-            if self.prefix_cache is not None and self._pins.pin_tokens > 0:  # retention: a next turn repeats it all
+            # Retention: a named program's next turn repeats it all. Only such a row pays the KV copy; any
+            # other's prompt was cached when it was filled, and its output is found by no later request.
+            if r.keep_context and self.prefix_cache is not None and self._pins.pin_tokens > 0:
                 held = seq.tokens + r.detok.ids[: r.length - len(seq.tokens)]  # the last token sampled is not in the KV
                 self.prefix_cache.insert(held, lambda n, src=seq.seq: self._cache_copy(src, n))
         super().row_finished(r)

@@ -29,7 +29,9 @@ preempts) may also pause a lower-ranked preemptive decode, where the core can
 (``pauses_decodes``; see ``preemption``). A core with a prefix cache implements
 ``set_prefix_caching`` and ``prefix_caching_enabled`` (the front carries the
 switch to the worker as a command); one whose ``prefix_cache`` is a ``PrefixCache``
-gets pins (``pin_prefix``, the ``Pin`` command) from the base class.
+gets pins (``pin_prefix``, the ``Pin`` command) from the base class. A decode sent
+``keep_context`` (a named program's turn) lets a core that ``keeps_contexts`` cache
+its whole context once it ends (``KeepsContexts``).
 """
 
 from __future__ import annotations
@@ -190,8 +192,9 @@ class LLMFront:
             raise
 
     async def decode(self, ctx: ContextId, params: SamplingParams, *, priority: int = 0,
-                     preemptive: bool = False) -> AsyncIterator[TokenDelta]:
-        async for delta in self._decode(ctx, params, free_after=False, priority=priority, preemptive=preemptive):
+                     preemptive: bool = False, keep_context: bool = False) -> AsyncIterator[TokenDelta]:
+        async for delta in self._decode(ctx, params, free_after=False, priority=priority, preemptive=preemptive,
+                                        keep_context=keep_context):
             yield delta
 
     async def free(self, ctx: ContextId) -> None:
@@ -200,11 +203,13 @@ class LLMFront:
             self._commands.put(Stop(ctx, free=True))
 
     async def generate(self, tokens: Sequence[int], params: SamplingParams, *,
-                       priority: int = 0, preemptive: bool = False) -> AsyncIterator[TokenDelta]:
+                       priority: int = 0, preemptive: bool = False,
+                       keep_context: bool = False) -> AsyncIterator[TokenDelta]:
         ctx = self.new_context_id()
         await self._open(self.generate_prefill, ctx, tokens, None, priority, preemptive)
         try:
-            async for delta in self._decode(ctx, params, free_after=True, priority=priority, preemptive=preemptive):
+            async for delta in self._decode(ctx, params, free_after=True, priority=priority, preemptive=preemptive,
+                                            keep_context=keep_context):
                 yield delta
         finally:
             self._live.discard(ctx)
@@ -239,6 +244,11 @@ class LLMFront:
     def pauses_decodes(self) -> bool:
         """``PausesDecodes``: whether the core pauses preemptive decodes for more urgent preemptive work."""
         return self.core.pauses_decodes
+
+    @property
+    def keeps_contexts(self) -> bool:
+        """``KeepsContexts``: whether a decode sent ``keep_context`` may leave its whole context cached."""
+        return self.core.keeps_contexts
 
     @property
     def reloadable(self) -> bool:
@@ -310,7 +320,7 @@ class LLMFront:
         check_token_ids(tokens, self.vocab_size, self.name)
 
     async def _decode(self, ctx: ContextId, params: SamplingParams, free_after: bool,
-                      priority: int, preemptive: bool = False) -> AsyncIterator[TokenDelta]:
+                      priority: int, preemptive: bool = False, keep_context: bool = False) -> AsyncIterator[TokenDelta]:
         self._require_running()
         check_priority(priority)
         if ctx not in self._live:
@@ -318,7 +328,8 @@ class LLMFront:
         # One item per token at most, so the buffer bounds memory and the worker never blocks.
         send, receive = anyio.create_memory_object_stream[TokenDelta | BaseException](params.max_tokens + 1)
         self._streams.add(send)
-        self._commands.put(Decode(ctx, params, send, free_after, priority, preemptive=bool(preemptive)))
+        self._commands.put(Decode(ctx, params, send, free_after, priority, preemptive=bool(preemptive),
+                                  keep_context=bool(keep_context)))
         finished = False
         try:
             async with receive:

@@ -64,6 +64,7 @@ class Decode:
     free_after: bool  # generate(): the context goes when the decode ends
     priority: int = 0
     preemptive: bool = False  # may pause, and be paused by, preemptive work of another rank (``preemption``)
+    keep_context: bool = False  # once it ends, its whole context may go to the prefix cache (``KeepsContexts``)
 
 
 @dataclass
