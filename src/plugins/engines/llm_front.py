@@ -52,7 +52,8 @@ from headrace.plugins.engines import chat
 from headrace.plugins.engines.chat import ChatMessages, ToolSpecs
 from headrace.plugins.engines.llm_core import LLMCore
 from headrace.plugins.engines.llm_messages import (CacheControl, Command, Decode, EngineError, EngineFailed, Heartbeat,
-                                                   Logits, Outbox, Pin, Prefill, Reply, Stop, deliver_on_loop)
+                                                   Logits, Outbox, Pin, Prefill, Reply, Stop, TokenStream,
+                                                   deliver_on_loop)
 from headrace.plugins.protocols import SamplingParams, TokenDelta
 from headrace.types import ContextId, TokenIds
 
@@ -92,7 +93,7 @@ class LLMFront:
         self._live: set[ContextId] = set()  # contexts not yet freed, as the event loop sees them
         # Every request awaiting the worker, so that its death answers them all.
         self._awaiting: set[Reply] = set()
-        self._streams: set[Any] = set()  # send ends of open decode streams
+        self._streams: set[TokenStream] = set()  # open decode streams
         self._heartbeat: Reply | None = None  # the one heartbeat the worker has not answered yet
 
     # What the daemon's request checks read (valid once run() has loaded the model).
@@ -325,23 +326,23 @@ class LLMFront:
         check_priority(priority)
         if ctx not in self._live:
             raise EngineError(f"context {ctx!r} does not exist")
-        # One item per token at most, so the buffer bounds memory and the worker never blocks.
-        send, receive = anyio.create_memory_object_stream[TokenDelta | BaseException](params.max_tokens + 1)
-        self._streams.add(send)
-        self._commands.put(Decode(ctx, params, send, free_after, priority, preemptive=bool(preemptive),
+        # One item per token at most (the worker never blocks on it); one loop wake per delivery.
+        stream = TokenStream()
+        self._streams.add(stream)
+        self._commands.put(Decode(ctx, params, stream, free_after, priority, preemptive=bool(preemptive),
                                   keep_context=bool(keep_context)))
         finished = False
         try:
-            async with receive:
-                async for item in receive:
-                    if isinstance(item, BaseException):
-                        raise item
-                    finished = item.finish_reason is not None
-                    yield item
-                    if finished:
-                        break
+            async for item in stream:
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
+                if finished:
+                    break
         finally:
-            self._streams.discard(send)
+            stream.leave()
+            self._streams.discard(stream)
             if not finished:
                 # Abandoned or cancelled: the row leaves the batch at the next step.
                 self._live.discard(ctx)
@@ -438,6 +439,6 @@ class LLMFront:
         for send in self._streams:
             try:
                 send.send_nowait(error)
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.WouldBlock):
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                 pass  # the reader is gone, or finished: nothing waits
             send.close()
