@@ -90,7 +90,8 @@ def test_only_a_named_programs_request_leaves_its_whole_context_cached(server):
     prompt, hits = continued(server, {})
     assert hits <= prompt // 16 * 16, (prompt, hits)  # its prompt's entry at most
     prompt, hits = continued(server, {"user": f"agent-{uuid.uuid4().hex}"})
-    assert hits >= prompt // 16 * 16 + 16, (prompt, hits)  # past the prompt, into the output (the seam may cost a block)
+    # Past the prompt, into the output (where they meet, tokenized afresh, may cost a block).
+    assert hits >= prompt // 16 * 16 + 16, (prompt, hits)
 
 
 def pin_marked(server, ttl, rules: int) -> httpx.Response:

@@ -1,4 +1,5 @@
-"""llm_core's shared row sampling: the numpy path (llama.cpp's logits) picks what the torch sampler picks; the decode stream rows send to."""
+"""llm_core's shared row sampling: the numpy path (llama.cpp's logits) picks what the torch sampler picks;
+and the stream a row's deltas go to (``TokenStream``)."""
 
 from __future__ import annotations
 
