@@ -14,7 +14,10 @@ The engine batches every admitted request per iteration; this scheduler
 - under a policy that preempts (``las``), sends prefills and decodes ``preemptive``
   to an engine that can pause decodes (``PausesDecodes``), so a request of a higher
   rank may pause running decodes of a lower rank (decided per request: a policy
-  switched on a live daemon applies to the requests that come after).
+  switched on a live daemon applies to the requests that come after);
+- sends a named program's decodes ``keep_context`` to an engine that can keep a whole
+  context in its prefix cache (``KeepsContexts``): only such a request's next turn repeats
+  its output, so only it pays the copy.
 
 A context keeps the meta of the primitive using it (its prefill, then its decode).
 
@@ -48,7 +51,7 @@ from headrace.batching.observer import NullObserver, SchedulerObserver
 from headrace.batching.programs import ProgramRegistry
 from headrace.batching.residency import AlwaysResident, Residency
 from headrace.batching.run_gate import RunGate
-from headrace.plugins.protocols import LLMEngine, PausesDecodes, SamplingParams, TokenDelta
+from headrace.plugins.protocols import KeepsContexts, LLMEngine, PausesDecodes, SamplingParams, TokenDelta
 
 
 @dataclass
@@ -155,6 +158,15 @@ class LLMScheduler:
             return {"preemptive": True}
         return {}
 
+    def _decode_keywords(self, meta: PrimitiveMeta | None) -> dict[str, bool]:
+        """A decode's extra keywords: ``_preemption``'s, and ``keep_context`` for a named program's request to an
+        engine that keeps contexts (never sent to one that does not)."""
+        extra = self._preemption()
+        if meta is not None and meta.program is not None and isinstance(self.engine, KeepsContexts) \
+                and self.engine.keeps_contexts:
+            extra["keep_context"] = True
+        return extra
+
     def busy_with_other_runs(self, run: str) -> bool:
         """Whether requests or live contexts of anything but ``run`` are on the engine now."""
         if any(n and owner != run for owner, n in self._requests_by_run.items()):
@@ -213,7 +225,7 @@ class LLMScheduler:
         rank = self.priority(state.meta, arrival)
         try:
             async with self._admitted(arrival, rank, (state.meta,)) as rank:
-                deltas = self.engine.decode(ctx, params, priority=rank, **self._preemption())
+                deltas = self.engine.decode(ctx, params, priority=rank, **self._decode_keywords(state.meta))
                 async for delta in self._timed(deltas, state.arrival, state.prompt_tokens, state.meta, state.cached):
                     yield delta
         finally:
@@ -236,7 +248,7 @@ class LLMScheduler:
         arrival = time.monotonic()
         rank = self.priority(meta, arrival)
         async with self._admitted(arrival, rank, (meta,)) as rank:
-            deltas = self.engine.generate(tokens, params, priority=rank, **self._preemption())
+            deltas = self.engine.generate(tokens, params, priority=rank, **self._decode_keywords(meta))
             async for delta in self._timed(deltas, arrival, len(tokens), meta):
                 yield delta
 

@@ -253,6 +253,17 @@ class PausesDecodes(Protocol):
 
 
 @runtime_checkable
+class KeepsContexts(Protocol):
+    """An LLM engine whose prefix cache can keep a finished decode's whole context (prompt and output), for a
+    next request that repeats it all (a named program's next turn): its ``decode`` and ``generate`` also take a
+    keyword-only ``keep_context`` flag, which the LLM scheduler sets for a request of a named program
+    (``PrimitiveMeta.program``). Keeping one costs a KV copy, so a request without the flag (a workflow's map
+    prompt, a plain chat) leaves only its prompt cached. Requests sent without it keep nothing more."""
+
+    keeps_contexts: bool
+
+
+@runtime_checkable
 class ScheduledScoring(Protocol):
     """An LLM's scheduler, as an engine that scores with that LLM sees it."""
 

@@ -69,6 +69,31 @@ def test_a_tool_call_turns_kv_outlives_traffic_that_evicts_it_under_lru(server):
     assert cache(server, "evictions_total", reason="superseded") > 0  # each prompt's entry gave way to its output's
 
 
+def continued(server, program: dict) -> tuple[int, float]:
+    """A completion that goes on counting for 48 tokens, then a plain prompt repeating it and its output: the
+    first's prompt tokens, and the prefix-cache hits of the second."""
+    prompt = f"Note {uuid.uuid4().hex[:8]}: " + system_prompt(uuid.uuid4().hex[:8], rules=4)
+    first = post(server, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 48, "temperature": 0,
+                                             **program})
+    assert first.status_code == 200, first.text
+    assert first.json()["usage"]["completion_tokens"] == 48, first.json()  # it goes on with the rules
+    hits = cache(server, "hits_total")
+    second = post(server, "/v1/completions", {"model": MODEL, "max_tokens": 1, "temperature": 0,
+                                              "prompt": prompt + first.json()["choices"][0]["text"]})
+    assert second.status_code == 200, second.text
+    return first.json()["usage"]["prompt_tokens"], cache(server, "hits_total") - hits
+
+
+def test_only_a_named_programs_request_leaves_its_whole_context_cached(server):
+    """Caching a finished context costs a KV copy: a request of no program keeps its prompt only (no later
+    request repeats its output), a named program's keeps prompt and output for its next turn."""
+    prompt, hits = continued(server, {})
+    assert hits <= prompt // 16 * 16, (prompt, hits)  # its prompt's entry at most
+    prompt, hits = continued(server, {"user": f"agent-{uuid.uuid4().hex}"})
+    # Past the prompt, into the output (where they meet, tokenized afresh, may cost a block).
+    assert hits >= prompt // 16 * 16 + 16, (prompt, hits)
+
+
 def pin_marked(server, ttl, rules: int) -> httpx.Response:
     system = {"role": "system", "content": system_prompt(uuid.uuid4().hex[:8], rules=rules),
               "cache_control": {"type": "ephemeral", "ttl": ttl}}

@@ -1,8 +1,10 @@
-"""llm_core's shared row sampling: the numpy path (llama.cpp's logits) picks what the torch sampler picks."""
+"""llm_core's shared row sampling: the numpy path (llama.cpp's logits) picks what the torch sampler picks;
+and the stream a row's deltas go to (``TokenStream``)."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from headrace.plugins.engines.llm_core import Row, logprobs_row, sample_rows, sample_rows_numpy
@@ -39,3 +41,37 @@ def test_only_a_row_that_asked_for_logprobs_gets_its_logits_as_a_tensor():
     plain, wants = rows()[0], rows()[2]
     assert logprobs_row(plain, row) is None
     assert torch.equal(logprobs_row(wants, row), torch.from_numpy(row))
+
+
+@pytest.mark.anyio
+async def test_a_token_stream_wakes_its_reader_once_a_delivery_and_refuses_sends_after_it_ends():
+    """The decode stream (``TokenStream``): what is sent comes in order, a reader waiting is woken, sends after
+    ``close`` or after the reader left fail as a memory object stream's do (``deliver_on_loop`` drops them)."""
+    import anyio
+
+    from headrace.plugins.engines.llm_messages import Outbox, TokenStream, deliver_on_loop
+
+    stream, got = TokenStream(), []
+
+    async def read() -> None:
+        async for item in stream:
+            got.append(item)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(read)
+        await anyio.wait_all_tasks_blocked()  # the reader waits on an empty stream
+        stream.send_nowait(1)
+        stream.send_nowait(2)
+        await anyio.wait_all_tasks_blocked()
+        assert got == [1, 2]
+        deliver_on_loop(Outbox(deltas=[(stream, 3, True)]))  # the last delta: sent, then the stream closed
+    assert got == [1, 2, 3]
+    with pytest.raises(anyio.ClosedResourceError):
+        stream.send_nowait(4)
+    left = TokenStream()
+    left.send_nowait(1)
+    left.leave()
+    with pytest.raises(anyio.BrokenResourceError):
+        left.send_nowait(2)
+    deliver_on_loop(Outbox(deltas=[(left, 2, True)]))  # the reader went away: dropped, no error
+    assert [item async for item in left] == []

@@ -66,6 +66,7 @@ class _Sequence:
 
 class LlamaCppCore(LLMCore):
     pauses_decodes = True
+    keeps_contexts = True
 
     def __init__(self, spec: EngineSpec, env: EngineEnv) -> None:
         o = parse_options(spec)
@@ -198,12 +199,10 @@ class LlamaCppCore(LLMCore):
         self._admit_blocked(out)
 
     def _admit_blocked(self, out: Outbox) -> None:
-        """Start waiting prefills, oldest first, while sequences are free.
-
-        Under load every sequence may be held (contexts a run keeps between its prefill and its
-        decode): a prefill then waits for one to be freed, as a request waits for KV blocks in
-        vLLM, rather than failing; after ``context_wait_seconds`` it fails with a clear error.
-        """
+        """Start waiting prefills, oldest first, while sequences are free. Under load every sequence
+        may be held (contexts a run keeps between its prefill and its decode): a prefill then waits
+        for one to be freed, as a request waits for KV blocks in vLLM, rather than failing; after
+        ``context_wait_seconds`` it fails with a clear error."""
         now = time.monotonic()
         # The most urgent first (lowest priority; stable, so oldest first among equals).
         self._blocked = deque(sorted(self._blocked, key=lambda e: e[1].priority))
@@ -321,10 +320,9 @@ class LlamaCppCore(LLMCore):
             self.release(ctx)
 
     def _copy_sequence(self, src: int, dst: int, n: int | None = None) -> None:
-        """``dst`` holds ``src``'s positions [0, n) (all of them without ``n``); ``dst`` is empty.
-
-        Across streams llama.cpp copies only whole streams (a partial seq_cp aborts the process), on the
-        next decode; the copy is trimmed to the prefix at once (seq_rm is bookkeeping only).
+        """``dst`` holds ``src``'s positions [0, n) (all of them without ``n``); ``dst`` is empty. Across
+        streams llama.cpp copies only whole streams (a partial seq_cp aborts the process), on the next
+        decode; the copy is trimmed to the prefix at once (seq_rm is bookkeeping only).
         """
         lc = llama()
         if self._kv_unified:
@@ -353,7 +351,8 @@ class LlamaCppCore(LLMCore):
         if seq is not None:
             seq.decoding = False
             seq.length = r.length
-            if self.prefix_cache is not None and self._pins.pin_tokens > 0:  # retention: a next turn repeats it all
+            # Only a named program's row pays the KV copy: its next turn repeats it all (retention).
+            if r.keep_context and self.prefix_cache is not None and self._pins.pin_tokens > 0:
                 held = seq.tokens + r.detok.ids[: r.length - len(seq.tokens)]  # the last token sampled is not in the KV
                 self.prefix_cache.insert(held, lambda n, src=seq.seq: self._cache_copy(src, n))
         super().row_finished(r)

@@ -71,6 +71,7 @@ class Row:
     preemptive: bool = False  # takes part in preemption (``preemption``): may be paused, may pause others
     paused_at: float | None = None  # when it last left the batch for more urgent work; None: not paused
     paused_for: float = 0.0  # seconds paused before that, in all
+    keep_context: bool = False  # its request may come back repeating it all (``Decode.keep_context``)
 
 
 class LLMCore(ABC):
@@ -84,6 +85,9 @@ class LLMCore(ABC):
     # True: the core pauses preemptive decodes for more urgent preemptive work (``preemption``); the front
     # passes the commands' ``preemptive`` flag either way, and a core that cannot pause ignores it.
     pauses_decodes = False
+    # True: the core caches a finished row's whole context when its ``Decode.keep_context`` asks (``KeepsContexts``);
+    # the front passes the flag either way, and a core that caches prompts only ignores it.
+    keeps_contexts = False
 
     def __init__(self, name: str, max_context_tokens: int) -> None:
         self.name = name
@@ -250,7 +254,7 @@ class LLMCore(ABC):
                 raise EngineError(f"the output constraint does not compile: {exc}") from None
         return Row(ctx=cmd.ctx, params=cmd.params, send=cmd.send, free_after=cmd.free_after, priority=cmd.priority,
                    generator=make_generator(cmd.params.seed), detok=Detokenizer(self.tokenizer, cmd.params.stop),
-                   length=length, matcher=matcher, preemptive=cmd.preemptive)
+                   length=length, matcher=matcher, preemptive=cmd.preemptive, keep_context=cmd.keep_context)
 
     def emit(self, r: Row, token: int, out: Outbox, logits: torch.Tensor | None = None) -> bool:
         """Record one sampled token of ``r`` (its KV holds ``r.length`` tokens); True when the row is finished.

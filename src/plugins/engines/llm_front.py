@@ -29,7 +29,9 @@ preempts) may also pause a lower-ranked preemptive decode, where the core can
 (``pauses_decodes``; see ``preemption``). A core with a prefix cache implements
 ``set_prefix_caching`` and ``prefix_caching_enabled`` (the front carries the
 switch to the worker as a command); one whose ``prefix_cache`` is a ``PrefixCache``
-gets pins (``pin_prefix``, the ``Pin`` command) from the base class.
+gets pins (``pin_prefix``, the ``Pin`` command) from the base class. A decode sent
+``keep_context`` (a named program's turn) lets a core that ``keeps_contexts`` cache
+its whole context once it ends (``KeepsContexts``).
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ from headrace.plugins.engines import chat
 from headrace.plugins.engines.chat import ChatMessages, ToolSpecs
 from headrace.plugins.engines.llm_core import LLMCore
 from headrace.plugins.engines.llm_messages import (CacheControl, Command, Decode, EngineError, EngineFailed, Heartbeat,
-                                                   Logits, Outbox, Pin, Prefill, Reply, Stop, deliver_on_loop)
+                                                   Logits, Outbox, Pin, Prefill, Reply, Stop, TokenStream,
+                                                   deliver_on_loop)
 from headrace.plugins.protocols import SamplingParams, TokenDelta
 from headrace.types import ContextId, TokenIds
 
@@ -91,7 +94,7 @@ class LLMFront:
         self._live: set[ContextId] = set()  # contexts not yet freed, as the event loop sees them
         # Every request awaiting the worker, so that its death answers them all.
         self._awaiting: set[Reply] = set()
-        self._streams: set[Any] = set()  # send ends of open decode streams
+        self._streams: set[TokenStream] = set()  # open decode streams
         self._heartbeat: Reply | None = None  # the one heartbeat the worker has not answered yet
 
     # What the daemon's request checks read (valid once run() has loaded the model).
@@ -194,8 +197,9 @@ class LLMFront:
         return cached if isinstance(cached, int) else None
 
     async def decode(self, ctx: ContextId, params: SamplingParams, *, priority: int = 0,
-                     preemptive: bool = False) -> AsyncIterator[TokenDelta]:
-        async for delta in self._decode(ctx, params, free_after=False, priority=priority, preemptive=preemptive):
+                     preemptive: bool = False, keep_context: bool = False) -> AsyncIterator[TokenDelta]:
+        async for delta in self._decode(ctx, params, free_after=False, priority=priority, preemptive=preemptive,
+                                        keep_context=keep_context):
             yield delta
 
     async def free(self, ctx: ContextId) -> None:
@@ -204,11 +208,13 @@ class LLMFront:
             self._commands.put(Stop(ctx, free=True))
 
     async def generate(self, tokens: Sequence[int], params: SamplingParams, *,
-                       priority: int = 0, preemptive: bool = False) -> AsyncIterator[TokenDelta]:
+                       priority: int = 0, preemptive: bool = False,
+                       keep_context: bool = False) -> AsyncIterator[TokenDelta]:
         ctx = self.new_context_id()
         cached = await self._open(self.generate_prefill, ctx, tokens, None, priority, preemptive)
         try:
-            async for delta in self._decode(ctx, params, free_after=True, priority=priority, preemptive=preemptive):
+            async for delta in self._decode(ctx, params, free_after=True, priority=priority, preemptive=preemptive,
+                                            keep_context=keep_context):
                 if cached:  # the request's first delta says what its prompt found cached
                     delta, cached = replace(delta, cached_tokens=cached), None
                 yield delta
@@ -245,6 +251,11 @@ class LLMFront:
     def pauses_decodes(self) -> bool:
         """``PausesDecodes``: whether the core pauses preemptive decodes for more urgent preemptive work."""
         return self.core.pauses_decodes
+
+    @property
+    def keeps_contexts(self) -> bool:
+        """``KeepsContexts``: whether a decode sent ``keep_context`` may leave its whole context cached."""
+        return self.core.keeps_contexts
 
     @property
     def reloadable(self) -> bool:
@@ -316,27 +327,28 @@ class LLMFront:
         check_token_ids(tokens, self.vocab_size, self.name)
 
     async def _decode(self, ctx: ContextId, params: SamplingParams, free_after: bool,
-                      priority: int, preemptive: bool = False) -> AsyncIterator[TokenDelta]:
+                      priority: int, preemptive: bool = False, keep_context: bool = False) -> AsyncIterator[TokenDelta]:
         self._require_running()
         check_priority(priority)
         if ctx not in self._live:
             raise EngineError(f"context {ctx!r} does not exist")
-        # One item per token at most, so the buffer bounds memory and the worker never blocks.
-        send, receive = anyio.create_memory_object_stream[TokenDelta | BaseException](params.max_tokens + 1)
-        self._streams.add(send)
-        self._commands.put(Decode(ctx, params, send, free_after, priority, preemptive=bool(preemptive)))
+        # One item per token at most (the worker never blocks on it); one loop wake per delivery.
+        stream = TokenStream()
+        self._streams.add(stream)
+        self._commands.put(Decode(ctx, params, stream, free_after, priority, preemptive=bool(preemptive),
+                                  keep_context=bool(keep_context)))
         finished = False
         try:
-            async with receive:
-                async for item in receive:
-                    if isinstance(item, BaseException):
-                        raise item
-                    finished = item.finish_reason is not None
-                    yield item
-                    if finished:
-                        break
+            async for item in stream:
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
+                if finished:
+                    break
         finally:
-            self._streams.discard(send)
+            stream.leave()
+            self._streams.discard(stream)
             if not finished:
                 # Abandoned or cancelled: the row leaves the batch at the next step.
                 self._live.discard(ctx)
@@ -433,6 +445,6 @@ class LLMFront:
         for send in self._streams:
             try:
                 send.send_nowait(error)
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.WouldBlock):
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                 pass  # the reader is gone, or finished: nothing waits
             send.close()

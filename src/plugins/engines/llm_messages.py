@@ -7,6 +7,7 @@ See ``llm_front`` for the two halves, ``llm_core`` for how a core plugs in.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,55 @@ class Reply:
         return self.value
 
 
+class TokenStream:
+    """One decode's output on the event loop: what ``deliver_on_loop`` sends, read by the decode's ``async for``.
+
+    In place of an anyio memory object stream, whose ``receive`` yields to the loop before it looks (a
+    checkpoint): one loop callback per token per stream on top of the wake itself. Here a reader waiting is
+    woken once per delivery and a reader behind takes what is there without yielding. Unbounded, as a decode
+    gets one item per token at most, then its end or an error. The same errors as a memory stream: sending
+    after ``close`` is ``ClosedResourceError``, after the reader left (``leave``) ``BrokenResourceError``."""
+
+    def __init__(self) -> None:
+        self._items: deque[Any] = deque()
+        self._closed = False  # nothing more will be sent
+        self._left = False  # the reader went away
+        self._wake: anyio.Event | None = None  # set when the reader waits
+
+    def send_nowait(self, item: Any) -> None:
+        if self._left:
+            raise anyio.BrokenResourceError
+        if self._closed:
+            raise anyio.ClosedResourceError
+        self._items.append(item)
+        self._notify()
+
+    def close(self) -> None:
+        self._closed = True
+        self._notify()
+
+    def leave(self) -> None:
+        """The reader is done: what is held goes, later sends fail."""
+        self._left = True
+        self._items.clear()
+
+    def _notify(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+            self._wake = None
+
+    def __aiter__(self) -> TokenStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        while not self._items:
+            if self._closed or self._left:
+                raise StopAsyncIteration
+            self._wake = anyio.Event()
+            await self._wake.wait()
+        return self._items.popleft()
+
+
 @dataclass
 class Prefill:
     ctx: ContextId
@@ -60,10 +110,11 @@ class Prefill:
 class Decode:
     ctx: ContextId
     params: SamplingParams
-    send: Any  # MemoryObjectSendStream[TokenDelta | BaseException]
+    send: Any  # a TokenStream of TokenDelta | BaseException
     free_after: bool  # generate(): the context goes when the decode ends
     priority: int = 0
     preemptive: bool = False  # may pause, and be paused by, preemptive work of another rank (``preemption``)
+    keep_context: bool = False  # once it ends, its whole context may go to the prefix cache (``KeepsContexts``)
 
 
 @dataclass
