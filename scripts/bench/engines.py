@@ -21,7 +21,8 @@ engine is called directly:
 vLLM's prefix cache cannot be switched off: it is emptied before every timed
 round instead, and a fork on vLLM is itself a prefix-cache hit.
 
-    python scripts/bench/engines.py [--quick | --tiny] [--llm torch llama-cpp vllm] [--skip-http] [--out FILE]
+    python scripts/bench/engines.py [--quick | --tiny] [--llm torch llama-cpp vllm] [--skip-http]
+                                    [--url URL [--api-key KEY]] [--out FILE]
 
 Each LLM runs SmolLM2-135M as the first file in configs/ that serves `smollm2` on
 that plugin configures it (configs/default.toml, then configs/<plugin>.toml). `vllm` runs in
@@ -31,9 +32,11 @@ is checked before anything is measured; the JSON is rewritten after each part,
 so a part that fails later loses nothing measured before it (the script then
 exits 1, naming it).
 
---tiny runs every part with minimal sizes (the time is mostly loading models and
-starting the server); the test suite runs it so the script cannot rot. Its
-figures mean nothing.
+--url measures the HTTP path on a daemon already serving configs/default.toml
+there (--api-key, if it wants one) instead of starting one; its CPU then counts
+under other processes. --tiny runs every part with minimal sizes (the time is
+mostly loading models); the test suite runs it, against its session daemon,
+so the script cannot rot. Its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -494,6 +497,9 @@ async def bench_prefix_cache(engine, args, texts: Texts, cache: PrefixCacheSwitc
 
 
 def bench_http(args, tmp: Path) -> dict:
+    if args.url:  # a running daemon: nothing to start, and its process is not ours to watch
+        cpu = CPUWatch([])
+        return {"levels": anyio.run(http_measure, args, args.url), "cpu_cores": cpu.cores(), "url": args.url}
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -527,7 +533,8 @@ def bench_http(args, tmp: Path) -> dict:
 
 async def http_measure(args, base: str) -> dict:
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
-    async with httpx.AsyncClient(base_url=base, timeout=300, limits=limits) as client:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with httpx.AsyncClient(base_url=base, timeout=300, limits=limits, headers=headers) as client:
 
         async def one(i: int):
             body = {"model": "smollm2", "messages": [{"role": "user", "content": QUESTIONS[i]}],
@@ -605,7 +612,8 @@ def report(res: dict) -> None:
         print(f"  direct: {cpu_note(direct)}")
         if with_http:
             cores = http["cpu_cores"]
-            print(f"  http:   {cpu_note(http)}; server {cores['pids']:.2f} cores, client {cores['self']:.2f} cores")
+            server = f"server at {http['url']}" if http.get("url") else f"server {cores['pids']:.2f} cores"
+            print(f"  http:   {cpu_note(http)}; {server}, client {cores['self']:.2f} cores")
         p = llm["prefill"]
         print(f"\n== Prefill on {plugin}: prompts of ~{p['prompt_tokens_avg']:.0f} tokens, each starting with "
               f"different text, prefix cache {p['prefix_cache']}, median of {p['reps']} ==")
@@ -702,6 +710,8 @@ def main() -> None:
                     "(default: the plugin of configs/default.toml's smollm2)")
     ap.add_argument("--only-llm", action="store_true", help="only the LLM engines: no embedder, no HTTP server")
     ap.add_argument("--skip-http", action="store_true", help="skip the /v1/chat/completions measurements")
+    ap.add_argument("--url", help="measure HTTP on the daemon serving configs/default.toml here, not a new one")
+    ap.add_argument("--api-key", default="", help="the --url daemon's API key")
     ap.add_argument("--vllm-venv", type=Path, default=Path(VLLM_VENV),
                     help="the venv vllm runs in, relative to the repository (default: $HEADRACE_VLLM_VENV, "
                          "else .venv-vllm, which scripts/setup-vllm builds)")

@@ -29,14 +29,15 @@ cache serves any), one token each, non-streamed: all prompt tokens / the round's
 (median of rounds, each with prompts of its own). Ratios are headrace/peer, peer/headrace for
 TTFT: above 1 means headrace is better. Target >= 0.95x.
 
---tiny runs everything with minimal sizes (the time is mostly starting servers); the test
-suite runs it so the script cannot rot. Its figures mean nothing.
+--tiny runs everything with minimal sizes (the time is mostly starting servers; headrace serves
+only the LLM then); the test suite runs it so the script cannot rot. Its figures mean nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib.metadata
 import importlib.util
 import json
@@ -115,6 +116,17 @@ def headrace_spec(python: str, config: Path, env: dict[str, str] | None = None) 
     # --data-dir is filled in at start (a fresh one per run); the cache stays the default, shared with the peer.
     return ServerSpec("headrace", [python, "-m", "headrace.daemon.commands", "serve", "--config", str(config),
                                    "--port", "{port}", "--data-dir", "{tmp}/data"], "/ready", env or {})
+
+
+def llm_only(spec: ServerSpec, tmp: Path) -> ServerSpec:
+    """``spec`` with its config cut to the LLM's [[engines]] entry (--tiny: loading the embedder and the store is most
+    of headrace's start, and no figure here uses them; the LLM keeps every setting it has in the full run)."""
+    i = spec.argv.index("--config") + 1
+    head, *entries = Path(spec.argv[i]).read_text().split("\n[[engines]]")
+    config = tmp / "llm-only.toml"
+    config.write_text(head + "".join(f"\n[[engines]]{e}" for e in entries
+                                     if tomllib.loads(f"[[engines]]{e}")["engines"][0]["name"] == LLM))
+    return dataclasses.replace(spec, argv=[*spec.argv[:i], str(config), *spec.argv[i + 1:]])
 
 
 def llama_cpp_engine() -> tuple[Path, dict[str, Any], Path]:
@@ -537,6 +549,8 @@ def bench_pair(pair: Pair, work: Workload, args, tmp: Path) -> dict:
             print(f"[{pair.name}] starting {spec.label} ({rep + 1}/{args.repeat}) ...", flush=True)
             run_dir = tmp / f"{pair.name}-{role}-{rep}"
             run_dir.mkdir()
+            if args.tiny and role == "headrace":
+                spec = llm_only(spec, run_dir)
             with running(spec, run_dir, args.ready_timeout) as (base, pids, argv):
                 cpu = CPUWatch(pids)
                 res = anyio.run(measure, base, spec.body_extra, work, args)

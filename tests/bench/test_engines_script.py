@@ -2,8 +2,9 @@
 it refuses to start when an engine it is asked for cannot run, and keeps what it measured when one fails later.
 
 The tiny run is the script in its own interpreter, as a user runs it (run in the test's process it once took 497 s
-against 122 s, on a busy machine: not worth the interpreter it saves); the refusal, which loads nothing, runs its
-``main()`` in this process."""
+against 122 s, on a busy machine: not worth the interpreter it saves); it measures the HTTP path on the session's
+daemon (``--url``: the default config, already loaded for the other tests) rather than starting a daemon of its own.
+The refusal, which loads nothing, runs its ``main()`` in this process."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import script_in_process
+from conftest import API_KEY, script_in_process
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +56,7 @@ def fake_vllm_venv(root: Path) -> Path:
     return root
 
 
-def test_tiny_run_writes_every_figure(tmp_path):
+def test_tiny_run_writes_every_figure(tmp_path, server):
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/setup builds it)")
     if importlib.util.find_spec("headrace_vllm"):
         pytest.skip("vllm runs in this interpreter: the fake vllm venv would not be used")
@@ -63,6 +64,7 @@ def test_tiny_run_writes_every_figure(tmp_path):
     # Two LLM engines, so the side-by-side table runs too; then a vllm whose run fails after both
     # were measured: the script goes on, keeps every figure, names the failure and exits 1.
     proc = run_script("--tiny", "--llm", "torch", "llama-cpp", "vllm", "--out", str(out),
+                      "--url", server.base_url, "--api-key", API_KEY,
                       vllm_venv=fake_vllm_venv(tmp_path / "fake-vllm"), timeout=600)
     assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "fake vllm venv: this run fails" in proc.stderr
@@ -81,6 +83,7 @@ def test_tiny_run_writes_every_figure(tmp_path):
             for name in LEVEL_FIGURES:
                 assert positive(figures[name]), (path, conc, name, figures)
     assert "other_processes" in res["http"]["cpu_cores"]
+    assert res["http"]["url"] == server.base_url  # measured there, with the key it asks for
     assert all(positive(r) for r in res["ratios"]["http_over_direct"].values())
 
     for plugin, llm in res["llm"].items():
@@ -107,6 +110,7 @@ def test_tiny_run_writes_every_figure(tmp_path):
     assert positive(res["meta"]["elapsed_s"])
     # The report printed after the JSON was written.
     assert "CPU: " in proc.stdout and "avx2" in proc.stdout
+    assert f"server at {server.base_url}" in proc.stdout
     for heading in ("== LLM decode: smollm2 on torch", "== LLM decode: smollm2 on llama-cpp", "== Prefill on torch",
                     "== Fork on torch", "== Scoring on torch", "== Prefix cache on torch", "measures the cache",
                     "== LLM engines side by side", "prefill tok/s, 1 prompt alone",

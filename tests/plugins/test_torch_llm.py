@@ -11,7 +11,7 @@ import torch
 from anyio.from_thread import start_blocking_portal
 
 from conftest import check_logprobs_are_log_softmax, idle, prompts_on_a_shared_prefix
-from llm_engines import Batches, chat, outcome, running, text_of, wait_for_no_contexts
+from llm_engines import chat, outcome, text_of, wait_for_no_contexts
 from headrace.plugins.api import EngineFailed
 from headrace.plugins.engines.torch_llm import EngineError, TorchLLM
 from headrace.plugins.protocols import EngineEnv, EngineSpec, SamplingParams
@@ -21,21 +21,11 @@ pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(max_tokens=24, temperature=0)
 
 
-@pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    """The engine running on its own event loop in a thread; tests call into it through the portal."""
-    batches = Batches()
-    env = EngineEnv(
-        data_dir=tmp_path_factory.mktemp("data"),
-        cache_dir=Path.home() / ".cache" / "headrace",  # share the converted model with the server tests
-        lookup=lambda name: None,
-        observe_batch=batches,
-    )
-    # float32: the exactness tests compare greedy outputs, and bf16 rounding differs with batch shape.
-    engine = TorchLLM(EngineSpec(name="smollm2", plugin="torch", options={"threads": 2, "dtype": "float32"}), env)
-    engine.batches = batches
-    with running(engine) as portal:
-        yield portal, engine
+@pytest.fixture
+def llm(torch_smollm2):
+    """The session's float32 engine on its own event loop in a thread; tests call into it through the portal."""
+    portal, engine, _ = torch_smollm2
+    return portal, engine
 
 
 def test_concurrent_decodes_equal_solo_decodes(llm):
