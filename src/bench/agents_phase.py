@@ -27,7 +27,7 @@ import re
 import statistics
 import time
 import uuid
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import anyio
 
@@ -114,16 +114,11 @@ async def agents_phase(systems: Any, corpus: Corpus, opts: AgentsOptions, log: C
         points = [{"fraction": f, "rate": round(f * capacity, 5)} for f in opts.fractions] + \
                  [{"fraction": None, "rate": r} for r in opts.rates]
         for p, point in enumerate(points):
-            rows = {}
-            # The order rotates from point to point, so drift (other load on the machine) hits every mode alike.
-            for mode in opts.modes[p % len(opts.modes):] + opts.modes[:p % len(opts.modes)]:
-                restore = await use_mode(systems, mode, {})
-                try:
-                    rows[mode] = await run_point(systems, client, programs, point["rate"], opts,
-                                                 f"bench-{run_tag}-p{p}-{mode}", snippets)
-                finally:
-                    await use_mode(systems, None, restore)
-                log(f"    agents {point['rate']:g}/s, {mode}: " + point_line(rows[mode]))
+            rows = await measure_modes(
+                systems, opts.modes, p,
+                lambda mode: run_point(systems, client, programs, point["rate"], opts,
+                                       f"bench-{run_tag}-p{p}-{mode}", snippets),
+                lambda mode, row: log(f"    agents {point['rate']:g}/s, {mode}: " + point_line(row)))
             point["order"] = list(rows)
             point["modes"] = {mode: rows[mode] for mode in opts.modes}
             point["ratios"] = ratios(point["modes"])
@@ -151,6 +146,22 @@ def daemon_tokenizer(systems: Any) -> tuple[Callable, Callable]:
         return (await post("/detokenize", {"model": llm, "tokens": tokens}))["prompt"]
 
     return tokenize, detokenize
+
+
+async def measure_modes(systems: Any, modes: list[str], point: int,
+                        measure: Callable[[str], Awaitable[dict[str, Any]]],
+                        logged: Callable[[str, dict[str, Any]], None]) -> dict[str, dict[str, Any]]:
+    """Each mode's row at one load point, each in its own settings (restored after it). The order rotates
+    from point to point, so drift (other load on the machine) hits every mode alike."""
+    rows = {}
+    for mode in modes[point % len(modes):] + modes[:point % len(modes)]:
+        restore = await use_mode(systems, mode, {})
+        try:
+            rows[mode] = await measure(mode)
+        finally:
+            await use_mode(systems, None, restore)
+        logged(mode, rows[mode])
+    return rows
 
 
 async def use_mode(systems: Any, mode: str | None, restore: dict[str, Any]) -> dict[str, Any]:
