@@ -114,15 +114,11 @@ async def agents_phase(systems: Any, corpus: Corpus, opts: AgentsOptions, log: C
         points = [{"fraction": f, "rate": round(f * capacity, 5)} for f in opts.fractions] + \
                  [{"fraction": None, "rate": r} for r in opts.rates]
         for p, point in enumerate(points):
-            rows = await measure_modes(
-                systems, opts.modes, p,
+            out["points"].append(await measure_point(
+                systems, opts.modes, p, point,
                 lambda mode: run_point(systems, client, programs, point["rate"], opts,
                                        f"bench-{run_tag}-p{p}-{mode}", snippets),
-                lambda mode, row: log(f"    agents {point['rate']:g}/s, {mode}: " + point_line(row)))
-            point["order"] = list(rows)
-            point["modes"] = {mode: rows[mode] for mode in opts.modes}
-            point["ratios"] = ratios(point["modes"])
-            out["points"].append(point)
+                lambda mode, row: log(f"    agents {point['rate']:g}/s, {mode}: " + point_line(row)), ratios))
     finally:
         await client.aclose()
         await use_mode(systems, None, base_restore)  # the daemon's own settings again (a shared daemon serves on)
@@ -148,20 +144,24 @@ def daemon_tokenizer(systems: Any) -> tuple[Callable, Callable]:
     return tokenize, detokenize
 
 
-async def measure_modes(systems: Any, modes: list[str], point: int,
+async def measure_point(systems: Any, modes: list[str], index: int, point: dict[str, Any],
                         measure: Callable[[str], Awaitable[dict[str, Any]]],
-                        logged: Callable[[str, dict[str, Any]], None]) -> dict[str, dict[str, Any]]:
-    """Each mode's row at one load point, each in its own settings (restored after it). The order rotates
-    from point to point, so drift (other load on the machine) hits every mode alike."""
+                        logged: Callable[[str, dict[str, Any]], None],
+                        compare: Callable[[dict[str, dict[str, Any]]], dict[str, Any]]) -> dict[str, Any]:
+    """A load point's row in each mode, each mode in its own settings (restored after it), and their ratios.
+    The order rotates from point to point, so drift (other load on the machine) hits every mode alike."""
     rows = {}
-    for mode in modes[point % len(modes):] + modes[:point % len(modes)]:
+    for mode in modes[index % len(modes):] + modes[:index % len(modes)]:
         restore = await use_mode(systems, mode, {})
         try:
             rows[mode] = await measure(mode)
         finally:
             await use_mode(systems, None, restore)
         logged(mode, rows[mode])
-    return rows
+    point["order"] = list(rows)
+    point["modes"] = {mode: rows[mode] for mode in modes}
+    point["ratios"] = compare(point["modes"])
+    return point
 
 
 async def use_mode(systems: Any, mode: str | None, restore: dict[str, Any]) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from typing import Any, Callable
 import anyio
 
 from headrace.bench.agents import BASE_MODE, AgentClient
-from headrace.bench.agents_phase import _LABEL, _SAMPLE, E2E, _f, daemon_tokenizer, deltas, measure_modes, use_mode
+from headrace.bench.agents_phase import _LABEL, _SAMPLE, E2E, _f, daemon_tokenizer, deltas, measure_point, use_mode
 from headrace.bench.agents import build_prompts
 from headrace.bench.client import BenchError
 from headrace.bench.corpus import Corpus
@@ -87,14 +87,10 @@ async def mixed_programs_phase(systems: Any, corpus: Corpus, opts: MixedOptions,
         points = [{"fraction": f, "rate": round(f * capacity, 5)} for f in opts.fractions] + \
                  [{"fraction": None, "rate": r} for r in opts.rates]
         for p, point in enumerate(points):
-            rows = await measure_modes(
-                systems, opts.modes, p,
+            out["points"].append(await measure_point(
+                systems, opts.modes, p, point,
                 lambda mode: run_point(systems, runner, programs, point["rate"], opts, f"bench-{run_tag}-p{p}-{mode}"),
-                lambda mode, row: log(f"    mixed {point['rate']:g}/s, {mode}: " + point_line(row)))
-            point["order"] = list(rows)
-            point["modes"] = {mode: rows[mode] for mode in opts.modes}
-            point["ratios"] = ratios(point["modes"])
-            out["points"].append(point)
+                lambda mode, row: log(f"    mixed {point['rate']:g}/s, {mode}: " + point_line(row)), ratios))
     finally:
         await client.aclose()
         await use_mode(systems, None, base_restore)  # the daemon's own settings again (a shared daemon serves on)
