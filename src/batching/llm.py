@@ -22,7 +22,8 @@ The engine batches every admitted request per iteration; this scheduler
 A context keeps the meta of the primitive using it (its prefill, then its decode).
 
 Each run's service on this engine is counted, so a policy ranking by attained service (``las``) sees a
-workflow run's or a session's earlier calls as well as a named program's earlier requests (``PrimitiveMeta.attained_tokens``).
+workflow run's or a session's earlier calls as well as a named program's earlier requests
+(``PrimitiveMeta.attained_tokens``).
 Service is what the engine computed: a finished request's prompt tokens less those its prefix cache
 held, plus its generated tokens. A client-side agent resends its whole context every turn; counted as
 sent, each turn would add its history again, though the engine serves it almost free from the cache
