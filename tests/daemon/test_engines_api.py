@@ -97,10 +97,6 @@ def test_the_prefix_cache_budget_changes_on_a_live_engine_and_back(server):
             assert metric_value(server.metrics(), "headrace_prefix_cache_hits_total", model="smollm2") == hits
             r = c.patch("/v1/engines/smollm2", json={"prefix_cache_pin_tokens": 256})
             assert (r.json()["prefix_cache_tokens"], r.json()["prefix_cache_pin_tokens"]) == (256, 256)
-        finally:
+        finally:  # the configured budgets again (the test above finds the system prompt cached with them)
             r = c.patch("/v1/engines/smollm2", json={"prefix_cache_tokens": 16384, "prefix_cache_pin_tokens": 4096})
             assert (r.json()["prefix_cache_tokens"], r.json()["prefix_cache_pin_tokens"]) == (16384, 4096)
-        chat(c, "Which way does the wheel turn?")
-        hits = metric_value(server.metrics(), "headrace_prefix_cache_hits_total", model="smollm2")
-        chat(c, "What carries the water?")
-        assert metric_value(server.metrics(), "headrace_prefix_cache_hits_total", model="smollm2") - hits >= 400
