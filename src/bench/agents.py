@@ -156,6 +156,7 @@ class Turn:
     prompt_tokens: int
     completion_tokens: int
     finish_reason: str | None
+    answered_s: float = 0.0  # when its answer was read (time.perf_counter): the live working set's clock
 
 
 @dataclass
@@ -168,6 +169,7 @@ class AgentRecord:
     sent: int = 0  # requests sent (a turn whose request failed is sent, not answered)
     tool_s: float = 0.0  # time spent in its tools
     job_s: float | None = None  # first request sent to the last answer read; None: did not finish
+    started_s: float | None = None  # its first request sent (time.perf_counter)
 
 
 class AgentError(RuntimeError):
@@ -203,7 +205,7 @@ class AgentClient:
         ``tools_wait`` false the tools return at once (the capacity probe)."""
         messages: list[dict[str, Any]] = [{"role": "system", "content": self.system},
                                           {"role": "user", "content": program.task}]
-        t0 = time.perf_counter()
+        t0 = record.started_s = time.perf_counter()
         for t in range(program.turns):
             last = t == program.turns - 1
             if last:
@@ -216,9 +218,9 @@ class AgentClient:
             response = await self.client.chat.completions.create(
                 model=self.model, messages=messages, tools=TOOLS, tool_choice=choice, temperature=0,
                 max_tokens=self.shape.answer_tokens if last else self.shape.call_tokens, prompt_cache_key=key)
-            usage, reply = response.usage, response.choices[0]
-            record.turns.append(Turn(t, time.perf_counter() - sent, usage.prompt_tokens if usage else 0,
-                                     usage.completion_tokens if usage else 0, reply.finish_reason))
+            usage, reply, now = response.usage, response.choices[0], time.perf_counter()
+            record.turns.append(Turn(t, now - sent, usage.prompt_tokens if usage else 0,
+                                     usage.completion_tokens if usage else 0, reply.finish_reason, now))
             if on_turn is not None:
                 on_turn()
             if last:
@@ -282,6 +284,10 @@ class AgentsOptions:
     background_tokens: int | None = None  # their prompts, about; None: the shape's
     chats: float = 0.0  # probe chats per second beside the agents, their TTFT set against an idle engine's; 0: none
     idle_chats: int = 5  # probe chats, one at a time, on the idle engine before each point
+    # A memory-pressure point: the LLM's prefix cache budget in tokens for the whole phase (None: the daemon's
+    # own), and its pins' (None: the configured share of it).
+    cache_tokens: int | None = None
+    pin_tokens: int | None = None
 
     def check(self) -> None:
         unknown = [m for m in self.modes if m not in AGENT_MODES]
@@ -295,3 +301,12 @@ class AgentsOptions:
             raise ValueError("--agents-background and --agents-chats must be >= 0")
         if self.background_tokens is not None and self.background_tokens < 1:
             raise ValueError("--agents-background-tokens must be >= 1")
+        if self.cache_tokens is not None and self.cache_tokens < 1:
+            raise ValueError("--agents-cache-tokens must be >= 1")
+        if self.pin_tokens is not None and (self.cache_tokens is None or not 0 <= self.pin_tokens <= self.cache_tokens):
+            raise ValueError("--agents-pin-tokens needs --agents-cache-tokens, and from 0 to it")
+
+    @property
+    def budget(self) -> tuple[int, int | None] | None:
+        """The prefix cache's (tokens, pin tokens) every mode runs with; None: the daemon's own."""
+        return None if self.cache_tokens is None else (self.cache_tokens, self.pin_tokens)

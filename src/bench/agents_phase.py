@@ -18,65 +18,30 @@ longest turns and jobs). Each mode starts with an empty prefix cache.
 Beside the agents, optionally (``agents_chats``): a background stream of unrelated chats, and probe
 chats whose time to first token is set against an idle engine's; each reported on its own and taken
 out of the agents' figures (the agents' TTFT p95 then goes: the histogram's buckets cannot be split).
+
+Memory: retention saves prefill only when the live agents' contexts exceed the prefix cache. Each point
+sets the cache in force (``agents_cache_tokens``/``pin_tokens``: a memory-pressure point, the whole
+phase under that budget, put back after) beside each mode's live working set measured from the run
+(``live_working_set``), and says whether the cache was below it.
 """
 
 from __future__ import annotations
 
-import math
-import re
 import statistics
 import time
 import uuid
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 
 import anyio
 
-from headrace.bench.agents import (AGENT_MODES, BASE_MODE, AgentClient, AgentRecord, AgentsOptions, Program,
+from headrace.bench.agents import (BASE_MODE, AgentClient, AgentRecord, AgentsOptions, Program,
                                    build_prompts, draw_programs, mean_turns)
 from headrace.bench.agents_chats import ChatStream, exclude, idle_ttft, run_stream
 from headrace.bench.client import BenchError
 from headrace.bench.corpus import Corpus
 from headrace.bench.load import percentile, poisson
-
-_SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)$')
-_LABEL = re.compile(r'(\w+)="([^"]*)"')
-TTFT = "headrace_time_to_first_token_seconds"
-E2E = "headrace_e2e_request_latency_seconds"  # observed once per finished request: the daemon's request count
-
-
-def samples(text: str, model: str) -> dict[tuple[str, str], float]:
-    """(metric name, its ``le`` label or "") -> value, for the samples of ``model`` in Prometheus text."""
-    out: dict[tuple[str, str], float] = {}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if not m or line.startswith("#"):
-            continue
-        labels = dict(_LABEL.findall(m["labels"] or ""))
-        if labels.get("model") == model:
-            out[(m["name"], labels.get("le", ""))] = float(m["value"])
-    return out
-
-
-def deltas(before: str, after: str, model: str) -> dict[tuple[str, str], float]:
-    old = samples(before, model)
-    return {key: value - old.get(key, 0.0) for key, value in samples(after, model).items()}
-
-
-def histogram_quantile(delta: dict[tuple[str, str], float], name: str, q: float) -> float | None:
-    """Prometheus's ``histogram_quantile`` over the delta of one histogram's buckets."""
-    buckets = sorted((math.inf if le == "+Inf" else float(le), count)
-                     for (metric, le), count in delta.items() if metric == f"{name}_bucket")
-    total = buckets[-1][1] if buckets else 0
-    if total <= 0:
-        return None
-    rank, lower, below = q * total, 0.0, 0.0
-    for bound, count in buckets:
-        if count >= rank:
-            if math.isinf(bound):
-                return lower  # past the last finite bound: that bound, as Prometheus answers
-            return lower + (bound - lower) * (rank - below) / max(count - below, 1e-12)
-        lower, below = bound, count
-    return lower
+from headrace.bench.phases import (E2E, TTFT, daemon_tokenizer, deltas, fmt, histogram_quantile, measure_point,
+                                   use_mode)
 
 
 async def agents_phase(systems: Any, corpus: Corpus, opts: AgentsOptions, log: Callable[[str], None]) -> dict[str, Any]:
@@ -101,7 +66,10 @@ async def agents_phase(systems: Any, corpus: Corpus, opts: AgentsOptions, log: C
     client = AgentClient(daemon.base_url, daemon.api_key, llm, shape, system)
     base_restore: dict[str, Any] = {}
     try:
-        base_restore = await use_mode(systems, BASE_MODE, {})  # the warm-up and the probe run in it
+        # The warm-up and the probe run in the base mode, with the point's cache: capacity under its memory.
+        base_restore = await use_mode(systems, BASE_MODE, {}, opts.budget)
+        out["prefix_cache"] = await cache_in_force(systems, opts)
+        log("    " + cache_line(out["prefix_cache"]))
         await client.warm_up(programs[0].task)
         capacity = None
         if opts.fractions:
@@ -118,73 +86,78 @@ async def agents_phase(systems: Any, corpus: Corpus, opts: AgentsOptions, log: C
                 systems, opts.modes, p, point,
                 lambda mode: run_point(systems, client, programs, point["rate"], opts,
                                        f"bench-{run_tag}-p{p}-{mode}", snippets),
-                lambda mode, row: log(f"    agents {point['rate']:g}/s, {mode}: " + point_line(row)), ratios))
+                lambda mode, row: log(f"    agents {point['rate']:g}/s, {mode}: " + point_line(row)), ratios,
+                opts.budget))
+            out["points"][-1]["memory"] = memory(out["prefix_cache"], out["points"][-1]["modes"])
+            log("    " + memory_line(out["points"][-1]["memory"]))
     finally:
         await client.aclose()
         await use_mode(systems, None, base_restore)  # the daemon's own settings again (a shared daemon serves on)
     return out
 
 
-def daemon_tokenizer(systems: Any) -> tuple[Callable, Callable]:
-    """(tokenize, detokenize) in the daemon's LLM's own tokens, through its /tokenize and /detokenize."""
-    daemon, llm = systems.daemon, systems.models["llm"]
-
-    async def post(path: str, body: dict[str, Any]) -> dict[str, Any]:
-        response = await daemon.http.post(path, json=body)
-        if response.status_code >= 400:
-            raise BenchError(f"POST {path}: HTTP {response.status_code}: {response.text[:500]}")
-        return response.json()
-
-    async def tokenize(text: str) -> list[int]:
-        return (await post("/tokenize", {"model": llm, "prompt": text, "add_special_tokens": False}))["tokens"]
-
-    async def detokenize(tokens: list[int]) -> str:
-        return (await post("/detokenize", {"model": llm, "tokens": tokens}))["prompt"]
-
-    return tokenize, detokenize
+async def cache_in_force(systems: Any, opts: AgentsOptions) -> dict[str, Any]:
+    """The LLM's prefix cache budget the agents run with (the daemon's settings, read back) and who set it."""
+    settings = await systems.daemon.engine_settings(systems.models["llm"])
+    return {"tokens": settings.get("prefix_cache_tokens"), "pin_tokens": settings.get("prefix_cache_pin_tokens"),
+            "set_by": None if opts.cache_tokens is None else "--agents-cache-tokens"}
 
 
-async def measure_point(systems: Any, modes: list[str], index: int, point: dict[str, Any],
-                        measure: Callable[[str], Awaitable[dict[str, Any]]],
-                        logged: Callable[[str, dict[str, Any]], None],
-                        compare: Callable[[dict[str, dict[str, Any]]], dict[str, Any]]) -> dict[str, Any]:
-    """A load point's row in each mode, each mode in its own settings (restored after it), and their ratios.
-    The order rotates from point to point, so drift (other load on the machine) hits every mode alike."""
-    rows = {}
-    for mode in modes[index % len(modes):] + modes[:index % len(modes)]:
-        restore = await use_mode(systems, mode, {})
-        try:
-            rows[mode] = await measure(mode)
-        finally:
-            await use_mode(systems, None, restore)
-        logged(mode, rows[mode])
-    point["order"] = list(rows)
-    point["modes"] = {mode: rows[mode] for mode in modes}
-    point["ratios"] = compare(point["modes"])
-    return point
+def live_working_set(records: list[AgentRecord]) -> dict[str, float | None]:
+    """The agents' live working set over a point, measured: at each moment the sum of the contexts of the agents
+    between their first request and their last answer (an agent's context: its latest turn's prompt tokens from
+    that turn's send, with its output once answered; each counted whole, as a cache entry holds it), and the live
+    agents; time-weighted mean and peak from the first request to the last answer."""
+    events: list[tuple[float, int, int]] = []  # (time, tokens added, agents added)
+    for r in records:
+        if r.started_s is None or not r.turns:
+            continue
+        held = 0
+        events.append((r.started_s, 0, 1))
+        for t in r.turns:
+            for at, size in ((t.answered_s - t.latency_s, t.prompt_tokens),
+                             (t.answered_s, t.prompt_tokens + t.completion_tokens)):
+                events.append((at, size - held, 0))
+                held = size
+        end = r.started_s + r.job_s if r.job_s is not None else r.turns[-1].answered_s
+        events.append((max(end, r.turns[-1].answered_s), -held, -1))
+    if not events:
+        return {"live_tokens_mean": None, "live_tokens_peak": None, "live_agents_mean": None, "live_agents_peak": None}
+    events.sort()  # at one instant the drops come first: the peak is one the set really held
+    tokens = agents = peak_tokens = peak_agents = 0
+    area_tokens = area_agents = 0.0
+    for (at, d_tokens, d_agents), (nxt, _, _) in zip(events, events[1:] + events[-1:]):
+        tokens, agents = tokens + d_tokens, agents + d_agents
+        peak_tokens, peak_agents = max(peak_tokens, tokens), max(peak_agents, agents)
+        area_tokens += tokens * (nxt - at)
+        area_agents += agents * (nxt - at)
+    span = events[-1][0] - events[0][0]
+    return {"live_tokens_mean": area_tokens / span if span > 0 else None, "live_tokens_peak": peak_tokens,
+            "live_agents_mean": area_agents / span if span > 0 else None, "live_agents_peak": peak_agents}
 
 
-async def use_mode(systems: Any, mode: str | None, restore: dict[str, Any]) -> dict[str, Any]:
-    """Put the LLM in ``mode``'s settings with an empty prefix cache; returns the other settings it changed, with
-    their old values (``mode`` None: put those back)."""
-    llm = systems.models["llm"]
-    if mode is None:
-        if restore:
-            await systems.daemon.engine_settings(llm, **restore)
-        return {}
-    settings = dict(AGENT_MODES[mode])
-    await systems.use_policy(settings.pop("llm_policy", "fifo"))
-    caching = settings.pop("prefix_caching", True)
-    await systems.use_prefix_caching(False)  # empties it: each mode starts cold
-    if caching:
-        await systems.use_prefix_caching(True)
-    current = await systems.daemon.engine_settings(llm)
-    if current.get("retention") is None and not settings.get("retention", True):
-        settings.pop("retention")  # an engine without pins retains nothing anyway
-    if not settings:
-        return {}
-    await systems.daemon.engine_settings(llm, **settings)
-    return {key: current.get(key) for key in settings}
+def memory(cache: dict[str, Any], modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A point's memory: the prefix cache's budget beside each mode's measured live working set; memory-pressured
+    when the cache holds less than the live set's mean in every mode (retention then has something to save)."""
+    live = {mode: {"mean": row.get("live_tokens_mean"), "peak": row.get("live_tokens_peak")}
+            for mode, row in modes.items()}
+    means = [v["mean"] for v in live.values()]
+    pressured = bool(cache.get("tokens")) and all(m is not None and cache["tokens"] < m for m in means)
+    return {"cache_tokens": cache.get("tokens"), "pin_tokens": cache.get("pin_tokens"),
+            "set_by": cache.get("set_by"), "live_tokens": live, "memory_pressured": pressured}
+
+
+def cache_line(cache: dict[str, Any]) -> str:
+    by = f" (set by {cache['set_by']})" if cache.get("set_by") else " (the daemon's own)"
+    return f"prefix cache {fmt(cache.get('tokens'), 'd')} tokens, pins {fmt(cache.get('pin_tokens'), 'd')}{by}"
+
+
+def memory_line(mem: dict[str, Any]) -> str:
+    live = ", ".join(f"{mode} mean {fmt(v['mean'], '.0f')} peak {fmt(v['peak'], 'd')}"
+                     for mode, v in mem["live_tokens"].items())
+    verdict = "MEMORY-PRESSURED: cache < live set" if mem["memory_pressured"] else "not memory-pressured"
+    return (f"{verdict}: prefix cache {fmt(mem['cache_tokens'], 'd')} tokens against the live agents' contexts "
+            f"summed ({live} tokens)")
 
 
 async def probe_capacity(client: AgentClient, probe: list[Program], agents: int, turns_per_agent: float,
@@ -310,6 +283,7 @@ def summarize(records: list[AgentRecord], result: Any, delta: dict[tuple[str, st
         "tokens_prefilled": int(prompt - hits),
         "prefilled_per_job": (prompt - hits) / len(records) if records else None,
         "max_context_tokens": max((t.prompt_tokens for _, t in turns), default=0),
+        **live_working_set(records),
         "makespan_s": result.makespan,
         # The oldest waits: the longest any turn waited for its answer, and the slowest agents.
         "longest_turns": [{"program": p, "turn": t.index, "seconds": round(t.latency_s, 3)} for p, t in longest_turns],
@@ -337,14 +311,10 @@ def ratios(modes: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None
             for mode, row in modes.items() if mode != BASE_MODE}
 
 
-def _f(x: Any, spec: str = ".2f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
 def point_line(row: dict[str, Any]) -> str:
-    line = (f"{row['completed']}/{row['arrivals']} agents done, job mean {_f(row['job_mean_s'])}s p95 "
-            f"{_f(row['job_p95_s'])}s, TTFT mean {_f(row['ttft_mean_s'])}s, hit rate {_f(row['hit_rate'], '.1%')}, "
-            f"{_f(row['prefilled_per_job'], '.0f')} tokens prefilled per job")
+    line = (f"{row['completed']}/{row['arrivals']} agents done, job mean {fmt(row['job_mean_s'])}s p95 "
+            f"{fmt(row['job_p95_s'])}s, TTFT mean {fmt(row['ttft_mean_s'])}s, hit rate {fmt(row['hit_rate'], '.1%')}, "
+            f"{fmt(row['prefilled_per_job'], '.0f')} tokens prefilled per job")
     return "; ".join([line, *side_lines(row)])
 
 
@@ -354,13 +324,15 @@ def side_lines(row: dict[str, Any]) -> list[str]:
     bg = row.get("background")
     if bg:
         lines.append(f"background {bg['completed']}/{bg['sent']} chats at {bg['rate']:g}/s, latency mean "
-                     f"{_f(bg['latency_mean_s'])}s p95 {_f(bg['latency_p95_s'])}s, TTFT mean {_f(bg['ttft_mean_s'])}s")
+                     f"{fmt(bg['latency_mean_s'])}s p95 {fmt(bg['latency_p95_s'])}s, "
+                     f"TTFT mean {fmt(bg['ttft_mean_s'])}s")
     chats = row.get("chats")
     if chats:
         idle = chats.get("idle") or {}
         lines.append(f"one-call chats {chats['completed']}/{chats['sent']} at {chats['rate']:g}/s, TTFT mean "
-                     f"{_f(chats['ttft_mean_s'])}s p95 {_f(chats['ttft_p95_s'])}s, idle {_f(idle.get('ttft_mean_s'))}s: "
-                     f"{_f(chats['ttft_vs_idle'])}x idle (p95 {_f(chats['ttft_p95_vs_idle'])}x)")
+                     f"{fmt(chats['ttft_mean_s'])}s p95 {fmt(chats['ttft_p95_s'])}s, "
+                     f"idle {fmt(idle.get('ttft_mean_s'))}s: "
+                     f"{fmt(chats['ttft_vs_idle'])}x idle (p95 {fmt(chats['ttft_p95_vs_idle'])}x)")
     return lines
 
 
@@ -381,6 +353,8 @@ def agents_table(agents: dict[str, Any]) -> list[str]:
                      "per agent")
         if cap.get("failed"):
             lines.append(f"  {cap['failed']} probe agents failed: {cap['errors'][0]}")
+    if agents.get("prefix_cache"):
+        lines.append(cache_line(agents["prefix_cache"]))
     lines.append(f"{'load':>5} {'mode':<16} {'rate/s':>7} {'arrived':>7} {'done':>4} {'job mean':>8} {'job p95':>8} "
                  f"{'TTFT mean':>9} {'TTFT p95':>8} {'turn p95':>8} {'hit rate':>8} {'prefill/job':>11} "
                  f"{'oldest turn':>11}")
@@ -389,13 +363,15 @@ def agents_table(agents: dict[str, Any]) -> list[str]:
         for mode, r in point["modes"].items():
             oldest = r["longest_turns"][0]["seconds"] if r["longest_turns"] else None
             lines.append(f"{load:>5} {mode:<16} {point['rate']:7.4f} {r['arrivals']:7d} {r['completed']:4d} "
-                         f"{_f(r['job_mean_s']):>8} {_f(r['job_p95_s']):>8} {_f(r['ttft_mean_s']):>9} "
-                         f"{_f(r['ttft_p95_s']):>8} {_f(r['turn_p95_s']):>8} {_f(r['hit_rate'], '.1%'):>8} "
-                         f"{_f(r['prefilled_per_job'], '.0f'):>11} {_f(oldest):>11}")
+                         f"{fmt(r['job_mean_s']):>8} {fmt(r['job_p95_s']):>8} {fmt(r['ttft_mean_s']):>9} "
+                         f"{fmt(r['ttft_p95_s']):>8} {fmt(r['turn_p95_s']):>8} {fmt(r['hit_rate'], '.1%'):>8} "
+                         f"{fmt(r['prefilled_per_job'], '.0f'):>11} {fmt(oldest):>11}")
             lines += [f"      {mode}: {line}" for line in side_lines(r)]
+        if point.get("memory"):
+            lines.append("      " + memory_line(point["memory"]))
         for mode, v in point["ratios"].items():
-            lines.append(f"      {mode} vs {BASE_MODE}: job mean {_f(v['job_mean'])}x, p95 {_f(v['job_p95'])}x, "
-                         f"TTFT {_f(v['ttft_mean'])}x, tokens prefilled {_f(v['prefilled_per_job'])}x fewer")
+            lines.append(f"      {mode} vs {BASE_MODE}: job mean {fmt(v['job_mean'])}x, p95 {fmt(v['job_p95'])}x, "
+                         f"TTFT {fmt(v['ttft_mean'])}x, tokens prefilled {fmt(v['prefilled_per_job'])}x fewer")
     lines.append("seconds; job: first request to last answer, tools included; TTFT from the daemon's histogram "
                  "(p95 within its buckets, capped at the turns' p95; none with chats beside the agents); oldest "
                  "turn: the longest one turn waited; background and one-call chats: apart from the agents' figures")

@@ -1,8 +1,8 @@
 """The ``mixed`` benchmark's phase: capacity probe, Poisson load points per mode over the program mix, its figures.
 
-The agents benchmark's machinery (``agents_phase``) does the rest: the modes are its modes, switched by
-``use_mode`` (LLM policy, prefix cache emptied, retention), the ratios are against its base mode
-(``per-request``), the metric deltas are its helpers.
+The machinery it shares with the agents benchmark (``phases``) does the rest: the modes are the agents'
+modes, switched by ``use_mode`` (LLM policy, prefix cache emptied, retention), the ratios are against their
+base mode (``per-request``), the metric deltas and the figures' format are its helpers.
 
 Capacity is measured, not assumed: a closed loop of ``probe_concurrency`` programs from the mix (each
 worker starting the next as soon as its last ends; client agents' tools instant) in the base mode
@@ -29,13 +29,12 @@ from typing import Any, Callable
 
 import anyio
 
-from headrace.bench.agents import BASE_MODE, AgentClient
-from headrace.bench.agents_phase import _LABEL, _SAMPLE, E2E, _f, daemon_tokenizer, deltas, measure_point, use_mode
-from headrace.bench.agents import build_prompts
+from headrace.bench.agents import BASE_MODE, AgentClient, build_prompts
 from headrace.bench.client import BenchError
 from headrace.bench.corpus import Corpus
 from headrace.bench.load import percentile, poisson
 from headrace.bench.mixed import KINDS, MixedOptions, MixProgram, MixRunner, ProgramRecord, draw_mix, quotas
+from headrace.bench.phases import E2E, LABEL, SAMPLE, daemon_tokenizer, deltas, fmt, measure_point, use_mode
 from headrace.bench.workloads import BENCH_COLLECTION
 
 RESULTS_KEY = "mixed_programs"  # ``mixed`` is the --mixed-rate load's
@@ -169,9 +168,9 @@ def workflow_runs(before: str, after: str) -> dict[str, dict[str, int]]:
     def runs(text: str) -> dict[tuple[str, str], float]:
         out = {}
         for line in text.splitlines():
-            m = _SAMPLE.match(line)
+            m = SAMPLE.match(line)
             if m and m["name"] == "headrace_workflow_runs_total":
-                labels = dict(_LABEL.findall(m["labels"] or ""))
+                labels = dict(LABEL.findall(m["labels"] or ""))
                 out[(labels.get("workflow", ""), labels.get("status", ""))] = float(m["value"])
         return out
 
@@ -239,9 +238,9 @@ def ratios(modes: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def point_line(row: dict[str, Any]) -> str:
-    return (f"{row['completed']}/{row['arrivals']} programs done, mean {_f(row['mean_s'])}s p95 {_f(row['p95_s'])}s "
-            f"max {_f(row['max_s'])}s, throughput {_f(row['throughput'], '.4f')}/s, hit rate "
-            f"{_f(row['hit_rate'], '.1%')}; " + ", ".join(f"{k} {_f(v['mean_s'])}s" for k, v in row["kinds"].items()))
+    return (f"{row['completed']}/{row['arrivals']} programs done, mean {fmt(row['mean_s'])}s p95 {fmt(row['p95_s'])}s "
+            f"max {fmt(row['max_s'])}s, throughput {fmt(row['throughput'], '.4f')}/s, hit rate "
+            f"{fmt(row['hit_rate'], '.1%')}; " + ", ".join(f"{k} {fmt(v['mean_s'])}s" for k, v in row["kinds"].items()))
 
 
 def mixed_programs_table(mixed: dict[str, Any]) -> list[str]:
@@ -262,14 +261,14 @@ def mixed_programs_table(mixed: dict[str, Any]) -> list[str]:
         load = "-" if point["fraction"] is None else f"{point['fraction']:g}"
         for mode, r in point["modes"].items():
             done = f"{r['completed']}/{r['arrivals']}"
-            lines.append(f"{load:>5} {mode:<16} {point['rate']:7.4f} {done:>7} {_f(r['mean_s']):>7} "
-                         f"{_f(r['p95_s']):>7} {_f(r['max_s']):>7} {_f(r['throughput'], '.4f'):>7} "
-                         f"{_f(r['hit_rate'], '.1%'):>8} {_f(r['prefilled_per_program'], '.0f'):>12} "
-                         + " ".join(f"{_f(r['kinds'].get(k, {}).get('mean_s')):>10}" for k in kinds))
+            lines.append(f"{load:>5} {mode:<16} {point['rate']:7.4f} {done:>7} {fmt(r['mean_s']):>7} "
+                         f"{fmt(r['p95_s']):>7} {fmt(r['max_s']):>7} {fmt(r['throughput'], '.4f'):>7} "
+                         f"{fmt(r['hit_rate'], '.1%'):>8} {fmt(r['prefilled_per_program'], '.0f'):>12} "
+                         + " ".join(f"{fmt(r['kinds'].get(k, {}).get('mean_s')):>10}" for k in kinds))
         for mode, v in point["ratios"].items():
-            lines.append(f"      {mode} vs {BASE_MODE}: mean {_f(v['mean'])}x, p95 {_f(v['p95'])}x, at "
-                         f"{_f(v['throughput'])}x its throughput; per kind mean "
-                         + ", ".join(f"{k} {_f(x)}x" for k, x in v["kinds_mean"].items()))
+            lines.append(f"      {mode} vs {BASE_MODE}: mean {fmt(v['mean'])}x, p95 {fmt(v['p95'])}x, at "
+                         f"{fmt(v['throughput'])}x its throughput; per kind mean "
+                         + ", ".join(f"{k} {fmt(x)}x" for k, x in v["kinds_mean"].items()))
     lines.append("seconds; a program: its first request sent to its last answer read (tools included); per-kind "
                  "columns: mean; thru: programs finished over first arrival to last finish; max: the oldest wait")
     return lines

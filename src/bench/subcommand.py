@@ -94,6 +94,14 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--agents-chats", type=float, default=0.0, metavar="RATE",
                    help="one-call probe chats per second beside the agents: their time to first token against an "
                         "idle engine's, measured before each point (default 0: none)")
+    p.add_argument("--agents-cache-tokens", type=int, metavar="N",
+                   help="a memory-pressure point: the LLM's prefix cache budget in tokens for the whole agents "
+                        "benchmark, every mode and the probe (PATCH /v1/engines, the daemon's own put back after); "
+                        "the report sets it beside the live agents' contexts measured. Try about half the live set "
+                        "(2048 for full at 0.7; default: the daemon's own)")
+    p.add_argument("--agents-pin-tokens", type=int, metavar="N",
+                   help="with --agents-cache-tokens: what pins may hold of it (default: the configured share, a "
+                        "quarter in configs/default.toml; a full agent's context is 1,000-2,000 tokens)")
     p.add_argument("--documents", type=int, default=4, help="corpus documents (default 4)")
     p.add_argument("--doc-tokens", type=int, default=2000, help="minimum tokens per document (default 2000)")
     p.add_argument("--seed", type=int, default=0)
@@ -193,7 +201,8 @@ def agents_options(args: argparse.Namespace) -> Any:
                          programs=args.agents_programs, modes=args.agents_modes, probe_agents=args.agents_probe,
                          drain_s=300.0 if args.drain is None else args.drain, seed=args.seed,
                          background=args.agents_background, background_tokens=args.agents_background_tokens,
-                         chats=args.agents_chats)
+                         chats=args.agents_chats, cache_tokens=args.agents_cache_tokens,
+                         pin_tokens=args.agents_pin_tokens)
     try:
         opts.check()
     except ValueError as exc:

@@ -137,6 +137,13 @@ class EngineSettingsRequest(Body):
     retention: bool | None = Field(None, description="an LLM engine with prefix-cache pins: whether a named program's "
                                                      "context stays pinned across its tool calls (false: plain LRU "
                                                      "for programs; cache_control marks still pin)")
+    prefix_cache_tokens: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="an LLM engine with a prefix cache: its budget in tokens from now on, emptied (a "
+                          "benchmark's memory pressure); its pins keep their share of it unless "
+                          "prefix_cache_pin_tokens is given too")
+    prefix_cache_pin_tokens: Annotated[int, Field(ge=0)] | None = Field(
+        None, description="an LLM engine with prefix-cache pins: what pins may hold at most, in tokens, up to the "
+                          "prefix cache's budget; the cache is emptied")
 
 
 class EngineSettings(BaseModel):
@@ -148,6 +155,9 @@ class EngineSettings(BaseModel):
     max_runs: int | None = Field(description="LLM engines: runs served at once (0: no bound)")
     retention: bool | None = Field(description="LLM engines with prefix-cache pins: whether programs' contexts are "
                                                "retained across tool calls")
+    prefix_cache_tokens: int | None = Field(None, description="LLM engines with a prefix cache: its budget in tokens")
+    prefix_cache_pin_tokens: int | None = Field(None, description="LLM engines with a prefix cache: what its pins may "
+                                                                  "hold at most, in tokens")
 
 
 class Deleted(BaseModel):

@@ -287,6 +287,20 @@ class PrefixCaching(Protocol):
 
 
 @runtime_checkable
+class SizesPrefixCache(Protocol):
+    """An LLM engine whose prefix cache's token budget (and its pins') can be set at run time: a benchmark's
+    memory-pressure point on the same daemon."""
+
+    def prefix_cache_budget(self) -> tuple[int, int]:
+        """(The prefix cache's budget, its pins' budget) in tokens; (0, 0): configured without a prefix cache."""
+        ...
+
+    async def set_prefix_cache_budget(self, tokens: int, pin_tokens: int) -> None:
+        """A new budget (``pin_tokens`` <= ``tokens``); what the cache holds is dropped."""
+        ...
+
+
+@runtime_checkable
 class PinsPrefixes(Protocol):
     """An LLM engine whose prefix cache holds pinned prefixes (issue 28: retention across a program's pauses,
     clients' ``cache_control`` marks). Pinned entries are never evicted; a pin ends at its TTL."""

@@ -10,9 +10,10 @@ import httpx
 import pytest
 
 from conftest import API_KEY
-from headrace.bench.agents import SHAPES, TOOLS, draw_programs, mean_turns, turn_weights
-from headrace.bench.agents_phase import deltas, histogram_quantile
+from headrace.bench.agents import SHAPES, TOOLS, AgentRecord, Turn, draw_programs, mean_turns, turn_weights
+from headrace.bench.agents_phase import live_working_set
 from headrace.bench.corpus import build_corpus
+from headrace.bench.phases import deltas, histogram_quantile
 from headrace.cli import main
 
 MODES = ["per-request", "las"]
@@ -58,11 +59,26 @@ def test_metric_deltas_and_the_histogram_quantile():
     assert histogram_quantile({}, "headrace_time_to_first_token_seconds", 0.95) is None
 
 
+def test_the_live_working_set_sums_the_live_agents_contexts_over_time():
+    # Agent 0 lives 0-10 s: 100 tokens sent at 0, answered at 2 (110), 200 sent at 5, answered at 10 (205).
+    # Agent 1 lives 4-6 s: 300 sent at 4, answered at 6 (310), then done.
+    a = AgentRecord(0, 2, [Turn(0, 2.0, 100, 10, "tool_calls", 2.0), Turn(1, 5.0, 200, 5, "stop", 10.0)],
+                    job_s=10.0, started_s=0.0)
+    b = AgentRecord(1, 1, [Turn(0, 2.0, 300, 10, "stop", 6.0)], job_s=2.0, started_s=4.0)
+    live = live_working_set([a, b, AgentRecord(2, 3)])  # one that never started counts nothing
+    area = 100 * 2 + 110 * 3 + 200 * 5 + 300 * 2  # agent 0's steps, agent 1's 4-6 s
+    assert live["live_tokens_mean"] == pytest.approx(area / 10)
+    assert live["live_tokens_peak"] == 200 + 300  # 5-6 s: both live (agent 1's answer at 6 leaves it)
+    assert live["live_agents_mean"] == pytest.approx((10 + 2) / 10) and live["live_agents_peak"] == 2
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--agents-modes", "per-request", "retain-forever"], "unknown agents mode"),
     (["--agents-fractions"], "needs --agents-fractions or --agents-rates"),
     (["--agents-rates", "0"], "must be > 0"),
     (["--agents-rates", "1", "--agents-background", "-1"], "must be >= 0"),
+    (["--agents-rates", "1", "--agents-cache-tokens", "0"], "--agents-cache-tokens must be >= 1"),
+    (["--agents-rates", "1", "--agents-pin-tokens", "64"], "--agents-pin-tokens needs --agents-cache-tokens"),
 ])
 def test_bad_agents_flags_stop_before_anything_runs(flags, message, capsys, tmp_path):
     code = main(["bench", "agents", *flags, "--url", "http://127.0.0.1:9", "--out", str(tmp_path)])
@@ -79,6 +95,8 @@ def test_smoke_every_agent_completes_and_the_counts_agree(server, tmp_path):
     code = main(["bench", "agents", "--agents-size", "smoke", "--agents-programs", "3", "--agents-fractions", "2",
                  "--agents-modes", *MODES, "--documents", "2", "--doc-tokens", "300", "--drain", "300",
                  "--agents-background", "0.2", "--agents-chats", "0.1",
+                 # A memory-pressure point: a 1,024-token cache (one agent's context or so), 16,384 put back after.
+                 "--agents-cache-tokens", "1024", "--agents-pin-tokens", "512",
                  "--url", server.base_url, "--api-key", API_KEY, "--out", str(out)])
     assert code == 0
     agents = json.loads((out / "results.json").read_text())["agents"]
@@ -113,11 +131,24 @@ def test_smoke_every_agent_completes_and_the_counts_agree(server, tmp_path):
         assert idle["completed"] == 5 and idle["ttft_mean_s"] > 0
         assert row["chats"]["ttft_vs_idle"] == pytest.approx(row["chats"]["ttft_mean_s"] / idle["ttft_mean_s"])
     assert set(point["ratios"]) == {"las"} and point["ratios"]["las"]["job_mean"] > 0
+    # The cache in force while the agents ran (read back from the daemon), beside each mode's measured live set.
+    assert agents["prefix_cache"] == {"tokens": 1024, "pin_tokens": 512, "set_by": "--agents-cache-tokens"}
+    memory = point["memory"]
+    assert (memory["cache_tokens"], memory["pin_tokens"]) == (1024, 512) and list(memory["live_tokens"]) == MODES
+    for mode, live in memory["live_tokens"].items():
+        row = point["modes"][mode]
+        assert live == {"mean": row["live_tokens_mean"], "peak": row["live_tokens_peak"]}
+        assert 0 < live["mean"] <= live["peak"] and live["peak"] >= row["max_context_tokens"]
+        assert 0 < row["live_agents_mean"] <= row["live_agents_peak"] <= 3
+    assert memory["memory_pressured"] == all(1024 < v["mean"] for v in memory["live_tokens"].values())
     text = (out / "results.txt").read_text()
     assert "== agents (smoke)" in text and "las vs per-request" in text and "capacity" in text
     assert "background chats at 0.2/s" in text and "x idle" in text
+    assert "prefix cache 1024 tokens, pins 512 (set by --agents-cache-tokens)" in text
+    assert "memory-pressured" in text.lower() and "against the live agents' contexts summed" in text
     # The daemon's own LLM settings are back (the server runs fifo with its prefix cache on and retention on;
     # per-request, the base mode, switches retention off).
     settings = httpx.patch(f"{server.base_url}/v1/engines/smollm2", json={},
                            headers={"Authorization": f"Bearer {API_KEY}"}).json()
     assert settings["llm_policy"] == "fifo" and settings["prefix_caching"] is True and settings["retention"] is True
+    assert (settings["prefix_cache_tokens"], settings["prefix_cache_pin_tokens"]) == (16384, 4096)

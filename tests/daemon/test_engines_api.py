@@ -30,7 +30,8 @@ def test_the_llm_policy_changes_on_a_live_engine(server):
             r = c.patch("/v1/engines/smollm2", json={"llm_policy": "topology"})
             assert r.status_code == 200, r.text
             assert r.json() == {"id": "smollm2", "object": "engine.settings", "kind": "llm",
-                                "llm_policy": "topology", "prefix_caching": True, "max_runs": 0, "retention": True}
+                                "llm_policy": "topology", "prefix_caching": True, "max_runs": 0, "retention": True,
+                                "prefix_cache_tokens": 16384, "prefix_cache_pin_tokens": 4096}
             chat(c, "Does the wheel turn?")  # still serves
             r = c.patch("/v1/engines/smollm2", json={"max_runs": 1})
             assert r.status_code == 200 and r.json()["max_runs"] == 1 and r.json()["llm_policy"] == "topology"
@@ -48,6 +49,10 @@ def test_the_llm_policy_changes_on_a_live_engine(server):
     ("smollm2", {"max_runs": -1}, 400, "max_runs"),
     ("smollm2", {"retention": "off"}, 400, "retention"),
     ("all-minilm-l6-v2", {"max_runs": 2}, 400, "max_runs"),
+    ("all-minilm-l6-v2", {"prefix_cache_tokens": 1024}, 400, "prefix_cache_tokens"),
+    ("smollm2", {"prefix_cache_tokens": 0}, 400, "prefix_cache_tokens"),
+    ("smollm2", {"prefix_cache_tokens": 1024, "prefix_cache_pin_tokens": 2048}, 400, "prefix_cache_pin_tokens"),
+    ("smollm2", {"prefix_cache_pin_tokens": 20000}, 400, "prefix_cache_pin_tokens"),
     ("smollm2", {"llm_policy": "fifo", "speed": 2}, 400, "speed"),
     ("nope", {"llm_policy": "fifo"}, 404, "engine"),
 ])
@@ -58,6 +63,7 @@ def test_bad_settings_are_refused_and_change_nothing(server, name, body, status,
         assert r.json()["error"]["param"] == param
         settings = c.patch("/v1/engines/smollm2", json={}).json()
         assert (settings["llm_policy"], settings["max_runs"]) == ("fifo", 0)
+        assert (settings["prefix_cache_tokens"], settings["prefix_cache_pin_tokens"]) == (16384, 4096)
 
 
 def test_a_plain_chat_reuses_a_cached_system_prompt_and_caching_switches_off(server):
@@ -74,3 +80,23 @@ def test_a_plain_chat_reuses_a_cached_system_prompt_and_caching_switches_off(ser
         finally:
             assert c.patch("/v1/engines/smollm2", json={"prefix_caching": True}).json()["prefix_caching"] is True
         assert metric_value(server.metrics(), "headrace_prefix_cache_queries_total", model="smollm2") > after
+
+
+def test_the_prefix_cache_budget_changes_on_a_live_engine_and_back(server):
+    with client(server) as c:
+        try:
+            r = c.patch("/v1/engines/smollm2", json={"prefix_cache_tokens": 256})
+            assert r.status_code == 200, r.text
+            # The pins keep the configured share (4,096 of 16,384); the gauge's capacity is the new budget.
+            assert (r.json()["prefix_cache_tokens"], r.json()["prefix_cache_pin_tokens"]) == (256, 64)
+            assert r.json()["prefix_caching"] is True
+            chat(c, "Which way does the wheel turn?")
+            hits = metric_value(server.metrics(), "headrace_prefix_cache_hits_total", model="smollm2")
+            chat(c, "What carries the water?")
+            # The system prompt (over 400 tokens) no longer fits: nothing of it is found again.
+            assert metric_value(server.metrics(), "headrace_prefix_cache_hits_total", model="smollm2") == hits
+            r = c.patch("/v1/engines/smollm2", json={"prefix_cache_pin_tokens": 256})
+            assert (r.json()["prefix_cache_tokens"], r.json()["prefix_cache_pin_tokens"]) == (256, 256)
+        finally:  # the configured budgets again (the test above finds the system prompt cached with them)
+            r = c.patch("/v1/engines/smollm2", json={"prefix_cache_tokens": 16384, "prefix_cache_pin_tokens": 4096})
+            assert (r.json()["prefix_cache_tokens"], r.json()["prefix_cache_pin_tokens"]) == (16384, 4096)

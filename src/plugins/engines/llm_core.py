@@ -34,6 +34,7 @@ is for the core to refuse (it knows the parent's length).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -46,6 +47,7 @@ import torch
 from headrace.plugins.engines import constraints
 from headrace.plugins.engines.llm_messages import (CacheControl, Command, Decode, EngineError, Heartbeat, Logits,
                                                    Outbox, Pin, Prefill, Stop)
+from headrace.plugins.engines.prefix_cache import PinPolicy
 from headrace.plugins.engines.sampling import Detokenizer, is_greedy, make_generator, sample, token_logprob
 from headrace.plugins.protocols import SamplingParams, TokenDelta
 from headrace.types import ContextId
@@ -88,6 +90,9 @@ class LLMCore(ABC):
     # True: the core caches a finished row's whole context when its ``Decode.keep_context`` asks (``KeepsContexts``);
     # the front passes the flag either way, and a core that caches prompts only ignores it.
     keeps_contexts = False
+    # A core with a prefix cache sets both in its __init__: its budget in tokens (0: none) and its pins' policy.
+    prefix_cache_tokens = 0
+    _pins: PinPolicy | None = None
 
     def __init__(self, name: str, max_context_tokens: int) -> None:
         self.name = name
@@ -176,6 +181,22 @@ class LLMCore(ABC):
     def prefix_caching_enabled(self) -> bool:
         return False
 
+    def prefix_cache_budget(self) -> tuple[int, int]:
+        """(The prefix cache's budget, its pins' budget) in tokens; (0, 0): configured without one."""
+        return (self.prefix_cache_tokens, self._pins.pin_tokens) if self._pins is not None else (0, 0)
+
+    def resize_prefix_cache(self, tokens: int, pin_tokens: int) -> None:
+        """A new budget for the prefix cache and its pins (a benchmark's memory pressure), from an empty cache:
+        what it holds is dropped, and it stays on or off as it was. A core configured without one refuses."""
+        if self.prefix_cache_tokens <= 0 or self._pins is None:
+            raise EngineError(f"engine {self.name!r} has no prefix cache")
+        if tokens < 1 or not 0 <= pin_tokens <= tokens:
+            raise EngineError(f"engine {self.name!r}: a prefix cache of {tokens} tokens cannot pin {pin_tokens}")
+        enabled = self.prefix_caching_enabled()
+        self.set_prefix_caching(False)
+        self.prefix_cache_tokens, self._pins = tokens, dataclasses.replace(self._pins, pin_tokens=pin_tokens)
+        self.set_prefix_caching(enabled)
+
     def pin_prefix(self, cmd: Pin) -> int:
         """``Pin``: pin (or unpin) in the core's ``prefix_cache``; 0 where there is none."""
         cache = getattr(self, "prefix_cache", None)
@@ -215,6 +236,9 @@ class LLMCore(ABC):
                     # A prefill cancelled before it ran never runs.
                     prefills = [p for p in prefills if p.ctx != cmd.ctx]
                     self.stop(cmd.ctx, cmd.free)
+                elif isinstance(cmd, CacheControl) and cmd.budget is not None:
+                    self.resize_prefix_cache(*cmd.budget)
+                    out.reply(cmd.reply)
                 elif isinstance(cmd, CacheControl):
                     self.set_prefix_caching(cmd.enabled)
                     out.reply(cmd.reply)

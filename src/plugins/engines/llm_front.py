@@ -274,6 +274,17 @@ class LLMFront:
         self._commands.put(CacheControl(enabled, reply))
         await self._wait(reply)
 
+    def prefix_cache_budget(self) -> tuple[int, int]:
+        """``SizesPrefixCache``: (the prefix cache's budget, its pins') in tokens; (0, 0): configured without one."""
+        return self.core.prefix_cache_budget()
+
+    async def set_prefix_cache_budget(self, tokens: int, pin_tokens: int) -> None:
+        """``SizesPrefixCache``: a ``CacheControl`` command with the new budget (the cache emptied)."""
+        self._require_running()
+        reply = Reply()
+        self._commands.put(CacheControl(self.prefix_caching_enabled(), reply, (tokens, pin_tokens)))
+        await self._wait(reply)
+
     async def pin_prefix(self, tokens: Sequence[int], ttl: float | None, *, owner: str | None = None,
                          next_use: float | None = None) -> int:
         """``PinsPrefixes``: a ``Pin`` command, answered after the iteration in progress."""

@@ -139,10 +139,12 @@ class Logits:
 
 @dataclass
 class CacheControl:
-    """Switch the core's prefix cache on or off (off drops what it holds)."""
+    """Switch the core's prefix cache on or off (off drops what it holds); with ``budget``, (tokens, pin tokens):
+    size it anew instead (``enabled`` unused), emptied."""
 
     enabled: bool
     reply: Reply
+    budget: tuple[int, int] | None = None
 
 
 @dataclass
