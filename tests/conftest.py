@@ -221,6 +221,8 @@ def live(shared_daemon):
 
 def _smollm2_for_the_session(tmp_path_factory, plugin: str, engine_class, options: dict):
     """(portal, engine, batches): SmolLM2 on one built-in engine, running on its own event loop until the session ends."""
+    if str(ROOT / "tests" / "plugins") not in sys.path:  # tests elsewhere (test_llm_scheduling.py) share it too
+        sys.path.append(str(ROOT / "tests" / "plugins"))
     from llm_engines import Batches, running
 
     from headrace.plugins.api import EngineEnv, EngineSpec

@@ -404,11 +404,12 @@ def test_a_json_schema_constrains_the_output(llm):
 
 
 def test_a_big_scoring_job_lets_running_decodes_step(llm):
-    """800 prompts are scored a chunk an iteration, with decode steps between: the decode ends first."""
+    """400 prompts are scored 16 an iteration (25 iterations), with decode steps between: the 12-token decode
+    ends first."""
     if llm.scoring_chunks is None:
         pytest.skip(f"{llm.name} scores every prompt of a job at once")
     portal, engine = llm.portal, llm.engine
-    prompts = [[1 + i % 500, 2 + i % 300, 3] for i in range(800)]
+    prompts = [[1 + i % 500, 2 + i % 300, 3] for i in range(400)]
     yes, no = engine.encode("yes")[0], engine.encode("no")[0]
 
     async def run():
@@ -420,7 +421,7 @@ def test_a_big_scoring_job_lets_running_decodes_step(llm):
             events.append("scored")
 
         stream = engine.generate(chat(engine, "Write a long story about the sea."),
-                                 SamplingParams(max_tokens=24, temperature=0))
+                                 SamplingParams(max_tokens=12, temperature=0))
         async with anyio.create_task_group() as tg:
             await stream.__anext__()  # the decode is running
             events.append("token")
@@ -431,10 +432,10 @@ def test_a_big_scoring_job_lets_running_decodes_step(llm):
 
     with llm.scoring_chunks():
         events, scores = portal.call(run)
-    assert scores.shape == (800, 2) and torch.isfinite(scores).all()
+    assert scores.shape == (400, 2) and torch.isfinite(scores).all()
     # Order of events, not timing: the whole decode ran while the scoring job was still going.
     assert events.index("decode done") < events.index("scored")
-    assert events.count("token") >= 20
+    assert events.count("token") >= 10
 
 
 def test_a_fork_and_its_decode_reuse_the_cached_kv(llm):

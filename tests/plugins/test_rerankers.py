@@ -123,26 +123,13 @@ async def test_llm_rerank_rejects_a_missing_or_non_llm_engine(tmp_path):
         await wrong.run()
 
 
-def _torch_llm_factory():
-    """The built-in LLM engine's factory, whatever plugin kind it registers under."""
-    module = pytest.importorskip("headrace.plugins.engines.torch_llm")
-    found = {}
-    module.register_engines(register=lambda kind, factory: found.setdefault(kind, factory))
-    if len(found) != 1:
-        pytest.skip(f"torch_llm registers {sorted(found)}; expected one LLM kind")
-    return next(iter(found.items()))
-
-
 @pytest.mark.slow
-@pytest.mark.anyio
-async def test_llm_rerank_with_smollm2(tmp_path):
-    kind, llm_factory = _torch_llm_factory()
-    engines: dict = {}
+def test_llm_rerank_with_smollm2(tmp_path, torch_smollm2):
+    # The session's torch SmolLM2, float32: the same pair must score the same in any batch, which bf16
+    # rounding only guarantees to within a few ulps of the logits, and differently on each machine.
+    portal, llm, _ = torch_smollm2
     seen: list = []
-    env = make_env(tmp_path, seen, engines)
-    # float32: the same pair must score the same in any batch, which bf16 rounding only
-    # guarantees to within a few ulps of the logits, and differently on each machine.
-    llm = engines["smol"] = llm_factory(EngineSpec(name="smol", plugin=kind, options={"dtype": "float32"}), env)
+    env = make_env(tmp_path, seen, {"smol": llm})
     judge = rerankers.llm_rerank_factory(
         EngineSpec(name="judge", plugin="llm-rerank",
                    options={"llm": "smol", "max_doc_tokens": 64, "max_query_tokens": 16}), env
@@ -150,22 +137,25 @@ async def test_llm_rerank_with_smollm2(tmp_path):
     long_doc = "Bananas are a yellow fruit rich in potassium. " * 100
     long_query = "Which fruit is yellow and rich in potassium? " * 500
 
-    async with running(llm, judge):
-        # SmolLM2: single tokens for all of yes/Yes/" yes"/" Yes" and the no's.
-        assert len(judge._yes_ids) == 4 and len(judge._no_ids) == 4
-        assert len(rerankers.truncate_to_tokens(llm, long_doc, 64)) < len(long_doc)
-        assert len(llm.encode(rerankers.truncate_to_tokens(llm, long_doc, 64))) <= 64
-        scores = await judge.score(QUERY, DOCS + [long_doc])
-        mixed = await judge.score_pairs([("Which fruit is yellow?", DOCS[1]), (QUERY, DOCS[0])])
-        # A huge query is cut as documents are: its prompt is as bounded as a short one's.
-        [long_prompt] = judge._prompts(llm, [(long_query, DOCS[1])])
-        [short_prompt] = judge._prompts(llm, [("Which fruit is yellow?", DOCS[1])])
-        assert len(long_prompt) <= len(short_prompt) + 16
-        assert (await judge.score(long_query, DOCS[1:2])).shape == (1,)
-        # A lone surrogate is refused with a clear error, before any model work.
-        with pytest.raises(ValueError, match="document of pair 1 is not valid Unicode"):
-            await judge.score(QUERY, [DOCS[0], "bad \ud800 text"])
+    async def judged():  # on the engine's event loop, where the daemon's judge calls it from too
+        async with running(judge):
+            # SmolLM2: single tokens for all of yes/Yes/" yes"/" Yes" and the no's.
+            assert len(judge._yes_ids) == 4 and len(judge._no_ids) == 4
+            assert len(rerankers.truncate_to_tokens(llm, long_doc, 64)) < len(long_doc)
+            assert len(llm.encode(rerankers.truncate_to_tokens(llm, long_doc, 64))) <= 64
+            scores = await judge.score(QUERY, DOCS + [long_doc])
+            mixed = await judge.score_pairs([("Which fruit is yellow?", DOCS[1]), (QUERY, DOCS[0])])
+            # A huge query is cut as documents are: its prompt is as bounded as a short one's.
+            [long_prompt] = judge._prompts(llm, [(long_query, DOCS[1])])
+            [short_prompt] = judge._prompts(llm, [("Which fruit is yellow?", DOCS[1])])
+            assert len(long_prompt) <= len(short_prompt) + 16
+            assert (await judge.score(long_query, DOCS[1:2])).shape == (1,)
+            # A lone surrogate is refused with a clear error, before any model work.
+            with pytest.raises(ValueError, match="document of pair 1 is not valid Unicode"):
+                await judge.score(QUERY, [DOCS[0], "bad \ud800 text"])
+            return scores, mixed
 
+    scores, mixed = portal.call(judged)
     assert scores.dtype == torch.float32 and scores.shape == (len(DOCS) + 1,)
     assert ((scores > 0) & (scores < 1)).all()
     assert scores[0] > scores[1]  # the Paris document beats the bananas
