@@ -2,11 +2,16 @@
 
 import os
 
-# Each engine runs torch on its own thread, and each such thread gets its own OpenMP team.
-# libgomp's default makes idle team threads spin, burning the cores the other teams (and any
-# neighbour process) need: on 2 cores with one busy neighbour, SmolLM2 prefill took 5-17x longer
-# and decode ran 3-5x slower than with sleeping waiters. libgomp reads this once, when torch
-# loads, so it is set on import, before any engine; an operator's own value wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP waiters spin for a bounded time (libgomp's GOMP_SPINCOUNT 300,000: about 3 ms), then sleep.
+# llama.cpp's CPU backend shares torch's libgomp in this process, and one decode step is a few hundred
+# OpenMP barriers: with sleeping waiters (OMP_WAIT_POLICY=PASSIVE, this package's earlier choice) each
+# is a futex wake-up, and the llama-cpp engine decoded one stream at 0.93x llama-server's rate, 16 at
+# 0.81x; with a 3 ms spin 1.40x and 0.96x, and an idle daemon still uses no CPU (docs/engines.md).
+# ACTIVE alone would spin for minutes. libgomp reads both once, when torch or llama.cpp loads, so they
+# are set on import, before any engine; an operator who sets either keeps their own wait behaviour
+# (PASSIVE suits torch engines beside a busy neighbour process).
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    os.environ["OMP_WAIT_POLICY"] = "ACTIVE"
+    os.environ["GOMP_SPINCOUNT"] = "300000"
 
 __version__ = "0.1.0"
