@@ -11,9 +11,11 @@ order when ``max_running`` is reached.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import anyio
 import pytest
+from anyio.from_thread import start_blocking_portal
 
 from headrace.batching.llm import LLMScheduler, PriorityGate
 from headrace.batching.llm_policies import (
@@ -26,7 +28,8 @@ from headrace.batching.llm_policies import (
     register_llm_policies,
 )
 from headrace.batching.meta import PrimitiveMeta
-from headrace.plugins.protocols import SamplingParams, TokenDelta
+from headrace.plugins.engines.torch_llm import TorchLLM
+from headrace.plugins.protocols import EngineEnv, EngineSpec, SamplingParams, TokenDelta
 
 PROMPT_TOKENS = 96  # each queued prompt; one fits an iteration, two do not
 POLICIES = {"fifo": FifoLLMPolicy(), "topology": TopologyLLMPolicy(), "objective": ObjectiveLLMPolicy(),
@@ -129,19 +132,25 @@ async def test_a_cancelled_waiter_leaves_the_queue():
 
 
 @pytest.fixture(scope="module")
-def busy_llm(torch_smollm2):
-    """The session's torch engine (conftest's ``torch_smollm2``) with an iteration budget of one queued prompt,
-    both put back after the module."""
-    portal, engine, _ = torch_smollm2
-    core = engine.core
-    saved, core.max_iteration_tokens = core.max_iteration_tokens, PROMPT_TOKENS
-    # No prefix cache: each call's prompts repeat the last call's, and must cost a full iteration each again.
-    portal.call(engine.set_prefix_caching, False)
-    try:
+def busy_llm(tmp_path_factory):
+    """The real torch engine with an iteration budget of one queued prompt."""
+    batches: list[tuple[str, int, float]] = []
+    env = EngineEnv(
+        data_dir=tmp_path_factory.mktemp("data"),
+        cache_dir=Path.home() / ".cache" / "headrace",
+        lookup=lambda name: None,
+        observe_batch=lambda op, n, start, end: batches.append((op, n, end)),
+    )
+    engine = TorchLLM(EngineSpec(name="smollm2", plugin="torch",
+                                 # No prefix cache: each call's prompts repeat the last call's, and
+                                 # must cost a full iteration each again.
+                                 options={"threads": 2, "max_iteration_tokens": PROMPT_TOKENS,
+                                          "prefix_cache_tokens": 0}), env)
+    engine.batches = batches
+    with start_blocking_portal() as portal:
+        future, _ = portal.start_task(engine.run)
         yield portal, engine
-    finally:
-        portal.call(engine.set_prefix_caching, True)
-        core.max_iteration_tokens = saved
+        future.cancel()
 
 
 def prompt(engine, seed: int, n: int = PROMPT_TOKENS) -> list[int]:
@@ -192,7 +201,7 @@ def test_topology_finishes_the_older_run_first_where_fifo_interleaves(busy_llm):
     assert fifo == ["a0", "b0", "a2", "b2"]  # request by request: the runs interleave
     assert topology == ["a2", "a0", "b2", "b0"]  # run a first, its deepest node first
     # The engine's batch log: one queued prompt per prefill batch (the budget held), never two.
-    prefill_sizes = [n for op, n in engine.batches if op == "prefill"]
+    prefill_sizes = [n for op, n, _ in engine.batches if op == "prefill"]
     assert len(prefill_sizes) == 10 and set(prefill_sizes) == {1}
 
 
