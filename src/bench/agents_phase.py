@@ -86,8 +86,7 @@ async def agents_phase(systems: Any, corpus: Corpus, opts: AgentsOptions, log: C
                 systems, opts.modes, p, point,
                 lambda mode: run_point(systems, client, programs, point["rate"], opts,
                                        f"bench-{run_tag}-p{p}-{mode}", snippets),
-                lambda mode, row: log(f"    agents {point['rate']:g}/s, {mode}: " + point_line(row)), ratios,
-                opts.budget))
+                lambda mode, row: log(f"    agents {point['rate']:g}/s, {mode}: " + point_line(row)), ratios))
             out["points"][-1]["memory"] = memory(out["prefix_cache"], out["points"][-1]["modes"])
             log("    " + memory_line(out["points"][-1]["memory"]))
     finally:

@@ -85,14 +85,13 @@ def daemon_tokenizer(systems: Any) -> tuple[Callable, Callable]:
 async def measure_point(systems: Any, modes: list[str], index: int, point: dict[str, Any],
                         measure: Callable[[str], Awaitable[dict[str, Any]]],
                         logged: Callable[[str, dict[str, Any]], None],
-                        compare: Callable[[dict[str, dict[str, Any]]], dict[str, Any]],
-                        budget: tuple[int, int | None] | None = None) -> dict[str, Any]:
+                        compare: Callable[[dict[str, dict[str, Any]]], dict[str, Any]]) -> dict[str, Any]:
     """A load point's row in each mode, each mode in its own settings (restored after it), and their ratios.
-    The order rotates from point to point, so drift (other load on the machine) hits every mode alike.
-    ``budget``: the prefix cache every mode runs with (``use_mode``)."""
+    The order rotates from point to point, so drift (other load on the machine) hits every mode alike. A
+    memory-pressure budget is the phase's, set once with its base mode; every mode keeps that size."""
     rows = {}
     for mode in modes[index % len(modes):] + modes[:index % len(modes)]:
-        restore = await use_mode(systems, mode, {}, budget)
+        restore = await use_mode(systems, mode, {})
         try:
             rows[mode] = await measure(mode)
         finally:
