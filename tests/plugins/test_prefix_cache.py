@@ -107,6 +107,21 @@ def test_a_pinned_prefix_outlives_traffic_that_evicts_it_under_lru():
     assert (cache.pinned_tokens, cache.stats.evicted_lru) == (4, 2)
 
 
+def test_a_pinned_context_still_answers_for_the_system_prompt_it_shares_once_fresher_holders_go():
+    """One agent's pinned context fills the cache; another agent's turn is cached, is the freshest holder
+    of the shared system prompt, and is evicted at once for room. The prompt must stay found in the
+    pinned context (it was lost with the evicted entry's index, and every agent re-prefilled it)."""
+    system = [7] * 8
+    for shared in (True, False):
+        cache, _ = pinning_cache(capacity=16, pin_tokens=16, shared_blocks=shared)
+        cache.insert(system + [1] * 8, lambda n: 1)
+        assert cache.pin(system + [1] * 8, ttl=10, owner="agent-1") == 16
+        cache.insert(system + [2] * 4, lambda n: 2)  # no room beside the pin: evicted as it comes
+        assert len(cache) == 1 and cache.stats.evicted_lru == 1
+        found = cache.match(system + [3] * 4, 12)
+        assert found is not None and (found[0].kv, found[1]) == (1, 8), shared
+
+
 def test_a_pin_expires_at_its_ttl_and_the_entry_is_evictable_again():
     cache, clock = pinning_cache()
     cache.insert([1] * 4, lambda n: 1)

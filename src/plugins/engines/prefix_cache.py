@@ -137,8 +137,8 @@ class PrefixCache(Generic[KV]):
     max_entries: int | None = None  # entries at most (llama.cpp: its cache sequences); None: tokens bound only
     clock: Callable[[], float] = time.monotonic
     _entries: OrderedDict[int, CachedPrefix[KV]] = field(default_factory=OrderedDict)  # LRU order, by id
-    _index: dict[int, CachedPrefix[KV]] = field(default_factory=dict)  # block hash -> an entry holding it
-    _holders: dict[int, int] = field(default_factory=dict)  # block hash -> entries holding it (shared_blocks)
+    _index: dict[int, CachedPrefix[KV]] = field(default_factory=dict)  # block hash -> the freshest entry holding it
+    _holders: dict[int, dict[int, CachedPrefix[KV]]] = field(default_factory=dict)  # block hash -> every entry holding it
     _pinned: dict[str, CachedPrefix[KV]] = field(default_factory=dict)  # pin key -> the entry it holds
     _next_use: dict[str, float] = field(default_factory=dict)  # program -> when it is predicted back (clock)
     used_tokens: int = 0
@@ -190,18 +190,18 @@ class PrefixCache(Generic[KV]):
             pass
 
     def _charge(self, entry: CachedPrefix[KV], sign: int) -> int:
-        """Tokens that ``entry`` adds (+1) to the cache, or frees (-1) as it leaves."""
-        if not self.shared_blocks:
-            return len(entry.tokens)
+        """Record ``entry`` as a holder of its blocks (+1) or not (-1); the tokens it adds to the cache or frees."""
         changed = 0
         for h in block_hashes(entry.tokens, self.block):
-            held = self._holders.get(h, 0) + sign
-            if held > 0:
-                self._holders[h] = held
+            holders = self._holders.setdefault(h, {})
+            if sign > 0:
+                holders[id(entry)] = entry
             else:
+                holders.pop(id(entry), None)
+            changed += (sign > 0 and len(holders) == 1) or not holders  # the block's first holder came, or its last left
+            if not holders:
                 del self._holders[h]
-            changed += (sign > 0 and held == 1) or held == 0  # the block's first holder came, or its last left
-        return changed * self.block
+        return changed * self.block if self.shared_blocks else len(entry.tokens)
 
     def _refresh(self, entry: CachedPrefix[KV]) -> None:
         # The most recently used holder of a shared prefix answers for it, so evicting the least
@@ -304,7 +304,12 @@ class PrefixCache(Generic[KV]):
         setattr(self.stats, f"evicted_{reason}", getattr(self.stats, f"evicted_{reason}") + 1)
         for h in block_hashes(entry.tokens, self.block):
             if self._index.get(h) is entry:
-                del self._index[h]
+                # Another entry (a pinned one, say) may still hold the block: it answers for it now.
+                rest = self._holders.get(h)
+                if rest:
+                    self._index[h] = max(rest.values(), key=lambda e: e.last_used)
+                else:
+                    del self._index[h]
         if entry.owner is not None and not any(e.owner == entry.owner for e in self._entries.values()):
             self._next_use.pop(entry.owner, None)
         if self.on_evict is not None:
