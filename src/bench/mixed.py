@@ -49,6 +49,7 @@ class MixShape:
     agents: AgentShape  # the client agents' sizes
     probe_programs: int  # programs the closed-loop capacity probe runs in all
     probe_concurrency: int  # programs at once in it
+    workflow_tokens: int | None = None  # max_tokens of a workflow program's LLM calls; None: its workload's own
 
 
 SHAPES = {
@@ -57,7 +58,7 @@ SHAPES = {
                      (16, 32, 64, 128, 256), (2, 8), AGENT_SHAPES["full"], probe_programs=30, probe_concurrency=8),
     # One program of each kind in five arrivals, each as small as it goes: the smoke test's size.
     "smoke": MixShape("smoke", {kind: 0.2 for kind in KINDS}, (4, 8), (1, 2), AGENT_SHAPES["smoke"],
-                      probe_programs=5, probe_concurrency=2),
+                      probe_programs=5, probe_concurrency=2, workflow_tokens=4),
 }
 TAIL = 1.5
 
@@ -128,8 +129,10 @@ class ProgramRecord:
 class MixRunner:
     """Runs one program of any kind against the daemon."""
 
-    def __init__(self, daemon: Any, llm: str, corpus: Corpus, system: str, agents: AgentClient) -> None:
+    def __init__(self, daemon: Any, llm: str, corpus: Corpus, system: str, agents: AgentClient,
+                 workflow_tokens: int | None = None) -> None:
         self.daemon, self.llm, self.corpus, self.system, self.agents = daemon, llm, corpus, system, agents
+        self.workflow_tokens = workflow_tokens
 
     async def run(self, program: MixProgram, key: str, record: ProgramRecord, tools_wait: bool = True) -> None:
         t0 = time.perf_counter()
@@ -147,6 +150,8 @@ class MixRunner:
         else:
             workload = WORKLOADS[program.kind]
             config = dict(workload.config)
+            if self.workflow_tokens is not None:
+                config["max_tokens"] = self.workflow_tokens
             if program.kind == "agent":
                 inputs = {"question": q.text, "collection": BENCH_COLLECTION}
                 config["max_steps"] = program.max_steps

@@ -58,7 +58,8 @@ async def mixed_programs_phase(systems: Any, corpus: Corpus, opts: MixedOptions,
     run_tag = uuid.uuid4().hex[:8]  # program ids never repeat across runs: the daemon keeps attained service
     out: dict[str, Any] = {"shape": {"name": shape.name, "shares": shape.shares, "chat_tokens": shape.chat_tokens,
                                      "agent_steps": shape.agent_steps, "client_agent_turns": shape.agents.turns,
-                                     "tool_s": shape.agents.tool_s, **sizes},
+                                     "tool_s": shape.agents.tool_s, "workflow_tokens": shape.workflow_tokens,
+                                     **sizes},
                            "mix": quotas(shape.shares, opts.programs), "modes": list(opts.modes),
                            "programs": opts.programs, "seed": opts.seed, "drain_s": opts.drain_s, "points": []}
     log(f"  mixed ({shape.name}): {opts.programs} programs per point ("
@@ -70,7 +71,7 @@ async def mixed_programs_phase(systems: Any, corpus: Corpus, opts: MixedOptions,
             BENCH_COLLECTION, [d.text for d in corpus.documents], CHUNK_CONFIG["chunk_size"]["default"],
             CHUNK_CONFIG["chunk_overlap"]["default"])
     client = AgentClient(daemon.base_url, daemon.api_key, llm, shape.agents, system)
-    runner = MixRunner(daemon, llm, corpus, system, client)
+    runner = MixRunner(daemon, llm, corpus, system, client, shape.workflow_tokens)
     base_restore: dict[str, Any] = {}
     try:
         base_restore = await use_mode(systems, BASE_MODE, {})  # the warm-up and the probe run in it

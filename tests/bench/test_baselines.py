@@ -20,7 +20,7 @@ from headrace.graph.workflows import common, rag, summary
 LLM, EMBED, RERANK = "smollm2", "all-minilm-l6-v2", "smollm2-rerank"
 DOCS = [inspect.getdoc(json), inspect.getdoc(csv)]
 QUESTION = "Which module reads and writes comma separated values?"
-DOCUMENT = " ".join(" ".join(DOCS).split()[:600])
+DOCUMENT = " ".join(" ".join(DOCS).split()[:300])  # 3 chunks of 128 words: maps, a reduce and a chain of 3
 SMALL = {"chunk_size": 64, "chunk_overlap": 8}  # short prompts: fast on a CPU
 
 

@@ -88,6 +88,7 @@ def test_smoke_every_program_completes_and_the_counts_agree(server, tmp_path):
     assert code == 0
     mixed = json.loads((out / "results.json").read_text())["mixed_programs"]
     assert mixed["mix"] == {kind: 1 for kind in KINDS}
+    assert mixed["shape"]["workflow_tokens"] == 4  # the smoke's workflows answer in 4 tokens, not their 24
     capacity = mixed["capacity"]
     assert capacity["programs_per_s"] > 0 and capacity["failed"] == 0 and capacity["finished"] == 5
     (point,) = mixed["points"]
