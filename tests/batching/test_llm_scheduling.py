@@ -1,4 +1,5 @@
-"""LLM scheduling policies on the real torch engine: whose prefill the engine runs first when it is busy.
+"""LLM scheduling policies on the real torch engine (the session's, conftest's ``torch_smollm2``): whose prefill
+the engine runs first when it is busy.
 
 Ayo's Figure 7 case for the LLM: two runs' requests queue together on a busy
 engine whose iteration holds one prompt; ``fifo`` serves them in arrival order,
@@ -11,11 +12,9 @@ order when ``max_running`` is reached.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import anyio
 import pytest
-from anyio.from_thread import start_blocking_portal
 
 from headrace.batching.llm import LLMScheduler, PriorityGate
 from headrace.batching.llm_policies import (
@@ -28,8 +27,7 @@ from headrace.batching.llm_policies import (
     register_llm_policies,
 )
 from headrace.batching.meta import PrimitiveMeta
-from headrace.plugins.engines.torch_llm import TorchLLM
-from headrace.plugins.protocols import EngineEnv, EngineSpec, SamplingParams, TokenDelta
+from headrace.plugins.protocols import SamplingParams, TokenDelta
 
 PROMPT_TOKENS = 96  # each queued prompt; one fits an iteration, two do not
 POLICIES = {"fifo": FifoLLMPolicy(), "topology": TopologyLLMPolicy(), "objective": ObjectiveLLMPolicy(),
@@ -132,25 +130,20 @@ async def test_a_cancelled_waiter_leaves_the_queue():
 
 
 @pytest.fixture(scope="module")
-def busy_llm(tmp_path_factory):
-    """The real torch engine with an iteration budget of one queued prompt."""
-    batches: list[tuple[str, int, float]] = []
-    env = EngineEnv(
-        data_dir=tmp_path_factory.mktemp("data"),
-        cache_dir=Path.home() / ".cache" / "headrace",
-        lookup=lambda name: None,
-        observe_batch=lambda op, n, start, end: batches.append((op, n, end)),
-    )
-    engine = TorchLLM(EngineSpec(name="smollm2", plugin="torch",
-                                 # No prefix cache: each call's prompts repeat the last call's, and
-                                 # must cost a full iteration each again.
-                                 options={"threads": 2, "max_iteration_tokens": PROMPT_TOKENS,
-                                          "prefix_cache_tokens": 0}), env)
-    engine.batches = batches
-    with start_blocking_portal() as portal:
-        future, _ = portal.start_task(engine.run)
+def busy_llm(torch_smollm2):
+    """The session's torch engine (loaded once for this module and tests/plugins) with an iteration budget of
+    one queued prompt and no prefix cache, both put back after the module; every test frees what it prefilled
+    (conftest's ``shared_engines_left_idle`` fails the module otherwise)."""
+    portal, engine, _ = torch_smollm2
+    core = engine.core
+    saved, core.max_iteration_tokens = core.max_iteration_tokens, PROMPT_TOKENS
+    # No prefix cache: each call's prompts repeat the last call's, and must cost a full iteration each again.
+    portal.call(engine.set_prefix_caching, False)
+    try:
         yield portal, engine
-        future.cancel()
+    finally:
+        portal.call(engine.set_prefix_caching, True)
+        core.max_iteration_tokens = saved
 
 
 def prompt(engine, seed: int, n: int = PROMPT_TOKENS) -> list[int]:
@@ -201,7 +194,7 @@ def test_topology_finishes_the_older_run_first_where_fifo_interleaves(busy_llm):
     assert fifo == ["a0", "b0", "a2", "b2"]  # request by request: the runs interleave
     assert topology == ["a2", "a0", "b2", "b0"]  # run a first, its deepest node first
     # The engine's batch log: one queued prompt per prefill batch (the budget held), never two.
-    prefill_sizes = [n for op, n, _ in engine.batches if op == "prefill"]
+    prefill_sizes = [n for op, n in engine.batches if op == "prefill"]
     assert len(prefill_sizes) == 10 and set(prefill_sizes) == {1}
 
 
@@ -307,6 +300,8 @@ def test_the_decode_batch_admits_the_most_urgent_rows_first(busy_llm):
             async with anyio.create_task_group() as tg:
                 for ctx, rank in zip(contexts, (7, 3, 5)):
                     tg.start_soon(decode, ctx, rank)
+            for ctx in contexts:  # engine.decode keeps its context (the scheduler's frees it)
+                await engine.free(ctx)
         finally:
             core.max_batch_size = saved
         return first

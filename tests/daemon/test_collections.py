@@ -10,9 +10,6 @@ collection: the module's daemon finding it is the restart test.
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -25,7 +22,7 @@ import uvicorn
 from anyio.from_thread import start_blocking_portal
 from starlette.testclient import TestClient
 
-from conftest import ROOT, free_port
+from conftest import ROOT, free_port, in_process
 from headrace.daemon.app import create_app
 from headrace.daemon.collection_registry import Collection, CollectionRegistry
 from headrace.daemon.config import ConfigError, load_config
@@ -388,12 +385,16 @@ async def test_daemons_sharing_a_data_dir_see_and_keep_each_others_changes(tmp_p
 # ----- headrace ingest ----------------------------------------------------------------------
 
 
-def ingest(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "headrace.daemon.commands", "ingest", *args], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "HEADRACE_API_KEY": ""})
+@pytest.fixture
+def ingest(monkeypatch):
+    """``headrace ingest`` in this process (conftest's ``in_process``): no interpreter or torch import per call."""
+    from headrace.daemon.commands import main
+
+    monkeypatch.setenv("HEADRACE_API_KEY", "")
+    return lambda *args: in_process(main, "ingest", *args)
 
 
-def test_headrace_ingest_loads_a_tree_of_files(daemon, tmp_path):
+def test_headrace_ingest_loads_a_tree_of_files(daemon, tmp_path, ingest):
     tree = tmp_path / "notes"
     (tree / "sub").mkdir(parents=True)
     (tree / ".git").mkdir()
@@ -422,7 +423,7 @@ def test_headrace_ingest_loads_a_tree_of_files(daemon, tmp_path):
     assert texts["mill.md:0"] == TAILRACE
 
 
-def test_headrace_ingest_errors(daemon, tmp_path):
+def test_headrace_ingest_errors(daemon, tmp_path, ingest):
     (tmp_path / "a.txt").write_text(HEADRACE)
     out = ingest("notes2", str(tmp_path / "missing"), "--url", daemon.base_url, "--api-key", KEY)
     assert out.returncode == 2 and "no such file or directory" in out.stderr and "missing" in out.stderr

@@ -102,16 +102,24 @@ def pin_marked(server, ttl, rules: int) -> httpx.Response:
 
 
 def test_a_cache_control_pin_expires_and_pins_stay_within_their_budget(server):
-    pinned, expired = cache(server, "pinned_tokens"), cache(server, "pins_total", outcome="expired")
-    assert pin_marked(server, 1, rules=8).status_code == 200
-    assert cache(server, "pinned_tokens") > pinned  # the marked prefix's entry is held
-    time.sleep(1.5)  # past its TTL: the next lookup unpins it
-    budget = 4096  # configs/default.toml's prefix_cache_pin_tokens
-    for _ in range(3):  # ~1,500 tokens each: the budget holds two at most, refuses the third
-        assert pin_marked(server, "5m", rules=90).status_code == 200
-        assert cache(server, "pinned_tokens") <= budget
-    assert cache(server, "pins_total", outcome="refused") > 0
-    assert cache(server, "pins_total", outcome="expired") > expired  # the 1-second pin ran out meanwhile, lazily
+    # A pin budget of 1,024 tokens for this test (configs/default.toml's 4,096 put back after): pins of ~420
+    # tokens fill it, where the configured budget took three ~1,500-token prompts, each prefilled in full.
+    budget = 1024
+    r = patch_engine(server, MODEL, {"prefix_cache_pin_tokens": budget})
+    assert r.status_code == 200 and r.json()["prefix_cache_pin_tokens"] == budget, r.text
+    try:
+        pinned, expired = cache(server, "pinned_tokens"), cache(server, "pins_total", outcome="expired")
+        assert pin_marked(server, 1, rules=8).status_code == 200
+        assert cache(server, "pinned_tokens") > pinned  # the marked prefix's entry is held
+        time.sleep(1.5)  # past its TTL: the next lookup unpins it
+        for _ in range(3):  # ~420 tokens each (500 at 24 rules): the budget holds two at most, refuses the third
+            assert pin_marked(server, "5m", rules=20).status_code == 200
+            assert cache(server, "pinned_tokens") <= budget
+        assert cache(server, "pins_total", outcome="refused") > 0
+        assert cache(server, "pins_total", outcome="expired") > expired  # the 1-second pin ran out meanwhile, lazily
+    finally:
+        r = patch_engine(server, MODEL, {"prefix_cache_tokens": 16384, "prefix_cache_pin_tokens": 4096})
+        assert (r.json()["prefix_cache_tokens"], r.json()["prefix_cache_pin_tokens"]) == (16384, 4096), r.text
 
 
 @pytest.mark.parametrize("mark, param", [

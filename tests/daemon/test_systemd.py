@@ -16,7 +16,7 @@ from starlette.testclient import TestClient
 
 from conftest import ROOT, Server
 
-WATCHDOG_USEC = 2_000_000  # a ping every second; the workers get a second to answer
+WATCHDOG_USEC = 1_000_000  # a ping every half second; the workers get that long to answer
 
 
 def test_notify_reaches_an_abstract_socket(monkeypatch):

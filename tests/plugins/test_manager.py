@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-import os
 import subprocess
 import sys
 
@@ -12,7 +11,7 @@ import httpx
 import pluggy
 import pytest
 
-from conftest import ROOT, Server
+from conftest import ROOT, Server, in_process
 from headrace.plugins import hookspecs
 from headrace.plugins.manager import DEFAULT_PLUGINS, PluginError, allowed_entry_points, collect, make_manager
 
@@ -30,9 +29,15 @@ def hashembed():
     return "hashembed"
 
 
-def plugins_output(**env: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "headrace.daemon.commands", "plugins"], capture_output=True, text=True,
-                         env={**os.environ, **env}, check=True)
+def plugins_output(monkeypatch, **env: str) -> str:
+    """``headrace plugins`` in this process (no interpreter and torch import of its own), with ``env`` set."""
+    from headrace.daemon.commands import main
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    importlib.invalidate_caches()  # the fixture may have just installed the plugin
+    out = in_process(main, "plugins")
+    assert out.returncode == 0, out.stderr
     return out.stdout
 
 
@@ -44,8 +49,9 @@ def test_builtins_are_plugins():
         assert module in registry.by_plugin
 
 
-def test_installed_plugin_is_discovered(hashembed):
-    out = plugins_output()
+def test_installed_plugin_is_discovered(hashembed, monkeypatch):
+    monkeypatch.delenv("HEADRACE_PLUGINS", raising=False)
+    out = plugins_output(monkeypatch)
     assert "hashembed\n  register_engines: hash-embed" in out
     assert "headrace.plugins.engines.torch_llm\n  register_engines: torch" in out
 
@@ -62,7 +68,7 @@ def test_allow_list(hashembed, monkeypatch):
     assert "hashembed" not in allowed("")
     # Built-ins load whatever the allow-list says (still set to none here), and so does the CLI.
     assert {"torch", "lancedb"} <= set(collect(make_manager()).engines)
-    out = plugins_output(HEADRACE_PLUGINS="")
+    out = plugins_output(monkeypatch, HEADRACE_PLUGINS="")
     assert "hashembed" not in out and "register_engines: torch" in out
 
 
