@@ -512,15 +512,16 @@ def bench_http(args, tmp: Path) -> dict:
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"server did not become ready:\n{log.read_text()}")
-            try:
-                if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
+        with httpx.Client(timeout=2) as http:  # one client for every poll: each httpx.get builds an SSL context
+            while True:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"server did not become ready:\n{log.read_text()}")
+                try:
+                    if http.get(f"{base}/ready").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.3)
         cpu = CPUWatch([proc.pid])
         return {"levels": anyio.run(http_measure, args, base), "cpu_cores": cpu.cores()}
     finally:
