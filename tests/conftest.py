@@ -19,6 +19,8 @@ from pathlib import Path
 
 import httpx
 
+from headrace.bench.client import poll_ready
+
 ROOT = Path(__file__).resolve().parents[1]
 API_KEY = "test-key"
 OTHER_API_KEY = "other-test-key"  # the session server accepts both: runs of one are hidden from the other
@@ -86,19 +88,11 @@ class Server:
                                      env={**os.environ, **(env or {})})
 
     def wait_ready(self, timeout: float = 300) -> "Server":
-        deadline = time.monotonic() + timeout
-        # One client for every poll: each httpx.get builds an SSL context (~58 ms of CPU here), taken
-        # from the server that is starting.
-        with httpx.Client(timeout=2) as http:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log.read_text()}")
-                try:
-                    if http.get(f"{self.base_url}/ready").status_code == 200:
-                        return self
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.3)
+        ready = poll_ready(self.base_url, lambda: self.proc.poll() is not None, timeout)
+        if ready is None:
+            raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log.read_text()}")
+        if ready:
+            return self
         raise TimeoutError(f"server not ready after {timeout}s:\n{self.log.read_text()}")
 
     def metrics(self) -> str:
@@ -147,7 +141,7 @@ def shared_daemon(tmp_path_factory):
         srv = InProcessServer(app, portal, port, API_KEY)
         try:
             deadline = time.monotonic() + 600
-            with httpx.Client(timeout=5) as http:  # one client for every poll (see Server.wait_ready)
+            with httpx.Client(timeout=5) as http:  # one client for every poll (see headrace.bench.client.poll_ready)
                 while not (uv.started and http.get(f"{srv.base_url}/ready").status_code == 200):
                     if serving.done():
                         serving.result()  # raises what stopped it

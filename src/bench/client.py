@@ -11,13 +11,30 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 
 
 class BenchError(RuntimeError):
     """The harness cannot go on; the message says why."""
+
+def poll_ready(base_url: str, exited: Callable[[], bool], timeout: float) -> bool | None:
+    """Poll a starting daemon's ``GET /ready``: True once it answers 200, None if ``exited()`` says its process
+    ended, False after ``timeout`` seconds. One client for every poll: each ``httpx.get`` builds an SSL
+    context (~58 ms of CPU on the 2-core dev box), taken from the daemon that is starting."""
+    deadline = time.monotonic() + timeout
+    with httpx.Client(timeout=2) as http:
+        while time.monotonic() < deadline:
+            if exited():
+                return None
+            try:
+                if http.get(f"{base_url}/ready").status_code == 200:
+                    return True
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+    return False
 
 
 def _free_port() -> int:
@@ -42,20 +59,12 @@ class DaemonProcess:
                                      env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
     def wait_ready(self, timeout: float = 600) -> "DaemonProcess":
-        deadline = time.monotonic() + timeout
-        # One client for every poll: each httpx.get builds an SSL context (~58 ms of CPU on this 2-core
-        # box), taken from the daemon that is starting.
-        with httpx.Client(timeout=2) as http:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise BenchError(f"the daemon exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
-                try:
-                    if http.get(f"{self.base_url}/ready").status_code == 200:
-                        return self
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.3)
-        raise BenchError(f"the daemon was not ready after {timeout:.0f}s; log: {self.log}")
+        ready = poll_ready(self.base_url, lambda: self.proc.poll() is not None, timeout)
+        if ready is None:
+            raise BenchError(f"the daemon exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+        if not ready:
+            raise BenchError(f"the daemon was not ready after {timeout:.0f}s; log: {self.log}")
+        return self
 
     def close(self) -> None:
         self.proc.terminate()

@@ -137,12 +137,13 @@ def busy_llm(torch_smollm2):
     portal, engine, _ = torch_smollm2
     core = engine.core
     saved, core.max_iteration_tokens = core.max_iteration_tokens, PROMPT_TOKENS
+    caching = engine.prefix_caching_enabled()
     # No prefix cache: each call's prompts repeat the last call's, and must cost a full iteration each again.
     portal.call(engine.set_prefix_caching, False)
     try:
         yield portal, engine
     finally:
-        portal.call(engine.set_prefix_caching, True)
+        portal.call(engine.set_prefix_caching, caching)  # as the session configured it
         core.max_iteration_tokens = saved
 
 
