@@ -88,7 +88,7 @@ class Server:
                                      env={**os.environ, **(env or {})})
 
     def wait_ready(self, timeout: float = 300) -> "Server":
-        ready = poll_ready(self.base_url, lambda: self.proc.poll() is not None, timeout)
+        ready = poll_ready(f"{self.base_url}/ready", lambda: self.proc.poll() is not None, timeout)
         if ready is None:
             raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log.read_text()}")
         if ready:

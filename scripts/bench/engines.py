@@ -64,6 +64,7 @@ import httpx
 from anyio.from_thread import start_blocking_portal
 
 from benchlib import CPUWatch, cpu_note, median, write_results  # beside this script
+from headrace.bench.client import poll_ready
 from headrace.plugins.manager import collect
 from headrace.plugins.protocols import EngineEnv, EngineSpec, SamplingParams
 
@@ -511,17 +512,8 @@ def bench_http(args, tmp: Path) -> dict:
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=server_env, cwd=ROOT)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        with httpx.Client(timeout=2) as http:  # one client for every poll: each httpx.get builds an SSL context
-            while True:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"server did not become ready:\n{log.read_text()}")
-                try:
-                    if http.get(f"{base}/ready").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.3)
+        if not poll_ready(f"{base}/ready", lambda: proc.poll() is not None, 300):
+            raise SystemExit(f"server did not become ready:\n{log.read_text()}")
         cpu = CPUWatch([proc.pid])
         return {"levels": anyio.run(http_measure, args, base), "cpu_cores": cpu.cores()}
     finally:

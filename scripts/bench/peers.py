@@ -47,7 +47,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +60,7 @@ import httpx
 
 from benchlib import CPUWatch, cpu_note, median, write_results  # beside this script
 from engines import QUESTIONS, prompt_sentences, stdlib_sentences  # the open-ended prompts engines.py decodes
+from headrace.bench.client import poll_ready
 from headrace.daemon.config import DataConfig
 from headrace.plugins.engines.llama_cpp_files import load_tokenizer, quantized_model
 from headrace.plugins.engines.model_paths import resolve_model
@@ -301,17 +301,8 @@ def running(spec: ServerSpec, tmp: Path, ready_timeout: float) -> Iterator[tuple
                             cwd=ROOT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + ready_timeout
-        # One client for every poll: each httpx.get builds an SSL context (~60 ms of CPU), taken from the start polled.
-        with httpx.Client(timeout=2) as http:
-            while True:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"{spec.label} did not become ready ({' '.join(argv)}):\n"
-                                     f"{log.read_text()[-6000:]}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if http.get(base + spec.ready_path).status_code == 200:
-                        break
-                time.sleep(0.5)
+        if not poll_ready(base + spec.ready_path, lambda: proc.poll() is not None, ready_timeout):
+            raise SystemExit(f"{spec.label} did not become ready ({' '.join(argv)}):\n{log.read_text()[-6000:]}")
         try:
             yield base, [proc.pid, *descendants(proc.pid)], argv
         except (httpx.HTTPError, ServerFailed) as exc:  # say why: a crashed server's last words are in its log

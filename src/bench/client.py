@@ -19,9 +19,9 @@ import httpx
 class BenchError(RuntimeError):
     """The harness cannot go on; the message says why."""
 
-def poll_ready(base_url: str, exited: Callable[[], bool], timeout: float) -> bool | None:
-    """Poll a starting daemon's ``GET /ready``: True once it answers 200, None if ``exited()`` says its process
-    ended, False after ``timeout`` seconds. One client for every poll: each ``httpx.get`` builds an SSL
+def poll_ready(url: str, exited: Callable[[], bool], timeout: float) -> bool | None:
+    """Poll a starting server's readiness ``url`` (headrace's ``/ready``, llama-server's ``/health``): True once it
+    answers 200, None if ``exited()`` says its process ended, False after ``timeout`` seconds. One client for every poll: each ``httpx.get`` builds an SSL
     context (~58 ms of CPU on the 2-core dev box), taken from the daemon that is starting."""
     deadline = time.monotonic() + timeout
     with httpx.Client(timeout=2) as http:
@@ -29,7 +29,7 @@ def poll_ready(base_url: str, exited: Callable[[], bool], timeout: float) -> boo
             if exited():
                 return None
             try:
-                if http.get(f"{base_url}/ready").status_code == 200:
+                if http.get(url).status_code == 200:
                     return True
             except httpx.HTTPError:
                 pass
@@ -59,7 +59,7 @@ class DaemonProcess:
                                      env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
     def wait_ready(self, timeout: float = 600) -> "DaemonProcess":
-        ready = poll_ready(self.base_url, lambda: self.proc.poll() is not None, timeout)
+        ready = poll_ready(f"{self.base_url}/ready", lambda: self.proc.poll() is not None, timeout)
         if ready is None:
             raise BenchError(f"the daemon exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
         if not ready:
