@@ -25,6 +25,7 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 import anyio
@@ -48,6 +49,9 @@ AGENT_MODES: dict[str, dict[str, Any]] = {
     "program-aware": {"llm_policy": "las", "prefix_caching": True, "retention": True},  # both levers
     "no-prefix-cache": {"llm_policy": "fifo", "prefix_caching": False, "retention": False},  # every turn prefilled whole
 }
+# Not a PATCH of this daemon: a second daemon, started from .venv-vllm on the ``vllm`` engine plugin
+# (plugins-contrib/headrace-vllm) with vLLM's own automatic prefix caching and ``fifo`` (``agents_vllm``).
+VLLM_MODE = "vllm"
 DEFAULT_AGENT_MODES = ("per-request", "program-aware")
 BASE_MODE = "per-request"  # the capacity probe runs in it, and the ratios are against it
 
@@ -157,6 +161,7 @@ class Turn:
     completion_tokens: int
     finish_reason: str | None
     answered_s: float = 0.0  # when its answer was read (time.perf_counter): the live working set's clock
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens: prefix-cache hits, as the engine says
 
 
 @dataclass
@@ -188,10 +193,11 @@ class AgentClient:
     async def aclose(self) -> None:
         await self.client.close()
 
-    async def warm_up(self, task: str) -> None:
+    async def warm_up(self, task: str, system: str | None = None) -> None:
         """One forced call of every tool, at once and unmeasured: each named tool compiles its own grammar the first
-        time it is asked for."""
-        messages = [{"role": "system", "content": self.system}, {"role": "user", "content": task}]
+        time it is asked for. ``system``: another system prompt, so the warm-up leaves nothing of the agents' own
+        prompt in a prefix cache that cannot be emptied afterwards (vLLM's)."""
+        messages = [{"role": "system", "content": system or self.system}, {"role": "user", "content": task}]
         async with anyio.create_task_group() as tg:
             for tool in TOOLS:
                 choice = {"type": "function", "function": {"name": tool["function"]["name"]}}
@@ -219,8 +225,10 @@ class AgentClient:
                 model=self.model, messages=messages, tools=TOOLS, tool_choice=choice, temperature=0,
                 max_tokens=self.shape.answer_tokens if last else self.shape.call_tokens, prompt_cache_key=key)
             usage, reply, now = response.usage, response.choices[0], time.perf_counter()
+            details = usage.prompt_tokens_details if usage else None
             record.turns.append(Turn(t, now - sent, usage.prompt_tokens if usage else 0,
-                                     usage.completion_tokens if usage else 0, reply.finish_reason, now))
+                                     usage.completion_tokens if usage else 0, reply.finish_reason, now,
+                                     (details.cached_tokens or 0) if details is not None else 0))
             if on_turn is not None:
                 on_turn()
             if last:
@@ -288,11 +296,16 @@ class AgentsOptions:
     # own), and its pins' (None: the configured share of it).
     cache_tokens: int | None = None
     pin_tokens: int | None = None
+    # The ``vllm`` mode's venv (None: $HEADRACE_VLLM_VENV, else the repository's .venv-vllm) and its daemon's config
+    # (None: configs/vllm-cpu.toml); checked before anything is measured (``agents_vllm.check_vllm``).
+    vllm_venv: Path | None = None
+    vllm_config: Path | None = None
 
     def check(self) -> None:
-        unknown = [m for m in self.modes if m not in AGENT_MODES]
+        known = [*AGENT_MODES, VLLM_MODE]
+        unknown = [m for m in self.modes if m not in known]
         if unknown:
-            raise ValueError(f"unknown agents mode(s) {unknown}; choose from {', '.join(AGENT_MODES)}")
+            raise ValueError(f"unknown agents mode(s) {unknown}; choose from {', '.join(known)}")
         if self.programs < 1 or any(f <= 0 for f in self.fractions) or any(r <= 0 for r in self.rates):
             raise ValueError("--agents-programs, --agents-fractions and --agents-rates must be > 0")
         if self.probe_agents is not None and self.probe_agents < 1:

@@ -34,10 +34,11 @@ from typing import Any, Callable
 
 import anyio
 
-from headrace.bench.agents import (BASE_MODE, AgentClient, AgentRecord, AgentsOptions, Program,
+from headrace.bench.agents import (BASE_MODE, VLLM_MODE, AgentClient, AgentRecord, AgentsOptions, Program,
                                    build_prompts, draw_programs, mean_turns)
 from headrace.bench.agents_chats import ChatStream, exclude, idle_ttft, run_stream
-from headrace.bench.client import BenchError
+from headrace.bench.agents_vllm import check_vllm, vllm_daemon, vllm_line
+from headrace.bench.client import BenchError, Daemon
 from headrace.bench.corpus import Corpus
 from headrace.bench.load import percentile, poisson
 from headrace.bench.phases import (E2E, TTFT, daemon_tokenizer, deltas, fmt, histogram_quantile, measure_point,
@@ -50,6 +51,7 @@ async def agents_phase(systems: Any, corpus: Corpus, opts: AgentsOptions, log: C
         opts.check()
     except ValueError as exc:
         raise BenchError(str(exc)) from None
+    check_vllm(opts)  # a missing .venv-vllm fails now, not after the probe and the other modes' points
     if "llm" not in systems.models:
         raise BenchError("the agents benchmark needs an LLM engine")
     daemon, llm, shape = systems.daemon, systems.models["llm"], opts.shape
@@ -70,7 +72,8 @@ async def agents_phase(systems: Any, corpus: Corpus, opts: AgentsOptions, log: C
         base_restore = await use_mode(systems, BASE_MODE, {}, opts.budget)
         out["prefix_cache"] = await cache_in_force(systems, opts)
         log("    " + cache_line(out["prefix_cache"]))
-        await client.warm_up(programs[0].task)
+        if opts.fractions or set(opts.modes) - {VLLM_MODE}:  # a daemon that serves no measured agent needs none
+            await client.warm_up(programs[0].task)
         capacity = None
         if opts.fractions:
             probe = draw_programs(shape.probe_programs, shape, corpus, snippets, opts.seed + 1)
@@ -81,14 +84,23 @@ async def agents_phase(systems: Any, corpus: Corpus, opts: AgentsOptions, log: C
                 f"{out['capacity']['agents']} agents at once in a closed loop, tools instant)")
         points = [{"fraction": f, "rate": round(f * capacity, 5)} for f in opts.fractions] + \
                  [{"fraction": None, "rate": r} for r in opts.rates]
+
+        async def measure(p: int, rate: float, mode: str) -> dict[str, Any]:
+            key = f"bench-{run_tag}-p{p}-{mode}"
+            if mode != VLLM_MODE:
+                return await run_point(daemon, llm, client, programs, rate, opts, key, snippets)
+            async with vllm_daemon(opts, system, programs[0].task, log) as v:  # one per point: agents_vllm says why
+                row = await run_point(v.daemon, v.llm, v.client, programs, rate, opts, key, snippets, "usage")
+            return {**row, "vllm": v.info}
+
         for p, point in enumerate(points):
             out["points"].append(await measure_point(
-                systems, opts.modes, p, point,
-                lambda mode: run_point(systems, client, programs, point["rate"], opts,
-                                       f"bench-{run_tag}-p{p}-{mode}", snippets),
-                lambda mode, row: log(f"    agents {point['rate']:g}/s, {mode}: " + point_line(row)), ratios))
-            out["points"][-1]["memory"] = memory(out["prefix_cache"], out["points"][-1]["modes"])
-            log("    " + memory_line(out["points"][-1]["memory"]))
+                systems, opts.modes, p, point, lambda mode: measure(p, point["rate"], mode),
+                lambda mode, row: log(f"    agents {point['rate']:g}/s, {mode}: " + point_line(row)), ratios,
+                elsewhere={VLLM_MODE}))
+            if set(opts.modes) - {VLLM_MODE}:  # the headrace daemon's cache against its own modes' live sets
+                out["points"][-1]["memory"] = memory(out["prefix_cache"], out["points"][-1]["modes"])
+                log("    " + memory_line(out["points"][-1]["memory"]))
     finally:
         await client.aclose()
         await use_mode(systems, None, base_restore)  # the daemon's own settings again (a shared daemon serves on)
@@ -139,9 +151,9 @@ def memory(cache: dict[str, Any], modes: dict[str, dict[str, Any]]) -> dict[str,
     """A point's memory: the prefix cache's budget beside each mode's measured live working set; memory-pressured
     when the cache holds less than the live set's mean in every mode (retention then has something to save)."""
     live = {mode: {"mean": row.get("live_tokens_mean"), "peak": row.get("live_tokens_peak")}
-            for mode, row in modes.items()}
+            for mode, row in modes.items() if mode != VLLM_MODE}  # vLLM's cache is not this budget (agents_vllm)
     means = [v["mean"] for v in live.values()]
-    pressured = bool(cache.get("tokens")) and all(m is not None and cache["tokens"] < m for m in means)
+    pressured = bool(cache.get("tokens") and means) and all(m is not None and cache["tokens"] < m for m in means)
     return {"cache_tokens": cache.get("tokens"), "pin_tokens": cache.get("pin_tokens"),
             "set_by": cache.get("set_by"), "live_tokens": live, "memory_pressured": pressured}
 
@@ -206,19 +218,21 @@ def side_streams(opts: AgentsOptions) -> list[ChatStream]:
     return out
 
 
-async def run_point(systems: Any, client: AgentClient, programs: list[Program], rate: float, opts: AgentsOptions,
-                    key: str, snippets: list[str] | None = None) -> dict[str, Any]:
+async def run_point(daemon: Daemon, llm: str, client: AgentClient, programs: list[Program], rate: float,
+                    opts: AgentsOptions, key: str, snippets: list[str] | None = None,
+                    hits_from: str = "metrics") -> dict[str, Any]:
+    """One point's agents in one mode against ``daemon`` serving ``llm``; ``hits_from`` as ``summarize`` takes it."""
     records = [AgentRecord(p.index, p.turns) for p in programs]
 
     async def agent(i: int) -> None:
         await client.run(programs[i], f"{key}-{i}", records[i])
 
-    llm, streams, span = systems.models["llm"], side_streams(opts), opts.shape.result_tokens
+    streams, span = side_streams(opts), opts.shape.result_tokens
     idle = None
     for stream in streams:  # the probe chats' idle figure: the same kind of chat, nothing beside it
         if stream.name == "chats":
             idle = await idle_ttft(client.client, llm, stream, snippets or ["-"], span, key, opts.idle_chats)
-    before = await systems.daemon.metrics()
+    before = await daemon.metrics()
     side: dict[str, dict[str, Any]] = {}
     stop = anyio.Event()
 
@@ -233,8 +247,8 @@ async def run_point(systems: Any, client: AgentClient, programs: list[Program], 
             result = await poisson({"agents": agent}, rate, 0.0, 0.0, opts.seed, opts.drain_s, count=len(programs))
         finally:
             stop.set()  # the streams run while the agents do
-    delta = exclude(deltas(before, await systems.daemon.metrics(), llm), list(side.values()))
-    row = summarize(records, result, delta, split=bool(side))
+    delta = exclude(deltas(before, await daemon.metrics(), llm), list(side.values()))
+    row = summarize(records, result, delta, split=bool(side), hits_from=hits_from)
     if "background" in side:
         row["background"] = side["background"]
     if "chats" in side:
@@ -250,15 +264,25 @@ def _over(x: float | None, y: float | None) -> float | None:
 
 
 def summarize(records: list[AgentRecord], result: Any, delta: dict[tuple[str, str], float],
-              split: bool = False) -> dict[str, Any]:
+              split: bool = False, hits_from: str = "metrics") -> dict[str, Any]:
     """A point's figures; ``split``: ``delta`` had chats beside the agents taken out (``exclude``), so the TTFT
-    histogram's p95, whose buckets hold theirs too, is not the agents'."""
+    histogram's p95, whose buckets hold theirs too, is not the agents'. ``hits_from``: the prefix cache's
+    queries and hits from the daemon's ``headrace_prefix_cache_*`` counters ("metrics"), or from the agents' own
+    turns' ``usage`` ("usage": an engine without those counters, vLLM's); with "usage" and no turn reporting a
+    cached token, no hit rate and no tokens prefilled (an engine that does not say reports 0), and why."""
     jobs = sorted(r.job_s for r in records if r.job_s is not None)
     turns = [(r.program, t) for r in records for t in r.turns]
     latencies = sorted(t.latency_s for _, t in turns)
     prompt = sum(t.prompt_tokens for _, t in turns)
     queries = delta.get(("headrace_prefix_cache_queries_total", ""), 0.0)
     hits = delta.get(("headrace_prefix_cache_hits_total", ""), 0.0)
+    note = None
+    if hits_from == "usage":
+        queries, hits = float(prompt), float(sum(t.cached_tokens for _, t in turns))
+        if not hits:
+            note = ("no turn's usage.prompt_tokens_details.cached_tokens was above 0 (an engine that does not say "
+                    "reports 0)")
+    known = note is None
     ttft_n = delta.get((f"{TTFT}_count", ""), 0.0)
     requests = delta.get((f"{E2E}_count", ""), 0.0)
     done = [r for r in records if r.job_s is not None]
@@ -277,10 +301,11 @@ def summarize(records: list[AgentRecord], result: Any, delta: dict[tuple[str, st
         "ttft_mean_s": delta.get((f"{TTFT}_sum", ""), 0.0) / ttft_n if ttft_n else None,
         # Each turn's TTFT is within its latency, so the turns' p95 bounds the histogram's coarse interpolation.
         "ttft_p95_s": None if split else _at_most(histogram_quantile(delta, TTFT, 0.95), percentile(latencies, 95)),
-        "prefix_queries": int(queries), "prefix_hits": int(hits), "hit_rate": hits / queries if queries else None,
+        "prefix_queries": int(queries), "prefix_hits": int(hits),
+        "hit_rate": hits / queries if queries and known else None, "hits_from": hits_from, "cache_note": note,
         "prompt_tokens": prompt, "daemon_prompt_tokens": int(delta.get(("headrace_prompt_tokens_total", ""), 0.0)),
-        "tokens_prefilled": int(prompt - hits),
-        "prefilled_per_job": (prompt - hits) / len(records) if records else None,
+        "tokens_prefilled": int(prompt - hits) if known else None,
+        "prefilled_per_job": (prompt - hits) / len(records) if records and known else None,
         "max_context_tokens": max((t.prompt_tokens for _, t in turns), default=0),
         **live_working_set(records),
         "makespan_s": result.makespan,
@@ -312,9 +337,15 @@ def ratios(modes: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None
 
 def point_line(row: dict[str, Any]) -> str:
     line = (f"{row['completed']}/{row['arrivals']} agents done, job mean {fmt(row['job_mean_s'])}s p95 "
-            f"{fmt(row['job_p95_s'])}s, TTFT mean {fmt(row['ttft_mean_s'])}s, hit rate {fmt(row['hit_rate'], '.1%')}, "
-            f"{fmt(row['prefilled_per_job'], '.0f')} tokens prefilled per job")
-    return "; ".join([line, *side_lines(row)])
+            f"{fmt(row['job_p95_s'])}s, TTFT mean {fmt(row['ttft_mean_s'])}s, "
+            f"hit rate {_cache(row, 'hit_rate', '.1%')}, {_cache(row, 'prefilled_per_job', '.0f')} tokens prefilled "
+            "per job")
+    return "; ".join([line, *side_lines(row), *([vllm_line(row)] if "vllm" in row else [])])
+
+
+def _cache(row: dict[str, Any], key: str, spec: str) -> str:
+    """A prefix-cache figure; "n/a" where the engine did not report one (``cache_note`` says why)."""
+    return "n/a" if row.get("cache_note") else fmt(row[key], spec)
 
 
 def side_lines(row: dict[str, Any]) -> list[str]:
@@ -363,9 +394,11 @@ def agents_table(agents: dict[str, Any]) -> list[str]:
             oldest = r["longest_turns"][0]["seconds"] if r["longest_turns"] else None
             lines.append(f"{load:>5} {mode:<16} {point['rate']:7.4f} {r['arrivals']:7d} {r['completed']:4d} "
                          f"{fmt(r['job_mean_s']):>8} {fmt(r['job_p95_s']):>8} {fmt(r['ttft_mean_s']):>9} "
-                         f"{fmt(r['ttft_p95_s']):>8} {fmt(r['turn_p95_s']):>8} {fmt(r['hit_rate'], '.1%'):>8} "
-                         f"{fmt(r['prefilled_per_job'], '.0f'):>11} {fmt(oldest):>11}")
+                         f"{fmt(r['ttft_p95_s']):>8} {fmt(r['turn_p95_s']):>8} {_cache(r, 'hit_rate', '.1%'):>8} "
+                         f"{_cache(r, 'prefilled_per_job', '.0f'):>11} {fmt(oldest):>11}")
             lines += [f"      {mode}: {line}" for line in side_lines(r)]
+            if "vllm" in r:
+                lines.append(f"      {vllm_line(r)}")
         if point.get("memory"):
             lines.append("      " + memory_line(point["memory"]))
         for mode, v in point["ratios"].items():

@@ -44,16 +44,19 @@ def _free_port() -> int:
 
 
 class DaemonProcess:
-    """``headrace serve`` with ``config`` on a free local port, in its own data dir, until closed."""
+    """``headrace serve`` with ``config`` on a free local port, in its own data dir, until closed; run by ``python``
+    (another venv's interpreter: the agents benchmark's ``vllm`` mode serves from ``.venv-vllm``)."""
 
-    def __init__(self, config: Path, api_key: str = "bench-key", log: Path | None = None) -> None:
+    def __init__(self, config: Path, api_key: str = "bench-key", log: Path | None = None,
+                 python: str | Path = sys.executable) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="headrace-bench-")
         self.port = _free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log = log or Path(self._tmp.name) / "daemon.log"
-        args = [sys.executable, "-m", "headrace.daemon.commands", "serve", "--config", str(config), "--port", str(self.port),
-                "--data-dir", str(Path(self._tmp.name) / "data"), "--api-key", api_key, "--log-level", "warning"]
+        args = [str(python), "-m", "headrace.daemon.commands", "serve", "--config", str(config), "--port",
+                str(self.port), "--data-dir", str(Path(self._tmp.name) / "data"), "--api-key", api_key,
+                "--log-level", "warning"]
         self._log_file = self.log.open("w")
         self.proc = subprocess.Popen(args, stdout=self._log_file, stderr=subprocess.STDOUT,
                                      env={**os.environ, "HF_HUB_OFFLINE": "1"})

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Collection
 
 from headrace.bench.agents import AGENT_MODES
 from headrace.bench.client import BenchError
@@ -85,13 +85,15 @@ def daemon_tokenizer(systems: Any) -> tuple[Callable, Callable]:
 async def measure_point(systems: Any, modes: list[str], index: int, point: dict[str, Any],
                         measure: Callable[[str], Awaitable[dict[str, Any]]],
                         logged: Callable[[str, dict[str, Any]], None],
-                        compare: Callable[[dict[str, dict[str, Any]]], dict[str, Any]]) -> dict[str, Any]:
+                        compare: Callable[[dict[str, dict[str, Any]]], dict[str, Any]],
+                        elsewhere: Collection[str] = ()) -> dict[str, Any]:
     """A load point's row in each mode, each mode in its own settings (restored after it), and their ratios.
     The order rotates from point to point, so drift (other load on the machine) hits every mode alike. A
-    memory-pressure budget is the phase's, set once with its base mode; every mode keeps that size."""
+    memory-pressure budget is the phase's, set once with its base mode; every mode keeps that size. Modes in
+    ``elsewhere`` are served by another daemon (``measure`` brings it): this one's settings stay as they are."""
     rows = {}
     for mode in modes[index % len(modes):] + modes[:index % len(modes)]:
-        restore = await use_mode(systems, mode, {})
+        restore = {} if mode in elsewhere else await use_mode(systems, mode, {})
         try:
             rows[mode] = await measure(mode)
         finally:

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from headrace.bench.agents import AGENT_MODES, AGENTS, DEFAULT_AGENT_MODES, SHAPES
+from headrace.bench.agents import AGENT_MODES, AGENTS, DEFAULT_AGENT_MODES, SHAPES, VLLM_MODE
 from headrace.bench.mixed import MIXED_BENCH
 from headrace.bench.mixed import SHAPES as MIX_SHAPES
 from headrace.bench.workloads import MIXED_MODES, WORKLOADS
@@ -68,8 +68,15 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--agents-rates", type=float, nargs="*", default=[], help="agents load points in agents/s")
     p.add_argument("--agents-programs", type=int, default=60, help="Poisson agent arrivals per point (default 60)")
     p.add_argument("--agents-modes", nargs="+", default=list(DEFAULT_AGENT_MODES), metavar="MODE",
-                   help=f"modes of the agents benchmark, from {', '.join(AGENT_MODES)} "
-                        f"(default {' '.join(DEFAULT_AGENT_MODES)})")
+                   help=f"modes of the agents benchmark, from {', '.join(AGENT_MODES)} (settings of the one daemon) "
+                        f"and {VLLM_MODE} (the same agents against a second daemon started per point from .venv-vllm "
+                        "with --agents-vllm-config: the vllm engine plugin with vLLM's own prefix caching; "
+                        f"scripts/setup-vllm builds the venv) (default {' '.join(DEFAULT_AGENT_MODES)})")
+    p.add_argument("--agents-vllm-venv", type=Path, metavar="DIR",
+                   help=f"the venv the {VLLM_MODE} mode's daemon runs from (default: $HEADRACE_VLLM_VENV, else the "
+                        "repository's .venv-vllm)")
+    p.add_argument("--agents-vllm-config", type=Path, metavar="TOML",
+                   help=f"the {VLLM_MODE} mode's daemon config (default: the repository's configs/vllm-cpu.toml)")
     p.add_argument("--agents-probe", type=int, metavar="N",
                    help="agents at once in the capacity probe (default: the size's, 8 for full)")
     p.add_argument("--mixed-size", choices=list(MIX_SHAPES), default="full",
@@ -193,6 +200,8 @@ def run(args: argparse.Namespace) -> int:
 def agents_options(args: argparse.Namespace) -> Any:
     """The agents benchmark's options from the flags, or what is wrong with them."""
     from headrace.bench.agents import AgentsOptions
+    from headrace.bench.agents_vllm import check_vllm
+    from headrace.bench.client import BenchError
 
     fractions = args.agents_fractions
     if fractions is None:
@@ -202,13 +211,18 @@ def agents_options(args: argparse.Namespace) -> Any:
                          drain_s=300.0 if args.drain is None else args.drain, seed=args.seed,
                          background=args.agents_background, background_tokens=args.agents_background_tokens,
                          chats=args.agents_chats, cache_tokens=args.agents_cache_tokens,
-                         pin_tokens=args.agents_pin_tokens)
+                         pin_tokens=args.agents_pin_tokens, vllm_venv=args.agents_vllm_venv,
+                         vllm_config=args.agents_vllm_config)
     try:
         opts.check()
     except ValueError as exc:
         return str(exc)
     if not opts.fractions and not opts.rates:
         return "the agents benchmark needs --agents-fractions or --agents-rates"
+    try:
+        check_vllm(opts)  # before the daemon starts
+    except BenchError as exc:
+        return str(exc)
     return opts
 
 

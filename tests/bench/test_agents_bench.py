@@ -3,16 +3,23 @@ real default model whose counts must agree with one another and with the daemon'
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import sys
 from collections import Counter
 
+import anyio
 import httpx
 import pytest
 
-from conftest import API_KEY
-from headrace.bench.agents import SHAPES, TOOLS, AgentRecord, Turn, draw_programs, mean_turns, turn_weights
-from headrace.bench.agents_phase import live_working_set
+from conftest import API_KEY, metric_value
+from headrace.bench.agents import (SHAPES, TOOLS, AgentRecord, AgentsOptions, Turn, draw_programs, mean_turns,
+                                   turn_weights)
+from headrace.bench.agents_phase import agents_phase, live_working_set
+from headrace.bench.client import BenchError, Daemon
 from headrace.bench.corpus import build_corpus
+from headrace.bench.harness import Systems
 from headrace.bench.phases import deltas, histogram_quantile
 from headrace.cli import main
 
@@ -74,6 +81,9 @@ def test_the_live_working_set_sums_the_live_agents_contexts_over_time():
 
 @pytest.mark.parametrize("flags, message", [
     (["--agents-modes", "per-request", "retain-forever"], "unknown agents mode"),
+    (["--agents-rates", "1", "--agents-modes", "vllm-fast"],
+     "unknown agents mode(s) ['vllm-fast']; choose from per-request, las, retention, program-aware, "
+     "no-prefix-cache, vllm"),
     (["--agents-fractions"], "needs --agents-fractions or --agents-rates"),
     (["--agents-rates", "0"], "must be > 0"),
     (["--agents-rates", "1", "--agents-background", "-1"], "must be >= 0"),
@@ -84,6 +94,47 @@ def test_bad_agents_flags_stop_before_anything_runs(flags, message, capsys, tmp_
     code = main(["bench", "agents", *flags, "--url", "http://127.0.0.1:9", "--out", str(tmp_path)])
     assert code == 2 and message in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_the_vllm_mode_without_its_venv_stops_before_anything_runs(capsys, tmp_path):
+    missing = tmp_path / "no-such-venv"
+    out = tmp_path / "out"
+    code = main(["bench", "agents", "--agents-rates", "1", "--agents-modes", "per-request", "vllm",
+                 "--agents-vllm-venv", str(missing), "--url", "http://127.0.0.1:9", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"{missing / 'bin' / 'python'}, which does not exist" in err
+    assert "scripts/setup-vllm" in err and "HEADRACE_VLLM_VENV" in err and not out.exists()
+
+
+def test_a_venv_without_vllm_is_refused_too(capsys, tmp_path):
+    if importlib.util.find_spec("vllm"):
+        pytest.skip("this interpreter has vLLM")
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)  # a working interpreter, without vLLM
+    code = main(["bench", "agents", "--agents-rates", "1", "--agents-modes", "vllm", "--agents-vllm-venv", str(venv),
+                 "--url", "http://127.0.0.1:9", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and "lacks vllm" in err and "scripts/setup-vllm" in err
+
+
+def test_the_phase_checks_the_vllm_venv_before_the_capacity_probe(monkeypatch, tmp_path):
+    # Nothing listens on port 9: had the phase reached the daemon (its prompts, the probe) first, the error would
+    # be a connection error, not this one.
+    monkeypatch.setenv("HEADRACE_VLLM_VENV", str(tmp_path / "gone"))
+    corpus = build_corpus(0, n_documents=1, min_tokens=50, count_tokens=lambda text: len(text.split()))
+    opts = AgentsOptions(shape=SHAPES["smoke"], fractions=[0.5], programs=2, modes=["per-request", "vllm"])
+
+    async def phase() -> None:
+        systems = Systems(Daemon("http://127.0.0.1:9"))
+        systems.models["llm"] = "smollm2"
+        try:
+            await agents_phase(systems, corpus, opts, print)
+        finally:
+            await systems.daemon.aclose()
+
+    with pytest.raises(BenchError, match="gone/bin/python, which does not exist: scripts/setup-vllm"):
+        anyio.run(phase)
 
 
 @pytest.mark.slow
@@ -152,3 +203,46 @@ def test_smoke_every_agent_completes_and_the_counts_agree(server, tmp_path):
                            headers={"Authorization": f"Bearer {API_KEY}"}).json()
     assert settings["llm_policy"] == "fifo" and settings["prefix_caching"] is True and settings["retention"] is True
     assert (settings["prefix_cache_tokens"], settings["prefix_cache_pin_tokens"]) == (16384, 4096)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # the default daemon in this process, then a vLLM daemon started for the point
+def test_smoke_the_vllm_mode_serves_the_same_agents_from_a_vllm_daemon(server, tmp_path):
+    """Run in .venv-vllm (scripts/test): the agents against a second daemon on the vllm engine plugin, with vLLM's
+    own prefix cache; the headrace daemon only builds the prompts."""
+    pytest.importorskip("vllm", reason="vLLM is not installed here (scripts/setup-vllm builds .venv-vllm)")
+    out = tmp_path / "agents"
+    before = server.metrics()
+    # Two agents at 1/s, no capacity probe (--agents-rates), the vllm mode alone, from this very venv.
+    code = main(["bench", "agents", "--agents-size", "smoke", "--agents-programs", "2", "--agents-rates", "1",
+                 "--agents-modes", "vllm", "--agents-vllm-venv", sys.prefix, "--documents", "2", "--doc-tokens", "300",
+                 "--drain", "300", "--url", server.base_url, "--api-key", API_KEY, "--out", str(out)])
+    assert code == 0
+    agents = json.loads((out / "results.json").read_text())["agents"]
+    (point,) = agents["points"]
+    assert "capacity" not in agents and list(point["modes"]) == ["vllm"] and point["ratios"] == {}
+    row = point["modes"]["vllm"]
+    assert row["arrivals"] == row["completed"] == 2 and row["errors"] == [], row
+    # The vLLM daemon answered every turn once, and its prompt tokens are the client's.
+    assert row["turns_sent"] == row["turns_answered"] == row["turns_planned"] == row["daemon_requests"] >= 4, row
+    assert row["prompt_tokens"] == row["daemon_prompt_tokens"] > 0
+    assert 0 < row["ttft_mean_s"] <= row["turn_mean_s"] and row["job_mean_s"] > row["tool_mean_s"] > 0
+    # vLLM's own prefix cache, as each response's usage reports it: the turns after an agent's first find its
+    # earlier turn's whole blocks (at least the shared system prompt's), never the whole prompt.
+    assert row["hits_from"] == "usage" and row["cache_note"] is None
+    assert 0 < row["prefix_hits"] < row["prompt_tokens"] == row["prefix_queries"] and 0 < row["hit_rate"] < 1
+    assert row["tokens_prefilled"] == row["prompt_tokens"] - row["prefix_hits"]
+    info = row["vllm"]
+    assert info["config"].endswith("configs/vllm-cpu.toml") and info["model"] == "smollm2"
+    assert info["kv_cache_space_gib"] == 1 and info["start_s"] > 0
+    with pytest.raises(ProcessLookupError):  # closed after its point
+        os.kill(info["pid"], 0)
+    # The headrace daemon served none of it (no warm-up either: no measured agent and no probe ran on it).
+    after = server.metrics()
+    name = "headrace_e2e_request_latency_seconds_count"
+    assert metric_value(after, name, model="smollm2") == metric_value(before, name, model="smollm2")
+    assert "memory" not in point  # headrace's cache budget is not vLLM's
+    text = (out / "results.txt").read_text()
+    assert "vllm: a second daemon" in text and "kv_cache_space 1 GiB" in text and "n/a" not in text
+    assert "--agents-cache-tokens/--agents-pin-tokens do not size" in text

@@ -74,6 +74,32 @@ def test_logprobs_are_vllms_raw_log_softmax_as_scoring_reads_it(vllm_engine):
     assert float(scored[0, 0]) == pytest.approx(first.logprob, abs=0.05)
 
 
+def test_vllms_own_cached_token_count_answers_a_prefill_and_a_generates_first_delta(vllm_engine):
+    """What vLLM's prefix cache served a prompt (its ``num_cached_tokens``: whole 32-token blocks here) is the
+    prefill's answer, and a generate's (one vLLM request, no prefill) first delta: OpenAI's usage cached_tokens."""
+    import uuid
+
+    portal, engine, _ = vllm_engine
+    # Its own system message (no default one) with a new id in it: no block of it was ever cached.
+    question = "Tell me about rivers, lakes and the seas they run to. " * 6
+    tokens = engine.chat_tokens([{"role": "system", "content": f"[{uuid.uuid4().hex}] Answer briefly."},
+                                 {"role": "user", "content": question}])
+
+    async def run():
+        with anyio.fail_after(LONG_ENOUGH):
+            a, b = engine.new_context_id(), engine.new_context_id()
+            cold = await engine.prefill(a, tokens)
+            warm = await engine.prefill(b, tokens)
+            await engine.free(a)
+            await engine.free(b)
+            return cold, warm, [d async for d in engine.generate(tokens, GREEDY)]
+
+    cold, warm, deltas = portal.call(run)
+    assert len(tokens) > 96 and cold == 0  # its first block (a new id in it) was never seen
+    assert 64 <= warm < len(tokens) and warm % 32 == 0  # the blocks the first prefill left, not the last token
+    assert deltas[0].cached_tokens == warm and all(d.cached_tokens == 0 for d in deltas[1:])
+
+
 def test_constraints_reach_vllm_structured_outputs(vllm_engine):
     import json
 

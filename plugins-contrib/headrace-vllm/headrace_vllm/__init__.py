@@ -145,7 +145,8 @@ class _Live:
     ctx: ContextId | None = None
     reply: Reply | None = None  # a prefill's
     send: Any = None  # a decode's stream
-    free_after: bool = False  # a generate()'s decode: its context goes when it ends
+    free_after: bool = False  # a generate()'s decode: its context goes when it ends (and it had no prefill request)
+    first: bool = True  # no delta sent yet
     top_logprobs: int | None = None  # a decode's ``logprobs``: alternatives per token (None: none asked)
     scoring: _Scoring | None = None  # a scoring prompt's job
     row: int = 0  # ... and its row there
@@ -393,14 +394,22 @@ class VLLMCore(TokenListCore):
                 # and the sampled token whatever its rank.
                 logprobs = tuple(_token_logprob(token, step, live.top_logprobs)
                                  for token, step in zip(token_ids, completion.logprobs or (), strict=True))
+            # A generate()'s decode is its only request: its first delta says what vLLM found cached (OpenAI's
+            # cached_tokens). A decode after a prefill request says nothing: that prefill did, and this request finds
+            # the whole prompt cached by it.
+            cached = (request_output.num_cached_tokens or 0) if live.first and live.free_after else 0
+            live.first = False
             out.deltas.append((live.send, TokenDelta(text=completion.text or "", token_ids=token_ids,
-                                                     finish_reason=finish, logprobs=logprobs), finish is not None))
+                                                     finish_reason=finish, logprobs=logprobs, cached_tokens=cached),
+                               finish is not None))
             if finish is not None and live.free_after:
                 self.release(live.ctx)
         elif finish is None:
             return
         elif live.op == "prefill":
-            out.reply(live.reply)
+            # vLLM's own count of the prompt tokens its prefix cache served (whole blocks), for OpenAI's usage
+            # cached_tokens and the las policy's service count.
+            out.reply(live.reply, request_output.num_cached_tokens or 0)
         else:
             scoring = live.scoring
             got = {int(token_id): float(lp.logprob) for token_id, lp in completion.logprobs[0].items()}
