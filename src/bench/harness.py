@@ -132,10 +132,17 @@ class Systems:
         self._prefix_caching = on
 
     async def finish(self) -> None:
-        if self.configured_policy is not None:
-            await self.use_policy(self.configured_policy, self.configured_max_runs)
-        if self.configured_prefix_caching is not None and self._prefix_caching != self.configured_prefix_caching:
-            await self.use_prefix_caching(self.configured_prefix_caching)
+        """Restore the daemon's own LLM settings and close the baselines' clients."""
+        try:
+            if self.configured_policy is not None:
+                await self.use_policy(self.configured_policy, self.configured_max_runs)
+            if self.configured_prefix_caching is not None and self._prefix_caching != self.configured_prefix_caching:
+                await self.use_prefix_caching(self.configured_prefix_caching)
+        finally:
+            # In this loop: an SDK client left to the garbage collector closes itself in whatever loop runs then.
+            baselines, self._baselines = list(self._baselines.values()), {}
+            for baseline in baselines:
+                await baseline.aclose()
 
     async def use_policy(self, policy: str | None, max_runs: int | None = None) -> None:
         """Put the LLM under ``policy`` and ``max_runs`` (None: the daemon's own) unless it is already."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 
@@ -14,6 +15,25 @@ from headrace.cli import main
 pytestmark = pytest.mark.slow
 
 TINY = ["--reps", "1", "--no-warmup", "--max-tokens", "4", "--documents", "2", "--doc-tokens", "300"]
+
+
+@pytest.fixture
+def sdk_clients_collected_open(monkeypatch):
+    """The openai SDK's async HTTP clients the garbage collector finds unclosed. Such a client's ``__del__``
+    schedules its ``aclose()`` in whatever event loop runs at that moment, a later test's, on connections of a
+    loop already closed ("Event loop is closed" in a test that never made the client)."""
+    from openai._base_client import AsyncHttpxClientWrapper
+
+    collected: list[int] = []
+    original = AsyncHttpxClientWrapper.__del__
+
+    def record(client) -> None:
+        if not client.is_closed:
+            collected.append(id(client))
+        original(client)
+
+    monkeypatch.setattr(AsyncHttpxClientWrapper, "__del__", record)
+    return collected
 
 
 @pytest.fixture(scope="module")
@@ -133,10 +153,12 @@ def test_llm_policy_modes_load_from_capacity_and_the_chat_phase(server, tmp_path
     assert (settings["llm_policy"], settings["prefix_caching"], settings["max_runs"]) == ("fifo", True, 0)
 
 
-def test_the_summaries_run_as_semantic_calls_against_client_chaining(server, tmp_path):
+def test_the_summaries_run_as_semantic_calls_against_client_chaining(server, tmp_path, sdk_clients_collected_open):
     code = main(["bench", "chain_summary", "map_reduce_summary", "--modes", "chaining", "semantic", *TINY,
                  "--url", server.base_url, "--api-key", API_KEY, "--out", str(tmp_path)])
     assert code == 0
+    gc.collect()
+    assert sdk_clients_collected_open == []  # the bench closed the chaining baseline's client in its own loop
     results = json.loads((tmp_path / "results.json").read_text())
     for name in ("chain_summary", "map_reduce_summary"):
         modes = results["workloads"][name]["single"]["modes"]

@@ -11,6 +11,7 @@ from conftest import idle
 from headrace.batching.meta import PrimitiveMeta
 from headrace.graph.events import RunEvents
 from headrace.graph.graph import Op
+from headrace.graph.remaining import RemainingWork
 
 pytestmark = pytest.mark.slow
 
@@ -30,8 +31,11 @@ def by_node(run) -> dict:
     return out
 
 
-def test_naive_rag_tree(live):
+def test_naive_rag_tree(live, monkeypatch):
     portal, svc, _ = live
+    # Learned from this run alone: the table keeps each node's shortest over every naive_rag the shared
+    # daemon ran before, so with other runs (other documents, other tests) its order need not be this run's.
+    monkeypatch.setattr(svc.executor, "remaining", RemainingWork())
     run = portal.call(svc.run, "naive_rag", {"question": QUESTION, "documents": DOCS}, {"max_tokens": 24})
     assert run.status == "succeeded", run.error
     assert run.result["answer"].strip()
