@@ -30,6 +30,9 @@ from headrace.batching.meta import PrimitiveMeta
 from headrace.plugins.protocols import SamplingParams, TokenDelta
 
 PROMPT_TOKENS = 96  # each queued prompt; one fits an iteration, two do not
+# The prompt that keeps the engine busy while the others queue: they queue within one turn of the event loop, so a
+# prefill of tenths of a second is long enough (1,500 tokens took ~14 s each time on a busy 2-core machine).
+BLOCKER_TOKENS = 384
 POLICIES = {"fifo": FifoLLMPolicy(), "topology": TopologyLLMPolicy(), "objective": ObjectiveLLMPolicy(),
             "deadline": DeadlineLLMPolicy(), "las": LasLLMPolicy()}
 
@@ -167,7 +170,7 @@ async def prefill_order(engine, policy: str, requests: list[tuple[str, Primitive
 
     async with anyio.create_task_group() as tg:
         # The blocker keeps the engine busy while the others queue together behind it.
-        tg.start_soon(one, "blocker", None, prompt(engine, 0, 1500))
+        tg.start_soon(one, "blocker", None, prompt(engine, 0, BLOCKER_TOKENS))
         for i, (name, meta) in enumerate(requests):
             tg.start_soon(one, name, meta, prompt(engine, i + 1))
     for ctx in contexts:
@@ -350,7 +353,7 @@ def test_the_scheduler_sees_other_runs_requests_and_live_contexts(busy_llm):
         seen = [(sched.busy_with_other_runs("a"), sched.busy_with_other_runs("b"))]
         ctx = engine.new_context_id()
         async with anyio.create_task_group() as tg:
-            tg.start_soon(sched.prefill, ctx, prompt(engine, 0, 1500), None, PrimitiveMeta(run="a", node="n"))
+            tg.start_soon(sched.prefill, ctx, prompt(engine, 0, BLOCKER_TOKENS), None, PrimitiveMeta(run="a", node="n"))
             await anyio.wait_all_tasks_blocked()
             seen.append((sched.busy_with_other_runs("a"), sched.busy_with_other_runs("b")))  # a's request
         seen.append((sched.busy_with_other_runs("a"), sched.busy_with_other_runs("b")))  # a's live context
@@ -359,7 +362,7 @@ def test_the_scheduler_sees_other_runs_requests_and_live_contexts(busy_llm):
         # A request from outside any run (a plain chat) is another run to every run.
         async with anyio.create_task_group() as tg:
             async def chat() -> None:
-                async for _ in sched.generate(prompt(engine, 1, 1500), SamplingParams(max_tokens=1, temperature=0)):
+                async for _ in sched.generate(prompt(engine, 1, BLOCKER_TOKENS), SamplingParams(max_tokens=1, temperature=0)):
                     pass
 
             tg.start_soon(chat)
