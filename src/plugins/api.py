@@ -33,7 +33,7 @@ from headrace.plugins.engines.llm_messages import (CacheControl, Command, Decode
 from headrace.plugins.engines.llm_token_lists import Hold, TokenListCore, safetensors_model
 from headrace.plugins.engines.model_paths import ModelNotFound, resolve_model
 from headrace.plugins.engines.sampling import LOGPROB_FLOOR, Detokenizer, is_greedy
-from headrace.plugins.engines.torch_loading import convert_gguf
+from headrace.plugins.engines.torch_loading import auto_dtype, convert_gguf
 from headrace.plugins.protocols import (EmbedEngine, Engine, EngineEnv, EngineKind, EngineSpec, FinishReason,
                                         JsonSchemaConstraint, LarkConstraint, LLMEngine, OutputConstraint,
                                         RerankEngine, SamplingParams, SearchHit, TokenDelta, TokenLogprob,
@@ -59,7 +59,7 @@ __all__ = [
     "TokenListCore", "Hold",
     # helpers
     "check_token_ids", "Detokenizer", "is_greedy", "LOGPROB_FLOOR", "ChatMessages", "ToolSpecs", "apply_template",
-    "json_schema_text", "resolve_model", "ModelNotFound", "convert_gguf", "safetensors_model",
+    "json_schema_text", "resolve_model", "ModelNotFound", "convert_gguf", "safetensors_model", "auto_dtype",
     # hosting the daemon
     *_HOSTING,
 ]

