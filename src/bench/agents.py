@@ -300,6 +300,10 @@ class AgentsOptions:
     # (None: configs/vllm-cpu.toml); checked before anything is measured (``agents_vllm.check_vllm``).
     vllm_venv: Path | None = None
     vllm_config: Path | None = None
+    # Or a vLLM daemon already running (``headrace serve`` on the vllm engine plugin), used as it is: nothing is
+    # started or closed, and its prefix cache holds whatever it served before.
+    vllm_url: str | None = None
+    vllm_api_key: str = ""
 
     def check(self) -> None:
         known = [*AGENT_MODES, VLLM_MODE]
@@ -318,6 +322,12 @@ class AgentsOptions:
             raise ValueError("--agents-cache-tokens must be >= 1")
         if self.pin_tokens is not None and (self.cache_tokens is None or not 0 <= self.pin_tokens <= self.cache_tokens):
             raise ValueError("--agents-pin-tokens needs --agents-cache-tokens, and from 0 to it")
+        if self.vllm_url is not None:
+            if not self.vllm_url.startswith(("http://", "https://")):
+                raise ValueError(f"--agents-vllm-url must be an http(s) URL, not {self.vllm_url!r}")
+            if self.vllm_venv is not None or self.vllm_config is not None:
+                raise ValueError("--agents-vllm-url uses a running daemon: --agents-vllm-venv and "
+                                 "--agents-vllm-config start one; give either, not both")
 
     @property
     def budget(self) -> tuple[int, int | None] | None:

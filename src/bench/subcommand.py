@@ -77,6 +77,11 @@ def add_parser(sub: Any) -> None:
                         "repository's .venv-vllm)")
     p.add_argument("--agents-vllm-config", type=Path, metavar="TOML",
                    help=f"the {VLLM_MODE} mode's daemon config (default: the repository's configs/vllm-cpu.toml)")
+    p.add_argument("--agents-vllm-url", metavar="URL",
+                   help=f"the {VLLM_MODE} mode against this running daemon (headrace serve on the vllm engine plugin) "
+                        "rather than one started per point: nothing is started or closed, and its prefix cache "
+                        "starts with whatever it served before")
+    p.add_argument("--agents-vllm-api-key", default="", metavar="KEY", help="the --agents-vllm-url daemon's API key")
     p.add_argument("--agents-probe", type=int, metavar="N",
                    help="agents at once in the capacity probe (default: the size's, 8 for full)")
     p.add_argument("--mixed-size", choices=list(MIX_SHAPES), default="full",
@@ -212,7 +217,8 @@ def agents_options(args: argparse.Namespace) -> Any:
                          background=args.agents_background, background_tokens=args.agents_background_tokens,
                          chats=args.agents_chats, cache_tokens=args.agents_cache_tokens,
                          pin_tokens=args.agents_pin_tokens, vllm_venv=args.agents_vllm_venv,
-                         vllm_config=args.agents_vllm_config)
+                         vllm_config=args.agents_vllm_config, vllm_url=args.agents_vllm_url,
+                         vllm_api_key=args.agents_vllm_api_key)
     try:
         opts.check()
     except ValueError as exc:

@@ -207,16 +207,18 @@ def test_smoke_every_agent_completes_and_the_counts_agree(server, tmp_path):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # the default daemon in this process, then a vLLM daemon started for the point
-def test_smoke_the_vllm_mode_serves_the_same_agents_from_a_vllm_daemon(server, tmp_path):
+@pytest.mark.timeout(600)  # the default daemon in this process, and conftest's vLLM daemon
+def test_smoke_the_vllm_mode_serves_the_same_agents_from_a_vllm_daemon(server, vllm_daemon, tmp_path):
     """Run in .venv-vllm (scripts/test): the agents against a second daemon on the vllm engine plugin, with vLLM's
-    own prefix cache; the headrace daemon only builds the prompts."""
+    own prefix cache; the headrace daemon only builds the prompts. The vLLM daemon is conftest's, running already
+    (``--agents-vllm-url``; started as the mode starts its own, with configs/vllm-cpu.toml)."""
     pytest.importorskip("vllm", reason="vLLM is not installed here (scripts/setup-vllm builds .venv-vllm)")
     out = tmp_path / "agents"
     before = server.metrics()
-    # Two agents at 1/s, no capacity probe (--agents-rates), the vllm mode alone, from this very venv.
+    # Two agents at 1/s, no capacity probe (--agents-rates), the vllm mode alone.
     code = main(["bench", "agents", "--agents-size", "smoke", "--agents-programs", "2", "--agents-rates", "1",
-                 "--agents-modes", "vllm", "--agents-vllm-venv", sys.prefix, "--documents", "2", "--doc-tokens", "300",
+                 "--agents-modes", "vllm", "--agents-vllm-url", vllm_daemon.base_url,
+                 "--agents-vllm-api-key", vllm_daemon.api_key, "--documents", "2", "--doc-tokens", "300",
                  "--drain", "300", "--url", server.base_url, "--api-key", API_KEY, "--out", str(out)])
     assert code == 0
     agents = json.loads((out / "results.json").read_text())["agents"]
@@ -234,15 +236,37 @@ def test_smoke_the_vllm_mode_serves_the_same_agents_from_a_vllm_daemon(server, t
     assert 0 < row["prefix_hits"] < row["prompt_tokens"] == row["prefix_queries"] and 0 < row["hit_rate"] < 1
     assert row["tokens_prefilled"] == row["prompt_tokens"] - row["prefix_hits"]
     info = row["vllm"]
-    assert info["config"].endswith("configs/vllm-cpu.toml") and info["model"] == "smollm2"
-    assert info["kv_cache_space_gib"] == 1 and info["start_s"] > 0
-    with pytest.raises(ProcessLookupError):  # closed after its point
-        os.kill(info["pid"], 0)
+    assert info["url"] == vllm_daemon.base_url and info["started"] is False and info["model"] == "smollm2"
+    assert vllm_daemon.proc.poll() is None  # used, not closed: it was not the benchmark's to close
+    assert httpx.get(f"{vllm_daemon.base_url}/ready").status_code == 200
     # The headrace daemon served none of it (no warm-up either: no measured agent and no probe ran on it).
     after = server.metrics()
     name = "headrace_e2e_request_latency_seconds_count"
     assert metric_value(after, name, model="smollm2") == metric_value(before, name, model="smollm2")
     assert "memory" not in point  # headrace's cache budget is not vLLM's
     text = (out / "results.txt").read_text()
-    assert "vllm: a second daemon" in text and "kv_cache_space 1 GiB" in text and "n/a" not in text
+    assert f"vllm: the running daemon at {vllm_daemon.base_url} (--agents-vllm-url)" in text and "n/a" not in text
     assert "--agents-cache-tokens/--agents-pin-tokens do not size" in text
+
+
+def test_a_vllm_url_that_is_not_a_vllm_daemon_is_refused_before_anything_runs(server, capsys, tmp_path):
+    """--agents-vllm-url must name a daemon whose LLM is on the vllm engine plugin (the default daemon's is on
+    llama-cpp) and that answers; each refused before the benchmark starts."""
+    out = tmp_path / "out"
+    args = ["bench", "agents", "--agents-rates", "1", "--agents-modes", "per-request", "vllm", "--url", server.base_url,
+            "--api-key", API_KEY, "--out", str(out)]
+    code = main([*args, "--agents-vllm-url", server.base_url, "--agents-vllm-api-key", API_KEY])
+    err = capsys.readouterr().err
+    assert code == 2 and "serves no LLM on the vllm engine plugin: " in err and "smollm2 (llm on llama-cpp)" in err, err
+    code = main([*args, "--agents-vllm-url", server.base_url])  # without its key
+    err = capsys.readouterr().err
+    assert code == 2 and "GET /v1/models answered 401" in err, err
+    code = main([*args, "--agents-vllm-url", "http://127.0.0.1:9"])
+    err = capsys.readouterr().err
+    assert code == 2 and "(--agents-vllm-url) cannot be reached" in err, err
+    code = main([*args, "--agents-vllm-url", "127.0.0.1:9"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--agents-vllm-url must be an http(s) URL" in err, err
+    code = main([*args, "--agents-vllm-url", server.base_url, "--agents-vllm-config", "configs/vllm-cpu.toml"])
+    assert code == 2 and "give either, not both" in capsys.readouterr().err
+    assert not out.exists()

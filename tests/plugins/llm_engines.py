@@ -95,7 +95,8 @@ def check_daemon_chat_and_context_limit(server: Any, model: str) -> None:
     """A daemon on the engine answers a chat, and refuses a prompt over the context with OpenAI's 400."""
     import httpx
 
-    reply = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=LONG_ENOUGH, json={
+    headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
+    reply = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=LONG_ENOUGH, headers=headers, json={
         "model": model, "max_tokens": 8, "temperature": 0,
         "messages": [{"role": "user", "content": "What colour is the sky?"}],
     })
@@ -103,7 +104,7 @@ def check_daemon_chat_and_context_limit(server: Any, model: str) -> None:
     body = reply.json()
     assert body["choices"][0]["message"]["content"]
     assert body["usage"]["completion_tokens"] <= 8
-    too_long = httpx.post(f"{server.base_url}/v1/completions", timeout=LONG_ENOUGH, json={
+    too_long = httpx.post(f"{server.base_url}/v1/completions", timeout=LONG_ENOUGH, headers=headers, json={
         "model": model, "max_tokens": 4, "prompt": [42] * 5000,
     })
     assert too_long.status_code == 400, too_long.text
