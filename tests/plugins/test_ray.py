@@ -41,7 +41,9 @@ SYSTEM = " ".join(f"Rule {i}: the sluice gate opens at dawn and the wheel turns.
 
 
 def document(seed: str) -> str:
-    return " ".join(f"{seed} paragraph {i}: the water ran through the {seed} channel to the wheel." for i in range(120))
+    # Some ten 128-token chunks summarised one after another: a run of seconds on a replica's one thread, still in
+    # flight long after the calls that need it running (twice as long only cost the module CPU).
+    return " ".join(f"{seed} paragraph {i}: the water ran through the {seed} channel to the wheel." for i in range(60))
 
 
 @pytest.fixture(scope="module")
