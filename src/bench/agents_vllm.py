@@ -78,9 +78,10 @@ def check_vllm(opts: AgentsOptions) -> None:
     if opts.vllm_url is not None:
         import httpx
 
-        url, headers = opts.vllm_url.rstrip("/"), {"Authorization": f"Bearer {opts.vllm_api_key}"}
+        url = opts.vllm_url.rstrip("/")
+        headers = {"Authorization": f"Bearer {opts.vllm_api_key}"} if opts.vllm_api_key else {}
         try:
-            reply = httpx.get(f"{url}/v1/models", headers=headers if opts.vllm_api_key else {}, timeout=10)
+            reply = httpx.get(f"{url}/v1/models", headers=headers, timeout=10)
         except httpx.HTTPError as exc:
             raise BenchError(f"the {VLLM_MODE} agents mode's daemon at {url} (--agents-vllm-url) cannot be "
                              f"reached: {exc}") from None
@@ -138,10 +139,11 @@ async def vllm_daemon(opts: AgentsOptions, system: str, warm_task: str,
     warmed up (unmeasured), closed on the way out if started here."""
     t0 = time.perf_counter()
     process: DaemonProcess | None = None
+    config: Path | None = None
     info: dict[str, Any]
     if opts.vllm_url is not None:
         base_url, api_key, where = opts.vllm_url.rstrip("/"), opts.vllm_api_key, opts.vllm_url
-        info = {"url": base_url, "started": False, "kv_cache_space_gib": None, "block_size": None}
+        info = {"url": base_url, "started": False}
         log(f"    the {VLLM_MODE} daemon: the running one at {base_url}")
     else:
         venv, config = vllm_venv(opts), vllm_config(opts)
@@ -160,8 +162,8 @@ async def vllm_daemon(opts: AgentsOptions, system: str, warm_task: str,
         client = AgentClient(base_url, api_key, llm, opts.shape, system)
         await client.warm_up(warm_task, system=WARM_UP_SYSTEM)
         info |= {"model": llm, "start_s": time.perf_counter() - t0}
-        if process is not None:
-            info |= kv_cache_of(vllm_config(opts), llm)
+        if config is not None:
+            info |= kv_cache_of(config, llm)
         log(f"    {VLLM_MODE} daemon ready in {info['start_s']:.1f}s, model {llm}")
         yield VLLMDaemon(daemon, llm, client, info)
     finally:
@@ -177,11 +179,11 @@ async def vllm_daemon(opts: AgentsOptions, system: str, warm_task: str,
 def vllm_line(row: dict[str, Any]) -> str:
     """What the ``vllm`` row is, and which figures it cannot have: a line for the report under its row."""
     info = row.get("vllm") or {}
-    gib = info.get("kv_cache_space_gib")
-    kv = f"kv_cache_space {gib:g} GiB" if gib is not None else "kv_cache_space unset (the plugin's default)"
     if not info.get("started", True):
         kv, where = "its config's kv_cache_space", f"the running daemon at {info.get('url')} (--agents-vllm-url)"
     else:
+        gib = info.get("kv_cache_space_gib")
+        kv = f"kv_cache_space {gib:g} GiB" if gib is not None else "kv_cache_space unset (the plugin's default)"
         where = (f"a second daemon ({info.get('config')} run by {info.get('python')}, ready in "
                  f"{info.get('start_s', 0):.0f}s)")
     hits = (f"hit rate n/a and tokens prefilled n/a: {row['cache_note']}" if row.get("cache_note") else

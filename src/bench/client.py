@@ -104,8 +104,7 @@ class Daemon:
 
     async def models(self) -> dict[str, str]:
         """Model id -> kind, from /v1/models."""
-        body = await self._json("GET", "/v1/models")
-        return {m["id"]: m.get("kind", "") for m in body["data"]}
+        return {m["id"]: m.get("kind", "") for m in await self.model_list()}
 
     async def model_list(self) -> list[dict[str, Any]]:
         """/v1/models' entries: each model's id, kind, engine plugin and state."""
