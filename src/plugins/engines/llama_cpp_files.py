@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from headrace.plugins.engines.torch_loading import gguf_cache_key
+from headrace.plugins.engines.torch_loading import converting, gguf_cache_key
 
 log = logging.getLogger("headrace.plugins.engines.llama_cpp")  # llama.cpp's own log, at debug level
 
@@ -62,9 +62,15 @@ def quantized_model(source: Path, cache_dir: Path, quant: str, threads: int) -> 
     target = cache_dir / "models" / f"{gguf_cache_key(source)}.{quant}.gguf"
     if target.exists():
         return target
+    with converting(target):
+        if not target.exists():  # not made while this process waited
+            _quantize(source, target, quant, threads)
+    return target
+
+
+def _quantize(source: Path, target: Path, quant: str, threads: int) -> None:
     lc = llama()
     log.info("converting %s to %s (once): %s", source.name, quant, target)
-    target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
     params = lc.llama_model_quantize_default_params()
     params.ftype = QUANT_TYPES[quant]
@@ -74,7 +80,6 @@ def quantized_model(source: Path, cache_dir: Path, quant: str, threads: int) -> 
         partial.unlink(missing_ok=True)
         raise RuntimeError(f"llama.cpp could not convert {source} to {quant}")
     partial.replace(target)  # atomic: a crashed conversion never looks complete
-    return target
 
 
 def load_tokenizer(gguf: Path, cache_dir: Path) -> Any:
@@ -82,26 +87,26 @@ def load_tokenizer(gguf: Path, cache_dir: Path) -> Any:
     from transformers import AutoTokenizer
 
     key = gguf_cache_key(gguf)
-    for saved in (cache_dir / "models" / key, cache_dir / "models" / f"{key}.tokenizer"):
-        # The first is the torch engine's converted copy of the same file, when it exists.
-        if (saved / "tokenizer.json").exists() and (saved / "tokenizer_config.json").exists():
-            return AutoTokenizer.from_pretrained(saved)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)  # slow: parses the GGUF
     target = cache_dir / "models" / f"{key}.tokenizer"
-    partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
-    tokenizer.save_pretrained(partial)
-    try:
-        partial.rename(target)
-    except OSError:  # another process saved it first
-        shutil.rmtree(partial, ignore_errors=True)
-    return tokenizer
+    saved = _saved_tokenizer(cache_dir / "models" / key, target)
+    if saved is None:
+        with converting(target):
+            saved = _saved_tokenizer(target)  # saved while this process waited?
+            if saved is None:
+                tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)  # slow: parses the GGUF
+                partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
+                shutil.rmtree(partial, ignore_errors=True)
+                tokenizer.save_pretrained(partial)
+                shutil.rmtree(target, ignore_errors=True)  # a crashed save's leftovers, if any
+                partial.rename(target)
+                return tokenizer
+    return AutoTokenizer.from_pretrained(saved)
 
 
-def model_footprint_bytes(model: Any, cells: int) -> int:
-    """llama.cpp's count of a loaded model's weights (``llama_model_size``) plus the KV cache a context of
-    ``cells`` preallocates: cells x layers x K and V x the KV width (f16, llama.cpp's default cache type)."""
-    lc = llama()
-    heads = lc.llama_model_n_head(model)
-    kv_width = lc.llama_model_n_embd(model) // max(1, heads) * lc.llama_model_n_head_kv(model)
-    return int(lc.llama_model_size(model)) + cells * lc.llama_model_n_layer(model) * 2 * kv_width * 2
+def _saved_tokenizer(*dirs: Path) -> Path | None:
+    # The first of dirs that holds a whole saved tokenizer: the torch engine's converted copy of the
+    # same file is one, when it exists.
+    for saved in dirs:
+        if (saved / "tokenizer.json").exists() and (saved / "tokenizer_config.json").exists():
+            return saved
+    return None

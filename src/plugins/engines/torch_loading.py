@@ -1,19 +1,24 @@
 """Load a causal LM for the torch engine from an HF directory or a GGUF file.
 
-A GGUF file is dequantised by transformers (about 16 s for SmolLM2 on two
-cores), so the first load saves the result as safetensors in the cache dir and
-later starts load that copy in well under two seconds.
+A GGUF file is dequantised by transformers (tens of seconds of CPU for SmolLM2:
+its GGUF reader parses the file's metadata once for the config, once for the
+weights, once for the tokenizer), so the first load saves the result as
+safetensors in the cache dir and later starts load that copy in about a second.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 
 log = logging.getLogger(__name__)
 
@@ -54,15 +59,36 @@ def cpu_has_bf16_kernels() -> bool:
 
 
 def gguf_cache_key(gguf: Path) -> str:
-    """The name every engine's converted copy of ``gguf`` starts with: keyed by content identity,
-    so a changed file is converted again, and engines find each other's copies."""
+    """The name every engine's converted copy of ``gguf`` starts with: keyed by the file's content, so a
+    changed file is converted again, and every engine, venv and checkout holding the same file (pip
+    installs one copy per venv) shares one conversion."""
     stat = gguf.stat()
-    digest = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    return f"{gguf.stem}-{digest}"
+    return f"{gguf.stem}-{_content_digest(str(gguf.resolve()), stat.st_size, stat.st_mtime_ns)}"
+
+
+@functools.lru_cache(maxsize=64)
+def _content_digest(path: str, size: int, mtime_ns: int) -> str:
+    # Hashing 100 MB takes ~0.1 s: once per file version and process, not at every engine load.
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def converting(target: Path) -> Iterator[None]:
+    """Held while ``target`` is made: a second process wanting the same conversion (two engines, two test
+    workers, two daemons starting side by side) waits for the first and then finds the result, rather than
+    spending the same minute of CPU on a copy it throws away."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{target}.lock"):
+        yield
 
 
 def _gguf_cache_dir(gguf: Path, cache_dir: Path) -> Path:
     return cache_dir / "models" / gguf_cache_key(gguf)
+
+
+def _is_converted(target: Path) -> bool:
+    return (target / "config.json").exists() and (target / "model.safetensors").exists()
 
 
 def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
@@ -70,14 +96,25 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
 
     float32 keeps the dequantised values exact, so one copy serves every dtype.
     """
+    target = _gguf_cache_dir(gguf, cache_dir)
+    if _is_converted(target):
+        return target
+    with converting(target):
+        if not _is_converted(target):  # not made while this process waited
+            _convert(gguf, target)
+    return target
+
+
+def _convert(gguf: Path, target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target = _gguf_cache_dir(gguf, cache_dir)
-    if (target / "config.json").exists() and (target / "model.safetensors").exists():
-        return target
     log.info("converting %s to %s (once)", gguf, target)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    saved_tokenizer = target.with_name(f"{target.name}.tokenizer")  # the llama-cpp engine's, when it ran first
+    if (saved_tokenizer / "tokenizer.json").exists():
+        tokenizer = AutoTokenizer.from_pretrained(saved_tokenizer)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)  # parses the GGUF again
     # The dequantised weights are plain tensors now; saving with the GGUF
     # quantizer attached would try to write GGUF-packed weights.
     model.hf_quantizer = None
@@ -87,11 +124,8 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
-    try:
-        partial.rename(target)  # atomic: a crashed conversion never looks complete
-    except OSError:  # another process finished the same conversion first
-        shutil.rmtree(partial, ignore_errors=True)
-    return target
+    shutil.rmtree(target, ignore_errors=True)  # a crashed conversion's leftovers, if any
+    partial.rename(target)  # atomic: a crashed conversion never looks complete
 
 
 def load_causal_lm(path: Path, cache_dir: Path, dtype: torch.dtype, tokenizer=None):
