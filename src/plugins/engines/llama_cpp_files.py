@@ -110,3 +110,12 @@ def _saved_tokenizer(*dirs: Path) -> Path | None:
         if (saved / "tokenizer.json").exists() and (saved / "tokenizer_config.json").exists():
             return saved
     return None
+
+
+def model_footprint_bytes(model: Any, cells: int) -> int:
+    """llama.cpp's count of a loaded model's weights (``llama_model_size``) plus the KV cache a context of
+    ``cells`` preallocates: cells x layers x K and V x the KV width (f16, llama.cpp's default cache type)."""
+    lc = llama()
+    heads = lc.llama_model_n_head(model)
+    kv_width = lc.llama_model_n_embd(model) // max(1, heads) * lc.llama_model_n_head_kv(model)
+    return int(lc.llama_model_size(model)) + cells * lc.llama_model_n_layer(model) * 2 * kv_width * 2
