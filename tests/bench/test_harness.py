@@ -14,7 +14,7 @@ from headrace.cli import main
 
 pytestmark = pytest.mark.slow
 
-TINY = ["--reps", "1", "--no-warmup", "--max-tokens", "4", "--documents", "2", "--doc-tokens", "300"]
+TINY = ["--reps", "1", "--no-warmup", "--max-tokens", "4", "--documents", "2", "--doc-tokens", "150"]
 
 
 @pytest.fixture
