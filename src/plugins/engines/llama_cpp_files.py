@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
-from headrace.plugins.engines.torch_loading import converting, gguf_cache_key
+from headrace.plugins.engines.torch_loading import gguf_cache_key, has_tokenizer, made_once, tokenizer_cache_dir
 
 log = logging.getLogger("headrace.plugins.engines.llama_cpp")  # llama.cpp's own log, at debug level
 
@@ -60,56 +58,30 @@ def quantized_model(source: Path, cache_dir: Path, quant: str, threads: int) -> 
     if quant == "none":
         return source
     target = cache_dir / "models" / f"{gguf_cache_key(source)}.{quant}.gguf"
-    if target.exists():
-        return target
-    with converting(target):
-        if not target.exists():  # not made while this process waited
-            _quantize(source, target, quant, threads)
-    return target
+    return made_once(target, Path.exists, lambda partial: _quantize(source, target, partial, quant, threads))
 
 
-def _quantize(source: Path, target: Path, quant: str, threads: int) -> None:
+def _quantize(source: Path, target: Path, partial: Path, quant: str, threads: int) -> None:
     lc = llama()
     log.info("converting %s to %s (once): %s", source.name, quant, target)
-    partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
     params = lc.llama_model_quantize_default_params()
     params.ftype = QUANT_TYPES[quant]
     params.nthread = threads
     params.allow_requantize = True  # the shipped model is quantized already
     if lc.llama_model_quantize(str(source).encode(), str(partial).encode(), ctypes.byref(params)) != 0:
-        partial.unlink(missing_ok=True)
         raise RuntimeError(f"llama.cpp could not convert {source} to {quant}")
-    partial.replace(target)  # atomic: a crashed conversion never looks complete
 
 
 def load_tokenizer(gguf: Path, cache_dir: Path) -> Any:
     """The model's HF tokenizer (and chat template), read from the GGUF once, then from the cache."""
     from transformers import AutoTokenizer
 
-    key = gguf_cache_key(gguf)
-    target = cache_dir / "models" / f"{key}.tokenizer"
-    saved = _saved_tokenizer(cache_dir / "models" / key, target)
-    if saved is None:
-        with converting(target):
-            saved = _saved_tokenizer(target)  # saved while this process waited?
-            if saved is None:
-                tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)  # slow: parses the GGUF
-                partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
-                shutil.rmtree(partial, ignore_errors=True)
-                tokenizer.save_pretrained(partial)
-                shutil.rmtree(target, ignore_errors=True)  # a crashed save's leftovers, if any
-                partial.rename(target)
-                return tokenizer
+    saved = cache_dir / "models" / gguf_cache_key(gguf)  # the torch engine's converted copy of the same file
+    if not has_tokenizer(saved):
+        saved = made_once(tokenizer_cache_dir(gguf, cache_dir), has_tokenizer,  # slow: parses the GGUF
+                          lambda partial: AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+                          .save_pretrained(partial))
     return AutoTokenizer.from_pretrained(saved)
-
-
-def _saved_tokenizer(*dirs: Path) -> Path | None:
-    # The first of dirs that holds a whole saved tokenizer: the torch engine's converted copy of the
-    # same file is one, when it exists.
-    for saved in dirs:
-        if (saved / "tokenizer.json").exists() and (saved / "tokenizer_config.json").exists():
-            return saved
-    return None
 
 
 def model_footprint_bytes(model: Any, cells: int) -> int:

@@ -8,13 +8,11 @@ safetensors in the cache dir and later starts load that copy in about a second.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import logging
-import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -73,14 +71,42 @@ def _content_digest(path: str, size: int, mtime_ns: int) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()[:16]
 
 
-@contextlib.contextmanager
-def converting(target: Path) -> Iterator[None]:
-    """Held while ``target`` is made: a second process wanting the same conversion (two engines, two test
-    workers, two daemons starting side by side) waits for the first and then finds the result, rather than
-    spending the same minute of CPU on a copy it throws away."""
+def made_once(target: Path, made: Callable[[Path], bool], make: Callable[[Path], None]) -> Path:
+    """``target`` (a file or a directory), made by ``make`` once per cache. ``make`` writes to a partial path
+    renamed into place when complete, so a crashed conversion never looks made; processes wanting the same
+    target at once (two engines, two test workers, two daemons starting side by side) take turns on a lock
+    file, and the second finds the first's result rather than spending the same minute of CPU again."""
+    if made(target):
+        return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(f"{target}.lock"):
-        yield
+        if not made(target):  # not made while this process waited
+            partial = target.with_name(f"{target.name}.partial")  # this process's alone while it holds the lock
+            _remove(partial)  # a crashed conversion's, if any
+            try:
+                make(partial)
+            except BaseException:
+                _remove(partial)
+                raise
+            _remove(target)  # a crashed conversion's leftovers, if any
+            partial.rename(target)
+    return target
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def tokenizer_cache_dir(gguf: Path, cache_dir: Path) -> Path:
+    """Where the llama-cpp engine saves ``gguf``'s HF tokenizer (the torch engine's converted copy holds one too)."""
+    return cache_dir / "models" / f"{gguf_cache_key(gguf)}.tokenizer"
+
+
+def has_tokenizer(directory: Path) -> bool:
+    return (directory / "tokenizer.json").exists() and (directory / "tokenizer_config.json").exists()
 
 
 def _gguf_cache_dir(gguf: Path, cache_dir: Path) -> Path:
@@ -97,21 +123,16 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     float32 keeps the dequantised values exact, so one copy serves every dtype.
     """
     target = _gguf_cache_dir(gguf, cache_dir)
-    if _is_converted(target):
-        return target
-    with converting(target):
-        if not _is_converted(target):  # not made while this process waited
-            _convert(gguf, target)
-    return target
+    saved_tokenizer = tokenizer_cache_dir(gguf, cache_dir)  # the llama-cpp engine's, when it ran first
+    return made_once(target, _is_converted, lambda partial: _convert(gguf, target, partial, saved_tokenizer))
 
 
-def _convert(gguf: Path, target: Path) -> None:
+def _convert(gguf: Path, target: Path, partial: Path, saved_tokenizer: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s to %s (once)", gguf, target)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    saved_tokenizer = target.with_name(f"{target.name}.tokenizer")  # the llama-cpp engine's, when it ran first
-    if (saved_tokenizer / "tokenizer.json").exists():
+    if has_tokenizer(saved_tokenizer):
         tokenizer = AutoTokenizer.from_pretrained(saved_tokenizer)
     else:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)  # parses the GGUF again
@@ -120,12 +141,8 @@ def _convert(gguf: Path, target: Path) -> None:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
-    shutil.rmtree(target, ignore_errors=True)  # a crashed conversion's leftovers, if any
-    partial.rename(target)  # atomic: a crashed conversion never looks complete
 
 
 def load_causal_lm(path: Path, cache_dir: Path, dtype: torch.dtype, tokenizer=None):
