@@ -62,7 +62,9 @@ from benchlib import CPUWatch, cpu_note, median, write_results  # beside this sc
 from engines import QUESTIONS, prompt_sentences, stdlib_sentences  # the open-ended prompts engines.py decodes
 from headrace.bench.client import poll_ready
 from headrace.daemon.config import DataConfig
-from headrace.plugins.engines.llama_cpp_files import load_tokenizer, quantized_model
+from headrace.plugins.engines.llama_cpp_cpu import VARIANT_ENV as HEADRACE_VARIANT_ENV
+from headrace.plugins.engines.llama_cpp_cpu import loaded_variant
+from headrace.plugins.engines.llama_cpp_files import llama, load_tokenizer, quantized_model
 from headrace.plugins.engines.model_paths import resolve_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -168,10 +170,22 @@ def llama_cpp_pair() -> Pair | str:
         "llama-cpp", f"headrace llama-cpp engine vs llama_cpp.server: {gguf.name}, {threads} threads",
         headrace_spec(sys.executable, config),
         # Its server defaults to repeat_penalty 1.1, which changes greedy output; headrace applies none.
-        ServerSpec("llama_cpp.server", peer_argv, "/v1/models", body_extra={"repeat_penalty": 1.0}),
+        ServerSpec("llama_cpp.server", peer_argv, "/v1/models", env=peer_cpu_backend(),
+                   body_extra={"repeat_penalty": 1.0}),
         {"model_file": str(gguf), "threads": threads, "quantize": quant},
         ["llama_cpp.server serves one request at a time (no parallel slots); concurrent requests queue"],
     )
+
+
+def peer_cpu_backend(variants_dir: Path | None = None) -> dict[str, str]:
+    """The peer's CPU backend: the variant headrace's engine proved in this process (llama_cpp_engine() loaded
+    it), from ``variants_dir`` for a server built with its own libraries; ggml's own pick may be one that
+    faults here (its AMX kernels on this project's Xeon)."""
+    llama()  # chooses and loads it, if nothing in this process has yet
+    library = loaded_variant()
+    if library is None:
+        raise SystemExit(f"{HEADRACE_VARIANT_ENV} names no variant library of the installed llama-cpp-python")
+    return {"GGML_BACKEND_PATH": str(variants_dir / library.name if variants_dir else library)}
 
 
 def llama_server_binary() -> tuple[str, dict[str, Any]]:
@@ -220,7 +234,8 @@ def llama_server_pair() -> Pair | str:
         headrace_spec(sys.executable, config),
         # Its sampling defaults are penalty-free already (repeat_penalty 1.0, DRY and XTC off); said explicitly,
         # as for llama_cpp.server. temperature 0 (the common body) makes it greedy.
-        ServerSpec("llama-server", peer_argv, "/health", body_extra={"repeat_penalty": 1.0}),
+        ServerSpec("llama-server", peer_argv, "/health", env=peer_cpu_backend(Path(binary).parent / "variants"),
+                   body_extra={"repeat_penalty": 1.0}),
         {"model_file": str(gguf), "threads": threads, "quantize": quant, "slots": LLAMA_SERVER_SLOTS,
          "slot_context_tokens": per_slot, "batch_tokens": int(batch), "llama_server": binary, **build},
         [f"llama-server from llama-cpp-python {build['llama_cpp_python']}'s vendored llama.cpp ({built}); "

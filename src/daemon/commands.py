@@ -1,8 +1,9 @@
-"""The ``headrace`` command: serve, run, profile, ingest, plugins, version."""
+"""The ``headrace`` command: serve, run, profile, ingest, check, plugins, version."""
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
@@ -63,6 +64,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, Any]:
     ingest.add_argument("--chunk-overlap", type=int, help="words shared by neighbouring chunks, if it is created")
     ingest.add_argument("--embedding-model", help="the embed engine, if it is created (default: the first)")
     ingest.add_argument("--no-progress", action="store_true", help="no progress bar")
+    check = sub.add_parser("check", help="prove that each native engine of the config runs on this CPU, in child "
+                                         "processes (scripts/setup ends with it); exit 1 names what fails")
+    _add_config(check)
     sub.add_parser("plugins", help="list the loaded plugins and what each registers")
     sub.add_parser("version", help="print the version")
     return parser, sub
@@ -85,6 +89,8 @@ def dispatch(args: argparse.Namespace) -> int:
             return _local(args)
         if args.command == "ingest":
             return _ingest(args)
+        if args.command == "check":
+            return _check(args)
         return _serve(args)
     except (ConfigError, PluginError, WorkflowInputError, UnknownWorkflow, UnknownCollection) as exc:
         print(f"headrace: {exc}", file=sys.stderr)
@@ -158,6 +164,17 @@ def _ingest(args: argparse.Namespace) -> int:
         return exc.status
 
 
+def _check(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    logging.basicConfig(level="WARNING", format="%(message)s")  # a variant skipped is a warning line
+    from headrace.daemon.engine_check import check_engines, report
+
+    text, status = report(check_engines(config))
+    print(text, file=sys.stdout if status == 0 else sys.stderr)
+    return status
+
+
 def _plugins() -> int:
     registry = collect()
     for plugin, hooks in sorted(registry.by_plugin.items()):
@@ -176,6 +193,9 @@ def _serve(args: argparse.Namespace) -> int:
     if not config.engines:
         raise ConfigError("engines", f"no engines configured in {args.config}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models come from disk, never a hub
+    # A fatal signal in native code (an engine's library: SIGILL, SIGSEGV...) logs every thread's Python
+    # stack before the process dies; the engines' worker-thread lines say which thread is which engine.
+    faulthandler.enable(all_threads=True)
     quiet_libraries()
     logging.basicConfig(level=config.server.log_level.upper() if config.server.log_level != "trace" else "DEBUG",
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

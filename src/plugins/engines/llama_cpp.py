@@ -36,6 +36,7 @@ import torch
 
 from headrace.plugins.engines.llama_cpp_batch import (DecodeFailed, Fill, Part, ScoringQueue, batch_entries,
                                                        common_length, plan, write_batch)
+from headrace.plugins.engines.llama_cpp_cpu import ProbeModel
 from headrace.plugins.engines.llama_cpp_files import llama, load_tokenizer, model_footprint_bytes, quantized_model
 from headrace.plugins.engines.llama_cpp_options import SCORE_SEQUENCES, parse_options
 from headrace.plugins.engines.llm_core import LLMCore, Row, logprobs_row, sample_rows_numpy
@@ -103,7 +104,8 @@ class LlamaCppCore(LLMCore):
     # ----- lifetime ----------------------------------------------------------------------
 
     def load(self) -> None:
-        lc = llama()
+        # The first engine in a process proves its CPU backend on its own model, in a child process.
+        lc = llama(ProbeModel(self._path, self._env.cache_dir, self._quant, self._threads))
         limit = lc.llama_max_parallel_sequences()
         if self._n_sequences > limit:
             raise ValueError(f"engines.{self.name}.options.n_seq_max: at most "

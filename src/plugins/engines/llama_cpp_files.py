@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
+from headrace.plugins.engines.llama_cpp_cpu import (ProbeModel, chosen_variant, cpu_backend_loaded, library_dir,
+                                                      load_variant)
 from headrace.plugins.engines.torch_loading import gguf_cache_key, has_tokenizer, made_once, tokenizer_cache_dir
 
 log = logging.getLogger("headrace.plugins.engines.llama_cpp")  # llama.cpp's own log, at debug level
@@ -25,21 +28,31 @@ QUANT_TYPES = {
 _llama: Any = None
 
 
-def llama() -> Any:
-    """The ``llama_cpp.llama_cpp`` bindings, backend initialised and logging routed to ``log``."""
+def llama(probe_model: ProbeModel | None = None, cache_dir: Path | None = None) -> Any:
+    """The ``llama_cpp.llama_cpp`` bindings, on the CPU backend this machine runs (``llama_cpp_cpu``: the
+    first call chooses it, proving it with ``probe_model`` in a child process), logging routed to ``log``."""
     global _llama
     if _llama is None:
         try:
             from llama_cpp import llama_cpp as bindings
         except ImportError as exc:
             raise RuntimeError(
-                "the llama-cpp engine needs llama-cpp-python: run scripts/setup, or "
-                "`pip install llama-cpp-python==0.3.36` (it compiles llama.cpp, about 5 minutes)"
+                "the llama-cpp engine needs llama-cpp-python: run scripts/setup, which builds it "
+                "(scripts/build-llama-cpp: about 9 minutes on 2 cores)"
             ) from exc
+        lib_dir = library_dir()
+        if not cpu_backend_loaded(lib_dir):  # a CPU backend is loaded once per process
+            cache = cache_dir or (probe_model.cache_dir if probe_model else None) or default_cache_dir()
+            load_variant(lib_dir, chosen_variant(lib_dir, probe_model, cache))
         bindings.llama_backend_init()
         bindings.llama_log_set(_log_callback, ctypes.c_void_p(0))
         _llama = bindings
     return _llama
+
+
+def default_cache_dir() -> Path:
+    """[data] cache_dir's default, for a caller that has no config (the daemon passes its own)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "headrace"
 
 
 @ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)

@@ -371,6 +371,8 @@ class LLMFront:
 
     def _worker_main(self, portal: BlockingPortal, loaded: anyio.Event, ended: anyio.Event,
                      load_error: list[BaseException]) -> None:
+        # faulthandler's dump after a fatal signal names threads by id only: this line maps it to the engine.
+        log.info("engine %s: worker thread 0x%016x", self.name, threading.get_ident())
         try:
             if self.core.load_on_worker:
                 try:

@@ -1,0 +1,97 @@
+"""``headrace check``: prove that each native engine of a config runs on this machine, in child processes.
+
+scripts/setup ends with it, so a build that cannot run here fails the setup, not the first request. A
+native fault (SIGILL from kernels the CPU lacks, SIGSEGV) kills only the child; the report names the
+engine, how the child died, the CPU and its flags, and the one command that fixes it.
+
+- llama-cpp engines: the CPU backend chooser of ``llama_cpp_cpu`` on the engine's own model (a short
+  prefill and decode per variant tried, best first); the same check runs when the engine loads in
+  ``headrace serve``, before the daemon reports ready.
+- engines on torch (torch, sentence-transformers, cross-encoder): a matmul in the dtype ``auto`` picks
+  here (bfloat16 through oneDNN's AVX-512/AMX kernels where it has them), in a child.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from headrace.daemon.config import Config
+from headrace.plugins.engines.llama_cpp_cpu import (FIX_COMMAND, NoRunnableVariant, ProbeModel, chosen_variant,
+                                                    cpu_flags, exit_cause, library_dir)
+from headrace.plugins.engines.llama_cpp_options import parse_options
+from headrace.plugins.protocols import EngineSpec
+
+TORCH_PLUGINS = {"torch", "sentence-transformers", "cross-encoder"}
+TORCH_FIX = "scripts/setup (it installs torch's CPU build)"
+# The matmul of a 135M model's MLP, in the dtype the engines will use: the kernels a forward pass runs.
+_TORCH_CHILD = """
+import torch
+from headrace.plugins.engines.torch_loading import auto_dtype
+dtype = auto_dtype("cpu")
+x, w = torch.randn(64, 576, dtype=dtype), torch.randn(1536, 576, dtype=dtype)
+y = torch.nn.functional.linear(x, w).float()
+ref = torch.nn.functional.linear(x.float(), w.float())
+assert torch.allclose(y, ref, rtol=0.05, atol=0.5), float((y - ref).abs().max())
+print(str(dtype).removeprefix("torch."))
+"""
+
+
+@dataclass
+class CheckResult:
+    engine: str
+    plugin: str
+    ok: bool
+    detail: str
+
+
+def check_engines(config: Config) -> list[CheckResult]:
+    """One result per native engine of ``config``; engines with no native library of their own are left out."""
+    results: list[CheckResult] = []
+    torch_result: CheckResult | None = None
+    for ec in config.engines:
+        if ec.plugin == "llama-cpp":
+            results.append(_check_llama_cpp(config, EngineSpec(ec.name, ec.plugin, ec.model, dict(ec.options))))
+        elif ec.plugin in TORCH_PLUGINS:
+            torch_result = torch_result or _check_torch()
+            results.append(CheckResult(ec.name, ec.plugin, torch_result.ok, torch_result.detail))
+    return results
+
+
+def _check_llama_cpp(config: Config, spec: EngineSpec) -> CheckResult:
+    options = parse_options(spec)
+    cache_dir = config.data.cache_path()
+    t0 = time.monotonic()
+    try:
+        library = chosen_variant(library_dir(), ProbeModel(options.path, cache_dir, options.quantize,
+                                                           options.threads), cache_dir)
+    except (NoRunnableVariant, RuntimeError) as exc:
+        return CheckResult(spec.name, spec.plugin, False, str(exc))
+    variant = Path(library).name.removeprefix("libggml-cpu-").removesuffix(".so")
+    return CheckResult(spec.name, spec.plugin, True,
+                       f"CPU backend {variant}, a prefill and decode answered ({time.monotonic() - t0:.1f} s)")
+
+
+def _check_torch() -> CheckResult:
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-X", "faulthandler", "-c", _TORCH_CHILD], capture_output=True,
+                          text=True, timeout=300)
+    if done.returncode == 0:
+        dtype = done.stdout.strip().splitlines()[-1]
+        return CheckResult("", "torch", True, f"{dtype} matmul answered ({time.monotonic() - t0:.1f} s)")
+    tail = " | ".join(done.stderr.strip().splitlines()[-4:])
+    return CheckResult("", "torch", False, f"torch's check {exit_cause(done.returncode)} ({cpu_flags()}): {tail}. "
+                                           f"Fix: {TORCH_FIX}")
+
+
+def report(results: list[CheckResult]) -> tuple[str, int]:
+    """The lines to print and the exit status: 0 when every engine runs, 1 otherwise."""
+    lines = [f"{'ok ' if r.ok else 'FAILED '} {r.engine} ({r.plugin}): {r.detail}" for r in results]
+    failed = [r for r in results if not r.ok]
+    if failed:
+        lines.append(f"headrace check: {len(failed)} engine(s) cannot run on this machine ({cpu_flags()}); "
+                     f"fix: `{FIX_COMMAND}` for llama-cpp engines")
+    return "\n".join(lines), 1 if failed else 0
