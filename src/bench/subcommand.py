@@ -12,6 +12,7 @@ from typing import Any, Callable
 from headrace.bench.agents import AGENT_MODES, AGENTS, DEFAULT_AGENT_MODES, SHAPES, VLLM_MODE
 from headrace.bench.mixed import MIXED_BENCH
 from headrace.bench.mixed import SHAPES as MIX_SHAPES
+from headrace.bench.soak import SOAK
 from headrace.bench.workloads import MIXED_MODES, WORKLOADS
 from headrace.daemon.config import default_config_path
 
@@ -25,7 +26,9 @@ def add_parser(sub: Any) -> None:
                                    "PNG plots to --out.")
     p.add_argument("workloads", nargs="+", metavar="WORKLOAD",
                    help=f"one or more of {', '.join(WORKLOADS)}, {AGENTS} (the agents benchmark: --agents-...), "
-                        f"{MIXED_BENCH} (one stream of chats, workflows and agents: --mixed-...)")
+                        f"{MIXED_BENCH} (one stream of chats, workflows and agents: --mixed-...), {SOAK} (mixed "
+                        "traffic at a steady load for an hour, the daemon's RSS and descriptors sampled: --soak-...; "
+                        "runs alone)")
     p.add_argument("--modes", nargs="+", help="modes for the single-query phase (default: the workload's baseline, "
                    "sequential, headrace); server modes: sequential, +<pass>..., headrace, headrace-fifo, "
                    "headrace-topology, headrace-objective, headrace-deadline, headrace-las (headrace under that LLM "
@@ -114,6 +117,17 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--agents-pin-tokens", type=int, metavar="N",
                    help="with --agents-cache-tokens: what pins may hold of it (default: the configured share, a "
                         "quarter in configs/default.toml; a full agent's context is 1,000-2,000 tokens)")
+    p.add_argument("--soak-seconds", type=float, default=3600.0,
+                   help="the soak's window of arrivals in seconds (default 3600; a few minutes for a smoke)")
+    p.add_argument("--soak-fraction", type=float, default=0.8,
+                   help="the soak's rate as a fraction of the capacity its closed-loop probe measures (default 0.8)")
+    p.add_argument("--soak-rate", type=float, help="the soak's rate in arrivals/s (no probe)")
+    p.add_argument("--soak-sample-seconds", type=float, default=30.0,
+                   help="seconds between samples of the daemon's RSS and open descriptors (default 30)")
+    p.add_argument("--soak-pid", type=int,
+                   help="the daemon's process id, with --url (default: the process listening on its port here)")
+    p.add_argument("--soak-probe", type=int, default=4, metavar="N",
+                   help="arrivals at once in the soak's capacity probe (default 4; three times as many in all)")
     p.add_argument("--documents", type=int, default=4, help="corpus documents (default 4)")
     p.add_argument("--doc-tokens", type=int, default=2000, help="minimum tokens per document (default 2000)")
     p.add_argument("--seed", type=int, default=0)
@@ -138,21 +152,24 @@ def run(args: argparse.Namespace) -> int:
     from headrace.bench.corpus import build_corpus
     from headrace.bench.cpu import CPUWatch
     from headrace.bench.harness import Options, Systems, run_all
+    from headrace.bench.soak import soak_phase
+    from headrace.bench.soak_report import daemon_pid
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     unknown = [w for w in [*args.workloads, *(args.ladder or ()), *(args.load_workloads or ())]
-               if w not in WORKLOADS and w not in (AGENTS, MIXED_BENCH)]
+               if w not in WORKLOADS and w not in (AGENTS, MIXED_BENCH, SOAK)]
     if unknown:
         print(f"headrace bench: unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}, {AGENTS}, "
-              f"{MIXED_BENCH}", file=sys.stderr)
+              f"{MIXED_BENCH}, {SOAK}", file=sys.stderr)
         return 2
     agents = agents_options(args) if AGENTS in args.workloads else None
     mixed = mixed_options(args) if MIXED_BENCH in args.workloads else stray_mixed_flags(args)
-    for problem in (agents, mixed):
+    soak = soak_options(args) if SOAK in args.workloads else stray_soak_flags(args)
+    for problem in (agents, mixed, soak):
         if isinstance(problem, str):
             print(f"headrace bench: {problem}", file=sys.stderr)
             return 2
-    workloads = [w for w in args.workloads if w not in (AGENTS, MIXED_BENCH)]
+    workloads = [w for w in args.workloads if w not in (AGENTS, MIXED_BENCH, SOAK)]
     t0 = time.perf_counter()
     process = None
     try:
@@ -165,6 +182,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"starting a daemon with {args.config} ...", flush=True)
             process = DaemonProcess(args.config).wait_ready()
             base_url, api_key = process.base_url, process.api_key
+        if soak is not None:  # the process whose RSS and descriptors it samples
+            soak.pid = process.proc.pid if process else soak.pid or daemon_pid(base_url)
         ladder = set() if args.ladder is None else set(args.ladder or workloads)
         opts = Options(workloads=workloads, modes=args.modes, ladder=ladder, reps=args.reps, warmup=args.warmup,
                        rates=args.rates, load_fractions=args.load_fractions, arrivals=args.arrivals,
@@ -175,11 +194,13 @@ def run(args: argparse.Namespace) -> int:
                        mixed_rate=args.mixed_rate, seed=args.seed, max_tokens=args.max_tokens, agents=agents,
                        mixed_programs=mixed,
                        log=lambda line: print(line, flush=True))
-        cpu = CPUWatch(pids=[process.proc.pid] if process else ())
+        cpu = CPUWatch(pids=[soak.pid] if soak is not None else [process.proc.pid] if process else ())
 
         async def main() -> dict[str, Any]:
             daemon = Daemon(base_url, api_key)
             try:
+                if soak is not None:
+                    return {"soak": await soak_phase(Systems(daemon, tokenizer), corpus, soak, opts.log)}
                 return await run_all(Systems(daemon, tokenizer), corpus, opts)
             finally:
                 await daemon.aclose()
@@ -196,10 +217,12 @@ def run(args: argparse.Namespace) -> int:
     results["meta"] = {"machine": machine(), "cpu_other": cpu_other,
                        "elapsed_s": time.perf_counter() - t0, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
                        "argv": sys.argv[1:]}
+    if soak is not None:
+        from headrace.bench import soak_report as report
     files = report.write(results, args.out)
     print(report.text_report(results))
     print(f"wrote {', '.join(str(f) for f in files)}")
-    return 0
+    return 1 if soak is not None and not results["soak"]["criteria"]["passed"] else 0  # a failed soak says so
 
 
 def agents_options(args: argparse.Namespace) -> Any:
@@ -243,6 +266,34 @@ def stray_mixed_flags(args: argparse.Namespace) -> str | None:
         return None
     return (f"{', '.join(given)} belong to the mixed benchmark: add {MIXED_BENCH} to the workloads (the SLO-based "
             "mixed load is --mixed-rate, --mixed-chat, --mixed-rate-modes)")
+
+
+def stray_soak_flags(args: argparse.Namespace) -> str | None:
+    """The soak's flags given without it: said, rather than silently ignored."""
+    flags = {"--soak-seconds": args.soak_seconds != 3600.0, "--soak-fraction": args.soak_fraction != 0.8,
+             "--soak-rate": args.soak_rate is not None, "--soak-sample-seconds": args.soak_sample_seconds != 30.0,
+             "--soak-pid": args.soak_pid is not None, "--soak-probe": args.soak_probe != 4}
+    given = [flag for flag, value in flags.items() if value]
+    return f"{', '.join(given)} belong to the soak: add {SOAK} to the workloads" if given else None
+
+
+def soak_options(args: argparse.Namespace) -> Any:
+    """The soak's options from the flags, or what is wrong with them."""
+    from headrace.bench.soak import SoakOptions
+
+    others = [w for w in args.workloads if w != SOAK]
+    if others:
+        return f"the soak runs alone (its daemon's RSS and descriptors are the measurement): drop {' '.join(others)}"
+    if args.soak_pid is not None and not args.url:
+        return "--soak-pid goes with --url: a daemon started here is sampled by its own pid"
+    opts = SoakOptions(seconds=args.soak_seconds, fraction=args.soak_fraction, rate=args.soak_rate,
+                       sample_s=args.soak_sample_seconds, pid=args.soak_pid, probe_concurrency=args.soak_probe,
+                       drain_s=300.0 if args.drain is None else args.drain, max_tokens=args.max_tokens, seed=args.seed)
+    try:
+        opts.check()
+    except ValueError as exc:
+        return str(exc)
+    return opts
 
 
 def mixed_options(args: argparse.Namespace) -> Any:

