@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
+import io
 import json
 import logging
 import os
@@ -195,7 +197,8 @@ def _serve(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models come from disk, never a hub
     # A fatal signal in native code (an engine's library: SIGILL, SIGSEGV...) logs every thread's Python
     # stack before the process dies; the engines' worker-thread lines say which thread is which engine.
-    faulthandler.enable(all_threads=True)
+    with contextlib.suppress(AttributeError, ValueError, io.UnsupportedOperation):  # stderr is no file: nowhere to dump
+        faulthandler.enable(all_threads=True)
     quiet_libraries()
     logging.basicConfig(level=config.server.log_level.upper() if config.server.log_level != "trace" else "DEBUG",
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

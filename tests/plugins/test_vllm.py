@@ -51,9 +51,16 @@ def test_dtype_auto_follows_the_hardware_as_the_built_in_engines_do(vllm_engine)
 
     from headrace.plugins.api import auto_dtype
 
+    from headrace_vllm import resolved_dtype
+
+    env = EngineEnv(data_dir=Path("."), cache_dir=Path("."), lookup=lambda name: None)
+    assert VLLMEngine(EngineSpec(name="x", plugin="vllm"), env).options.dtype == "auto"  # the default
+    expected = auto_dtype("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolved_dtype("auto") == str(expected).removeprefix("torch.")
+    assert resolved_dtype("float16") == "float16"
+    # The shared engine pins float32 (its answers are compared across engines): vLLM was given what it asked for.
     _, engine, _ = vllm_engine
-    assert engine.options.dtype == "auto"
-    assert engine.core.engine.model_config.dtype == auto_dtype("cuda" if torch.cuda.is_available() else "cpu")
+    assert engine.options.dtype == "float32" and engine.core.engine.model_config.dtype == torch.float32
 
 
 def test_unknown_options_are_refused():

