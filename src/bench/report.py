@@ -106,7 +106,11 @@ def chat_table(chat: dict[str, Any]) -> list[str]:
 
 def text_report(results: dict[str, Any]) -> str:
     lines: list[str] = []
-    for name, section in results["workloads"].items():
+    if "soak" in results:
+        from headrace.bench.soak_report import soak_table
+
+        lines += soak_table(results["soak"]) + [""]
+    for name, section in results.get("workloads", {}).items():
         if "collection" in section:
             c = section["collection"]
             lines.append(f"== {name}: the corpus indexed once as collection {c['name']!r} ({c['documents']} documents, "
@@ -143,7 +147,7 @@ def write(results: dict[str, Any], out: Path) -> list[Path]:
     files = [out / "results.json", out / "results.txt"]
     files[0].write_text(json.dumps(results, indent=2, default=str))
     files[1].write_text(text_report(results) + "\n")
-    for name, section in results["workloads"].items():
+    for name, section in results.get("workloads", {}).items():
         single = section.get("single")
         if single:
             baseline = next((m for m in section["modes"] if m in ("llamaindex", "chaining", "client")), SEQUENTIAL)

@@ -9,7 +9,6 @@ the drain with the traffic's connections closed), since under load they rise and
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 from pathlib import Path
@@ -160,21 +159,3 @@ def soak_table(soak: dict[str, Any]) -> list[str]:
     lines.append(f"verdict: {_verdict(c['passed'])}")
     lines += [f"  error: {e}" for e in soak["errors"]]
     return lines
-
-
-def text_report(results: dict[str, Any]) -> str:
-    lines = soak_table(results["soak"])
-    meta = results.get("meta", {})
-    if meta:
-        lines.append(f"machine: {meta.get('machine')}; other processes used {meta.get('cpu_other', 0):.2f} cores "
-                     f"meanwhile; {meta.get('elapsed_s', 0):.0f}s in all")
-    return "\n".join(lines)
-
-
-def write(results: dict[str, Any], out: Path) -> list[Path]:
-    """results.json and results.txt under ``out``; returns the files written."""
-    out.mkdir(parents=True, exist_ok=True)
-    files = [out / "results.json", out / "results.txt"]
-    files[0].write_text(json.dumps(results, indent=2, default=str))
-    files[1].write_text(text_report(results) + "\n")
-    return files

@@ -217,8 +217,6 @@ def run(args: argparse.Namespace) -> int:
     results["meta"] = {"machine": machine(), "cpu_other": cpu_other,
                        "elapsed_s": time.perf_counter() - t0, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
                        "argv": sys.argv[1:]}
-    if soak is not None:
-        from headrace.bench import soak_report as report
     files = report.write(results, args.out)
     print(report.text_report(results))
     print(f"wrote {', '.join(str(f) for f in files)}")
