@@ -77,11 +77,11 @@ def variants(lib_dir: Path) -> dict[str, Path]:
 
 def cpu_flags() -> str:
     """The CPU's model name and the flags that decide a variant, as /proc/cpuinfo gives them."""
-    name, flags = platform.processor() or "unknown CPU", ""
+    name, flags = "", ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
-            if key.strip() == "model name" and name == (platform.processor() or "unknown CPU"):
+            if key.strip() == "model name" and not name:
                 name = value.strip()
             elif key.strip() == "flags":
                 flags = " ".join(f for f in value.split()
@@ -89,7 +89,7 @@ def cpu_flags() -> str:
                 break
     except OSError:
         pass
-    return f"{name}; {flags or 'flags unknown'}"
+    return f"{name or platform.processor() or 'unknown CPU'}; {flags or 'flags unknown'}"
 
 
 def _ggml(lib_dir: Path) -> ctypes.CDLL:
@@ -188,8 +188,7 @@ def probe(library: Path, model: ProbeModel, timeout: float = PROBE_SECONDS) -> V
     env = {**os.environ, VARIANT_ENV: str(library)}
     t0 = time.monotonic()
     try:
-        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout,
-                              preexec_fn=_no_core_dump)
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return Verdict(name, False, f"no answer in {timeout:.0f} s", time.monotonic() - t0)
     seconds = time.monotonic() - t0
@@ -209,7 +208,7 @@ def exit_cause(returncode: int) -> str:
 def _scores(lib_dir: Path, found: dict[str, Path]) -> dict[str, int]:
     # In a child: loading a library runs its initialisers, and a bad one must not take this process.
     argv = [sys.executable, "-m", __name__, "scores", *map(str, found.values())]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, preexec_fn=_no_core_dump)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     if done.returncode != 0:
         raise NoRunnableVariant(f"reading llama.cpp's CPU variant scores {exit_cause(done.returncode)} "
                                 f"({cpu_flags()}): {_tail(done.stderr)}. Fix: `{FIX_COMMAND}`")
@@ -241,14 +240,17 @@ def _write_verdicts(path: Path, verdicts: dict[str, Verdict]) -> None:
 
 
 def _tail(text: str, lines: int = 6) -> str:
-    kept = [line for line in text.strip().splitlines() if line.strip()][-lines:]
-    return " | ".join(kept) or "(nothing)"
+    kept = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    fatal = [i for i, line in enumerate(kept) if line.startswith("Fatal Python error")]
+    if fatal:  # faulthandler's dump: its first line and the frames after it say where
+        kept = kept[fatal[0]:fatal[0] + lines]
+    return " | ".join(kept[-lines:]) or "(nothing)"
 
 
 def _no_core_dump() -> None:
     import resource
 
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a probe's SIGILL is expected; no core file
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a probe's SIGILL is expected: no core file
 
 
 # ----- the child processes ---------------------------------------------------------------------
@@ -304,6 +306,7 @@ def _child_probe(source: str, cache_dir: str, quant: str, threads: str) -> None:
 
 
 if __name__ == "__main__":
+    _no_core_dump()  # here, not as the parent's preexec_fn: the daemon has threads when it probes
     command, *args = sys.argv[1:]
     if command == "scores":
         _child_scores(args)
