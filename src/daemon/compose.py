@@ -64,7 +64,7 @@ def compose(config: Config, registry: Registry | None = None) -> Daemon:
                                 calls=Preloader(pool, metrics, config.residency, registry.workflows),
                                 id_prefix=config.server.id_prefix,
                                 max_traced_steps=config.workflows.max_traced_steps,
-                                event_log=config.workflows.run_events)
+                                event_log=config.workflows.run_events, keep_runs=config.workflows.keep_runs)
     metrics.watch_optimizer(workflows.optimizer.stats)
     sessions = SessionManager(workflows.executor, pool.resolve, pool.engines_by_kind, config.sessions.idle_seconds,
                               config.server.id_prefix)

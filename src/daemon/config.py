@@ -166,10 +166,14 @@ class WorkflowsConfig:
     # Events each run holds for its readers (an SSE stream, GET /v1/runs/{id}/events). Publishing
     # never waits for a reader: one that falls this far behind is told how many it missed.
     run_events: int = EVENT_LOG
+    # Finished runs kept for GET /v1/runs (the oldest finished one goes first): each holds its graph,
+    # inputs, node records and events, a few hundred KB for a RAG run over long documents.
+    keep_runs: int = 1000
 
     def __post_init__(self) -> None:
         _check(self.max_traced_steps >= 1, "max_traced_steps", f"must be >= 1, got {self.max_traced_steps}")
         _check(self.run_events >= 1, "run_events", f"must be >= 1, got {self.run_events}")
+        _check(self.keep_runs >= 1, "keep_runs", f"must be >= 1, got {self.keep_runs}")
 
 
 def _check_batching(b: BatchingConfig | BatchingOverride) -> None:

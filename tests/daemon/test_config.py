@@ -302,6 +302,16 @@ def test_max_traced_steps_reaches_the_workflow_service() -> None:
     assert create_app(config).state.services.daemon.workflows.max_traced_steps == 7  # the bound the traced runs get
 
 
+def test_keep_runs_reaches_the_workflow_service() -> None:
+    from headrace.daemon.app import create_app
+
+    with pytest.raises(ConfigError, match=r"^workflows\.keep_runs: must be >= 1"):
+        load_config(None, env={}, overrides={"workflows.keep_runs": 0})
+    config = load_config(None, env={"HEADRACE_WORKFLOWS_KEEP_RUNS": "12"})
+    assert config.workflows.keep_runs == 12
+    assert create_app(config).state.services.daemon.workflows._keep == 12  # what bounds the run history
+
+
 def test_torch_toml_serves_the_llm_on_torch() -> None:
     config = load_config(CONFIGS / "torch.toml", env={})
     assert config.engine("smollm2").plugin == "torch"
