@@ -17,11 +17,10 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from headrace.daemon.config import Config
 from headrace.plugins.engines.llama_cpp_cpu import (FIX_COMMAND, NoRunnableVariant, ProbeModel, chosen_variant,
-                                                    cpu_flags, exit_cause, library_dir)
+                                                    cpu_flags, exit_cause, library_dir, stderr_tail, variant_name)
 from headrace.plugins.engines.llama_cpp_options import parse_options
 from headrace.plugins.protocols import EngineSpec
 
@@ -70,9 +69,8 @@ def _check_llama_cpp(config: Config, spec: EngineSpec) -> CheckResult:
                                                            options.threads), cache_dir)
     except (NoRunnableVariant, RuntimeError) as exc:
         return CheckResult(spec.name, spec.plugin, False, str(exc))
-    variant = Path(library).name.removeprefix("libggml-cpu-").removesuffix(".so")
     return CheckResult(spec.name, spec.plugin, True,
-                       f"CPU backend {variant}, a prefill and decode answered ({time.monotonic() - t0:.1f} s)")
+                       f"CPU backend {variant_name(library)}, a prefill and decode answered ({time.monotonic() - t0:.1f} s)")
 
 
 def _check_torch() -> CheckResult:
@@ -82,8 +80,8 @@ def _check_torch() -> CheckResult:
     if done.returncode == 0:
         dtype = done.stdout.strip().splitlines()[-1]
         return CheckResult("", "torch", True, f"{dtype} matmul answered ({time.monotonic() - t0:.1f} s)")
-    tail = " | ".join(done.stderr.strip().splitlines()[-4:])
-    return CheckResult("", "torch", False, f"torch's check {exit_cause(done.returncode)} ({cpu_flags()}): {tail}. "
+    return CheckResult("", "torch", False, f"torch's check {exit_cause(done.returncode)} ({cpu_flags()}): "
+                                           f"{stderr_tail(done.stderr, 4)}. "
                                            f"Fix: {TORCH_FIX}")
 
 

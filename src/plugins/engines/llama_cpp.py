@@ -36,8 +36,8 @@ import torch
 
 from headrace.plugins.engines.llama_cpp_batch import (DecodeFailed, Fill, Part, ScoringQueue, batch_entries,
                                                        common_length, plan, write_batch)
-from headrace.plugins.engines.llama_cpp_cpu import ProbeModel
-from headrace.plugins.engines.llama_cpp_files import llama, load_tokenizer, model_footprint_bytes, quantized_model
+from headrace.plugins.engines.llama_cpp_files import (ProbeModel, llama, load_tokenizer, model_footprint_bytes,
+                                                      quantized_model)
 from headrace.plugins.engines.llama_cpp_options import SCORE_SEQUENCES, parse_options
 from headrace.plugins.engines.llm_core import LLMCore, Row, logprobs_row, sample_rows_numpy
 from headrace.plugins.engines.llm_front import LLMFront
@@ -104,7 +104,6 @@ class LlamaCppCore(LLMCore):
     # ----- lifetime ----------------------------------------------------------------------
 
     def load(self) -> None:
-        # The first engine in a process proves its CPU backend on its own model, in a child process.
         lc = llama(ProbeModel(self._path, self._env.cache_dir, self._quant, self._threads))
         limit = lc.llama_max_parallel_sequences()
         if self._n_sequences > limit:

@@ -71,8 +71,13 @@ def library_dir() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "lib"
 
 
+def variant_name(library: Path) -> str:
+    """``libggml-cpu-zen4.so`` -> ``zen4``."""
+    return Path(library).name[len(_PREFIX):-len(_SUFFIX)]
+
+
 def variants(lib_dir: Path) -> dict[str, Path]:
-    return {p.name[len(_PREFIX):-len(_SUFFIX)]: p for p in sorted(lib_dir.glob(f"{_PREFIX}*{_SUFFIX}"))}
+    return {variant_name(p): p for p in sorted(lib_dir.glob(f"{_PREFIX}*{_SUFFIX}"))}
 
 
 def cpu_flags() -> str:
@@ -182,7 +187,7 @@ def default_probe_model(cache_dir: Path) -> ProbeModel | None:
 
 def probe(library: Path, model: ProbeModel, timeout: float = PROBE_SECONDS) -> Verdict:
     """A short prefill and decode on ``library`` in a child process: did it answer, and if not, why."""
-    name = library.name[len(_PREFIX):-len(_SUFFIX)]
+    name = variant_name(library)
     argv = [sys.executable, "-X", "faulthandler", "-m", __name__, "probe", str(library), str(model.source),
             str(model.cache_dir), model.quantize, str(model.threads)]
     env = {**os.environ, VARIANT_ENV: str(library)}
@@ -194,7 +199,7 @@ def probe(library: Path, model: ProbeModel, timeout: float = PROBE_SECONDS) -> V
     seconds = time.monotonic() - t0
     if done.returncode == 0 and done.stdout.strip().endswith("ok"):
         return Verdict(name, True, "", seconds)
-    return Verdict(name, False, f"{exit_cause(done.returncode)}; stderr: {_tail(done.stderr)}", seconds)
+    return Verdict(name, False, f"{exit_cause(done.returncode)}; stderr: {stderr_tail(done.stderr)}", seconds)
 
 
 def exit_cause(returncode: int) -> str:
@@ -211,7 +216,7 @@ def _scores(lib_dir: Path, found: dict[str, Path]) -> dict[str, int]:
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     if done.returncode != 0:
         raise NoRunnableVariant(f"reading llama.cpp's CPU variant scores {exit_cause(done.returncode)} "
-                                f"({cpu_flags()}): {_tail(done.stderr)}. Fix: `{FIX_COMMAND}`")
+                                f"({cpu_flags()}): {stderr_tail(done.stderr)}. Fix: `{FIX_COMMAND}`")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -239,7 +244,8 @@ def _write_verdicts(path: Path, verdicts: dict[str, Verdict]) -> None:
     partial.replace(path)
 
 
-def _tail(text: str, lines: int = 6) -> str:
+def stderr_tail(text: str, lines: int = 6) -> str:
+    """A dead child's stderr in one line: faulthandler's dump from its first line, else the last lines."""
     kept = [line.strip() for line in text.strip().splitlines() if line.strip()]
     fatal = [i for i, line in enumerate(kept) if line.startswith("Fatal Python error")]
     if fatal:  # faulthandler's dump: its first line and the frames after it say where
@@ -267,8 +273,7 @@ def _child_scores(libraries: list[str]) -> None:
     for library in libraries:
         lib = ctypes.CDLL(library)
         score = getattr(lib, "ggml_backend_score", None)
-        name = Path(library).name[len(_PREFIX):-len(_SUFFIX)]
-        scores[name] = int(score()) if score is not None else 0
+        scores[variant_name(Path(library))] = int(score()) if score is not None else 0
     print(json.dumps(scores))
 
 

@@ -28,7 +28,7 @@ QUANT_TYPES = {
 _llama: Any = None
 
 
-def llama(probe_model: ProbeModel | None = None, cache_dir: Path | None = None) -> Any:
+def llama(probe_model: ProbeModel | None = None) -> Any:
     """The ``llama_cpp.llama_cpp`` bindings, on the CPU backend this machine runs (``llama_cpp_cpu``: the
     first call chooses it, proving it with ``probe_model`` in a child process), logging routed to ``log``."""
     global _llama
@@ -42,7 +42,7 @@ def llama(probe_model: ProbeModel | None = None, cache_dir: Path | None = None) 
             ) from exc
         lib_dir = library_dir()
         if not cpu_backend_loaded(lib_dir):  # a CPU backend is loaded once per process
-            cache = cache_dir or (probe_model.cache_dir if probe_model else None) or default_cache_dir()
+            cache = probe_model.cache_dir if probe_model else default_cache_dir()
             load_variant(lib_dir, chosen_variant(lib_dir, probe_model, cache))
         bindings.llama_backend_init()
         bindings.llama_log_set(_log_callback, ctypes.c_void_p(0))
