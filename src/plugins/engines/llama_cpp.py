@@ -43,7 +43,8 @@ from headrace.plugins.engines.llm_core import LLMCore, Row, logprobs_row, sample
 from headrace.plugins.engines.llm_front import LLMFront
 from headrace.plugins.engines.llm_messages import Decode, EngineError, Logits, Outbox, Prefill
 from headrace.plugins.engines.preemption import PausedRows, Want
-from headrace.plugins.engines.prefix_cache import PrefixCache, PrefixCacheStats, cache_stats
+from headrace.plugins.engines.llama_cpp_tiers import SequenceTiers, open_tiers
+from headrace.plugins.engines.prefix_cache import BLOCK, CachedPrefix, PrefixCache, PrefixCacheStats, cache_stats
 from headrace.plugins.hookspecs import hookimpl
 from headrace.plugins.protocols import EngineEnv, EngineSpec
 from headrace.types import ContextId, TokenIds
@@ -75,6 +76,8 @@ class LlamaCppCore(LLMCore):
         self.max_contexts, self.max_batch_tokens, self._n_ctx = o.max_contexts, o.max_batch_tokens, o.n_ctx
         self.prefix_cache_tokens, self._cache_sequences, self._pins = o.prefix_cache_tokens, o.cache_sequences, o.pins
         self._context_wait, self._quant, self._n_sequences = o.context_wait, o.quantize, o.sequences
+        self._tier_budgets = o.kv_host_bytes, o.kv_disk_bytes
+        self._tiers: SequenceTiers | None = None  # host memory and disk below the cached prefixes' cells
         super().__init__(spec.name, o.max_context_tokens)
         self.model_file: Path | None = None  # what llama.cpp loaded (the converted copy)
         self._model: Any = None
@@ -170,11 +173,19 @@ class LlamaCppCore(LLMCore):
         first_cache = self.max_contexts + SCORE_SEQUENCES
         self._free_cache_seqs = list(range(first_cache + self._cache_sequences - 1, first_cache - 1, -1))
         if self.prefix_cache_tokens > 0:
+            self._tiers = open_tiers(self.model_file, 1 if self._kv_unified else self._n_sequences, BLOCK,
+                                     self._env.data_dir / "kv" / self.name, *self._tier_budgets, ctx, self._mem,
+                                     self.name)
             self.set_prefix_caching(True)
 
     def _close(self) -> None:
         """Free every llama.cpp object, on the worker thread, once nothing runs any more."""
         lc = llama()
+        if self._tiers is not None:
+            if self.prefix_cache is not None:
+                self.prefix_cache.clear()  # the cells' prefixes go to the tiers (and disk), for the next start
+            self._tiers.close()
+            self._tiers = None
         if self._batch is not None:
             lc.llama_batch_free(self._batch)
             self._batch = None
@@ -284,10 +295,12 @@ class LlamaCppCore(LLMCore):
             hit = self.prefix_cache.match(job.tokens, len(job.tokens) - 1)
             self.prefix_cache.use(hit[0] if hit else None, len(job.tokens), hit[1] if hit else 0)
         seq = self._free_seqs.pop()
-        skip = 0
+        # Or a longer prefix from the tiers below the cells, restored rather than prefilled.
+        skip = self._tiers.restore(job.tokens, len(job.tokens) - 1, hit[1] if hit else 0, seq) \
+            if parent is None and self._tiers is not None and self.prefix_cache is not None else 0
         if parent is not None:
             self._copy_sequence(parent.seq, seq)
-        elif hit is not None:
+        elif hit is not None and not skip:
             entry, skip = hit
             self._copy_sequence(entry.kv, seq, skip)  # positions [0, skip)
         prompt = (parent.tokens if parent is not None else []) + list(job.tokens)
@@ -304,7 +317,7 @@ class LlamaCppCore(LLMCore):
             out.fail_stream(cmd.send, EngineError(f"context {cmd.ctx!r} is not prefilled, or has decoded already"))
             return
         ctx.decoding = True
-        self._waiting.append(self.new_row(cmd, ctx.length))
+        self._waiting.append(self.new_row(cmd, ctx.length, ctx.tokens))
 
     def stop(self, ctx: ContextId, free: bool) -> None:
         self._blocked = deque((t, job) for t, job in self._blocked if job.ctx != ctx)
@@ -365,6 +378,8 @@ class LlamaCppCore(LLMCore):
                  "paused": len(self._paused), "preemptions": self._paused.pauses}
         if self.prefix_cache_tokens > 0:
             stats.update(cache_stats(self._cache_stats, self.prefix_cache, self.prefix_cache_tokens, self._pins))
+        if self._tiers is not None:
+            stats.update(self._tiers.store.stats())
         # Contexts and cached prefixes share the llama context's n_ctx cells (read on the event loop: list() copies).
         held = sum(seq.length for seq in list(self._contexts.values())) + stats.get("prefix_cache_tokens", 0)
         stats.update(kv_cache_tokens=held, kv_cache_capacity=self._n_ctx)
@@ -517,8 +532,13 @@ class LlamaCppCore(LLMCore):
             # stream per sequence each entry holds a copy of its own.
             self.prefix_cache = PrefixCache(self.prefix_cache_tokens, stats=self._cache_stats,
                                             shared_blocks=self._kv_unified, policy=self._pins,
-                                            max_entries=self._cache_sequences,
+                                            max_entries=self._cache_sequences, on_leave=self._offload,
                                             on_evict=lambda seq: self._drop_sequence(seq, self._free_cache_seqs))
+
+    def _offload(self, entry: CachedPrefix[int], reason: str) -> None:
+        """A cached prefix leaving the cells goes to the tiers, unless a longer one that holds it came."""
+        if self._tiers is not None and reason != "superseded":
+            self._tiers.save(entry.kv, entry.tokens)
 
     def _finish_decode(self, rows: list[Row], logits: np.ndarray, out: Outbox) -> None:
         tokens = sample_rows_numpy(rows, logits)

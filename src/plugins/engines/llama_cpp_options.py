@@ -43,6 +43,10 @@ class LlamaCppOptions:
     quantize: str
     max_context_tokens: int
     n_ctx: int  # KV cells in all
+    # The KV tiers below the cells (``kv_store``): host memory and disk budgets in bytes; None: sized from the
+    # machine when the engine loads (``llama_cpp_tiers``); 0: that tier off. Both need the prefix cache.
+    kv_host_bytes: int | None = None
+    kv_disk_bytes: int | None = None
 
     @property
     def sequences(self) -> int:
@@ -74,6 +78,7 @@ def parse_options(spec: EngineSpec) -> LlamaCppOptions:
         raise ValueError(f"{key}.preempt_max_pause_seconds: must be a number >= 0, not {max_pause!r}")
     quantize = str(opts.pop("quantize", DEFAULT_QUANTIZE))
     max_context_tokens = positive(opts.pop("max_context_tokens", 2048), f"{key}.max_context_tokens")
+    kv_host_bytes, kv_disk_bytes = (mebibytes(opts.pop(name, None), f"{key}.{name}") for name in ("kv_host_mib", "kv_disk_mib"))
     if opts:
         raise ValueError(f"{key}: unknown option(s) {sorted(opts)}")
     if quantize != "none" and quantize not in QUANT_TYPES:
@@ -88,7 +93,17 @@ def parse_options(spec: EngineSpec) -> LlamaCppOptions:
     n_ctx = positive(n_ctx if n_ctx is not None else (16384 if kv_unified else sequences * max_context_tokens),
                      f"{key}.n_ctx")
     return LlamaCppOptions(path, threads, kv_unified, max_contexts, max_batch_tokens, cache_tokens, cache_sequences,
-                           pins, float(wait), float(max_pause), quantize, max_context_tokens, n_ctx)
+                           pins, float(wait), float(max_pause), quantize, max_context_tokens, n_ctx,
+                           kv_host_bytes, kv_disk_bytes)
+
+
+def mebibytes(value: Any, key: str) -> int | None:
+    """A budget given in MiB (as llama-server's ``--cache-ram``), in bytes; None (absent): sized at load."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{key}: must be an integer >= 0 (MiB; 0 turns the tier off), not {value!r}")
+    return value << 20
 
 
 def positive(value: Any, key: str) -> int:

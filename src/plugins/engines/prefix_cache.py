@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Sequence, TypeVar
 
 KV = TypeVar("KV")
+BLOCK = 16  # tokens a block: a cached prefix is a whole number of them
 # Tokens a second an engine is taken to (re)fill before it has measured its own (``LLMCore.tokens_per_second``).
 DEFAULT_TOKENS_PER_SECOND = 1000.0
 
@@ -128,10 +129,13 @@ def pin_policy(opts: dict[str, Any], key: str, cache_tokens: int) -> PinPolicy:
 @dataclass
 class PrefixCache(Generic[KV]):
     capacity_tokens: int
-    block: int = 16
+    block: int = BLOCK
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     # Called with an entry's kv as it leaves the cache (llama.cpp gives its sequence back); None: nothing to do.
     on_evict: Callable[[KV], None] | None = None
+    # Called with an entry and why (an eviction reason, or "cleared") just before ``on_evict``, while its kv
+    # still holds: an engine saves it to a lower tier (``kv_store``). None: nothing to do.
+    on_leave: Callable[[CachedPrefix[KV], str], None] | None = None
     shared_blocks: bool = False  # entries share a common prefix's storage: count each block once
     policy: PinPolicy = field(default_factory=PinPolicy)
     max_entries: int | None = None  # entries at most (llama.cpp: its cache sequences); None: tokens bound only
@@ -312,13 +316,19 @@ class PrefixCache(Generic[KV]):
                     del self._index[h]
         if entry.owner is not None and not any(e.owner == entry.owner for e in self._entries.values()):
             self._next_use.pop(entry.owner, None)
-        if self.on_evict is not None:
-            self.on_evict(entry.kv)
+        self._leave(entry, reason)
+
+    def _leave(self, entry: CachedPrefix[KV], reason: str) -> None:
+        try:
+            if self.on_leave is not None:
+                self.on_leave(entry, reason)
+        finally:
+            if self.on_evict is not None:
+                self.on_evict(entry.kv)
 
     def clear(self) -> None:
         for entry in list(self._entries.values()):
-            if self.on_evict is not None:
-                self.on_evict(entry.kv)
+            self._leave(entry, "cleared")
         self._entries.clear()
         self._index.clear()
         self._holders.clear()

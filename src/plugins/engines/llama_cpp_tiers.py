@@ -1,0 +1,112 @@
+"""The llama.cpp core's side of ``kv_store``: a sequence's KV saved to the tiers, and restored from them.
+
+llama.cpp serialises one sequence's cells (positions, K and V of every layer) with
+``llama_state_seq_get_data_ext`` and writes them back into an empty sequence with
+``llama_state_seq_set_data_ext``, which checks the layer count and types against the context's own and
+refuses (returns 0) what does not fit. Restoring an entry longer than the prefix asked for and trimming
+the rest (``llama_memory_seq_rm``, bookkeeping only) lets one entry answer all its block prefixes.
+Measured on the Xeon for 2,000 tokens of SmolLM2-135M: 46 MB saved in 12 ms, restored in 9 ms, where
+prefilling them took 7.4 s (issue 42).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import psutil
+
+from headrace.plugins.engines.kv_store import KVStore
+from headrace.plugins.engines.llama_cpp_files import llama
+from headrace.plugins.engines.torch_loading import gguf_cache_key
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+# Defaults sized from the machine when the engine loads: llama-server keeps 8 GiB of prompts in RAM by default;
+# here at most a quarter of the memory then available, and a tenth of the data dir's free disk, up to 32 GiB.
+HOST_SHARE, HOST_MAX = 0.25, 8192 * MiB
+DISK_SHARE, DISK_MAX = 0.10, 32768 * MiB
+
+
+def default_host_bytes() -> int:
+    return int(min(HOST_MAX, HOST_SHARE * psutil.virtual_memory().available))
+
+
+def default_disk_bytes(directory: Path) -> int:
+    directory.mkdir(parents=True, exist_ok=True)
+    return int(min(DISK_MAX, DISK_SHARE * psutil.disk_usage(str(directory)).free))
+
+
+def namespace(model_file: Path, streams: int) -> str:
+    """What a saved sequence depends on: the model file's content, llama.cpp's state format (its version), the
+    KV's types (f16 by default) and its stream count (a state records it: 1 unified, else one per sequence)."""
+    import llama_cpp
+
+    params = llama().llama_context_default_params()
+    return (f"llama.cpp-seq-state {llama_cpp.__version__} model={gguf_cache_key(model_file)} "
+            f"type_k={params.type_k} type_v={params.type_v} streams={streams}")
+
+
+def open_tiers(model_file: Path, streams: int, block: int, directory: Path, host_bytes: int | None,
+               disk_bytes: int | None, ctx: Any, mem: Any, name: str) -> "SequenceTiers | None":
+    """The engine's tiers, budgets None sized from the machine; None when both are off."""
+    host = default_host_bytes() if host_bytes is None else host_bytes
+    disk = default_disk_bytes(directory) if disk_bytes is None else disk_bytes
+    if host == 0 and disk == 0:
+        return None
+    store = KVStore(namespace(model_file, streams), block, host, directory if disk else None, disk)
+    if store.files_dropped:
+        log.warning("engine %s: %d bad KV files dropped from %s", name, store.files_dropped, directory)
+    log.info("engine %s: KV tiers: host memory %d MiB, disk %d MiB (%s, %d entries found)", name, host >> 20,
+             disk >> 20, directory, len(store))
+    return SequenceTiers(store, ctx, mem, name)
+
+
+class SequenceTiers:
+    """Save and restore llama.cpp sequences through a ``KVStore``; on the engine's worker thread only."""
+
+    def __init__(self, store: KVStore, ctx: Any, mem: Any, name: str) -> None:
+        self.store, self._ctx, self._mem, self._name = store, ctx, mem, name
+
+    def save(self, seq: int, tokens: Sequence[int]) -> None:
+        """Keep sequence ``seq``'s KV, which holds exactly ``tokens`` (block-aligned), in the tiers."""
+        if self.store.holds(tokens):
+            return
+        lc = llama()
+        size = lc.llama_state_seq_get_size_ext(self._ctx, seq, 0)
+        data = bytearray(size)
+        written = lc.llama_state_seq_get_data_ext(self._ctx, (ctypes.c_uint8 * size).from_buffer(data), size, seq, 0)
+        if written != size:
+            log.warning("engine %s: saving a sequence's KV wrote %d of %d bytes; not kept", self._name, written, size)
+            return
+        self.store.put(tokens, data)
+
+    def restore(self, tokens: Sequence[int], max_tokens: int, found: int, seq: int) -> int:
+        """Restore into the empty sequence ``seq`` the longest prefix of ``tokens`` (at most ``max_tokens``) the
+        tiers hold, if it is longer than the ``found`` tokens the cells hold; how many tokens it holds now (0:
+        none restored, ``seq`` still empty)."""
+        hit = self.store.match(tokens, max_tokens)
+        if hit is None or hit.tokens <= found:
+            return 0
+        start = time.perf_counter()
+        data = self.store.payload(hit)
+        if data is None:
+            return 0  # a bad file, dropped: prefill instead
+        lc = llama()
+        read = lc.llama_state_seq_set_data_ext(self._ctx, (ctypes.c_uint8 * len(data)).from_buffer(data),
+                                               len(data), seq, 0)
+        if read == 0:
+            log.warning("engine %s: llama.cpp refused a stored KV of %d tokens; prefilling instead", self._name,
+                        len(hit.entry.tokens))
+            lc.llama_memory_seq_rm(self._mem, seq, -1, -1)
+            return 0
+        lc.llama_memory_seq_rm(self._mem, seq, hit.tokens, -1)  # the entry may hold more than this prompt shares
+        self.store.used(hit, time.perf_counter() - start)
+        return hit.tokens
+
+    def close(self) -> None:
+        self.store.close()

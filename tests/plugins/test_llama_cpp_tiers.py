@@ -1,0 +1,107 @@
+"""The llama.cpp engine's KV tiers on the real SmolLM2: a prefix evicted from the cells is restored, not
+prefilled; a restart finds what the last engine saved; a corrupted file is dropped and the prompt still answers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import pytest
+
+from llm_engines import text_of
+from headrace.plugins.engines.llama_cpp import LlamaCppLLM
+from headrace.plugins.engines.prefix_cache import common_prefix
+from headrace.plugins.protocols import EngineEnv, EngineSpec, SamplingParams
+
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/setup builds it)")
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0)
+CACHE = Path.home() / ".cache" / "headrace"  # the converted model, shared with the other engine tests
+# Small: two contexts, one cached prefix in the cells, so a second prompt evicts the first's prefix.
+OPTIONS = {"threads": 2, "n_seq_max": 2, "prefix_cache_sequences": 1, "max_context_tokens": 1024,
+           "max_batch_tokens": 256, "kv_host_mib": 256, "kv_disk_mib": 256}
+
+
+def make_engine(data_dir: Path, **options) -> LlamaCppLLM:
+    env = EngineEnv(data_dir=data_dir, cache_dir=CACHE, lookup=lambda name: None)
+    return LlamaCppLLM(EngineSpec(name="smollm2", plugin="llama-cpp", options={**OPTIONS, **options}), env)
+
+
+def prompts(engine) -> tuple[list[int], list[int]]:
+    """Two ~600-token chat prompts that share nothing past the template's first tokens."""
+    def ask(topic: str) -> list[int]:
+        text = " ".join(f"Note {i} on the {topic}: it was checked and found sound." for i in range(50))
+        return engine.chat_tokens([{"role": "user", "content": f"{text}\nWhat was checked?"}])
+    return ask("mill wheel"), ask("sluice gate")
+
+
+async def serve(engine: LlamaCppLLM, scenario):
+    with anyio.fail_after(600):
+        async with anyio.create_task_group() as tg:
+            await tg.start(engine.run)
+            try:
+                return await scenario()
+            finally:
+                tg.cancel_scope.cancel()
+
+
+async def answer(engine: LlamaCppLLM, tokens: list[int]) -> tuple[str, int]:
+    """The greedy answer and the prompt tokens prefilled for it."""
+    before = engine.core.token_counts["prefill"]
+    text = await text_of(engine.generate(tokens, GREEDY))
+    return text, engine.core.token_counts["prefill"] - before
+
+
+def test_an_evicted_prefix_is_restored_from_host_memory_and_answers_as_a_fresh_prefill(tmp_path):
+    engine = make_engine(tmp_path, kv_disk_mib=0)
+
+    async def scenario():
+        a, b = prompts(engine)
+        fresh = await answer(engine, a)
+        await answer(engine, b)  # b's prefix takes the only cache sequence: a's goes to host memory
+        stats = engine.stats()
+        restored = await answer(engine, a)
+        return a, fresh, stats, restored, engine.stats()
+
+    a, fresh, evicted, restored, stats = anyio.run(serve, engine, scenario)
+    assert fresh[1] == len(a)
+    assert evicted["kv_store_host_puts"] >= 1 and evicted["kv_store_host_bytes"] > 0
+    assert restored[0] == fresh[0]  # byte-identical greedy text
+    assert restored[1] == len(a) - (len(a) - 1) // 16 * 16  # only the tail past the last whole block
+    assert stats["kv_store_host_hits"] == 1 and stats["kv_store_host_hit_tokens"] == (len(a) - 1) // 16 * 16
+    assert stats["kv_store_host_bytes"] <= stats["kv_store_host_capacity"]
+    assert stats["kv_store_disk_capacity"] == 0 and not (tmp_path / "kv").exists()
+
+
+def test_a_restart_finds_the_prefixes_saved_before_it_and_a_corrupted_file_is_dropped(tmp_path):
+    first = make_engine(tmp_path)
+
+    async def before_restart():
+        a, b = prompts(first)
+        return a, b, await answer(first, a), await answer(first, b)
+
+    a, b, fresh_a, fresh_b = anyio.run(serve, first, before_restart)  # stopping writes the cells' prefixes
+    files = sorted((tmp_path / "kv" / "smollm2").glob("*.kv"))
+    assert len(files) == 2, files
+    # Corrupt b's file (the one holding b's tokens) in its payload: its checksum no longer matches.
+    b_file = next(f for f in files if f.stat().st_size and _holds(f, b))
+    with open(b_file, "r+b") as f:
+        f.seek(-100, 2)
+        f.write(b"\xff" * 50)
+
+    second = make_engine(tmp_path)
+
+    async def after_restart():
+        return await answer(second, a), await answer(second, b), second.stats()
+
+    restored_a, refilled_b, stats = anyio.run(serve, second, after_restart)
+    assert restored_a[0] == fresh_a[0] and restored_a[1] < 16  # from disk
+    shared = common_prefix(a, b) // 16 * 16  # the template's first tokens: a's prefix in the cells holds them
+    assert refilled_b[0] == fresh_b[0] and refilled_b[1] == len(b) - shared  # the bad file dropped: prefilled
+    assert stats["kv_store_disk_hits"] == 1 and stats["kv_store_files_dropped"] == 1
+
+
+def _holds(path: Path, tokens: list[int]) -> bool:
+    from headrace.plugins.engines.kv_store import SUFFIX, block_digests
+    return path.name == f"{block_digests(tokens, 16)[len(tokens) // 16 - 1].hex()}{SUFFIX}" or \
+        path.name == f"{block_digests(tokens, 16)[(len(tokens) - 1) // 16 - 1].hex()}{SUFFIX}"
