@@ -150,6 +150,7 @@ class Metrics:
                     hits.add_metric([model], s["prefix_cache_hits"])
                     usage.add_metric([model], s["prefix_cache_tokens"] / max(1, s["prefix_cache_capacity"]))
                 yield from _pin_families(cached)
+                yield from _tier_families(stats)
                 kv = GaugeMetricFamily("headrace_kv_cache_usage_perc", "KV-cache usage: the fraction of the "
                                        "engine's KV capacity its contexts hold (1 = full).", labels=["model"])
                 for model, s in stats.items():
@@ -296,3 +297,29 @@ def _pin_families(cached: Mapping[str, Mapping[str, int]]) -> Iterator[Any]:
                              ("refused", "prefix_cache_pins_refused")):
             pins.add_metric([model, outcome], s[key])
     yield from (pinned, evictions, pins)
+
+
+def _tier_families(stats: Mapping[str, Mapping[str, float]]) -> Iterator[Any]:
+    """The KV tiers below an engine's cells (issue 42: host memory, disk), for the engines that have them."""
+    hits = CounterMetricFamily("headrace_kv_tier_hits", "Prompts whose prefix a KV tier restored instead of the "
+                               "engine prefilling it.", labels=["model", "tier"])
+    tokens = CounterMetricFamily("headrace_kv_tier_hit_tokens", "Prompt tokens a KV tier restored (not prefilled).",
+                                 labels=["model", "tier"])
+    seconds = CounterMetricFamily("headrace_kv_tier_restore_seconds", "Time spent restoring from a KV tier (reading "
+                                  "a file included).", labels=["model", "tier"])
+    used = GaugeMetricFamily("headrace_kv_tier_bytes", "Bytes a KV tier holds.", labels=["model", "tier"])
+    capacity = GaugeMetricFamily("headrace_kv_tier_capacity_bytes", "A KV tier's byte budget (0: off).",
+                                 labels=["model", "tier"])
+    dropped = CounterMetricFamily("headrace_kv_tier_files_dropped", "KV files found torn, truncated, corrupted, "
+                                  "foreign or stale, and removed.", labels=["model"])
+    for model, s in stats.items():
+        if "kv_store_files_dropped" not in s:
+            continue
+        for tier in ("host", "disk"):
+            hits.add_metric([model, tier], s[f"kv_store_{tier}_hits"])
+            tokens.add_metric([model, tier], s[f"kv_store_{tier}_hit_tokens"])
+            seconds.add_metric([model, tier], s[f"kv_store_{tier}_restore_seconds"])
+            used.add_metric([model, tier], s[f"kv_store_{tier}_bytes"])
+            capacity.add_metric([model, tier], s[f"kv_store_{tier}_capacity"])
+        dropped.add_metric([model], s["kv_store_files_dropped"])
+    yield from (hits, tokens, seconds, used, capacity, dropped)

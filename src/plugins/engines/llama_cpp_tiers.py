@@ -27,8 +27,8 @@ log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 # Defaults sized from the machine when the engine loads: llama-server keeps 8 GiB of prompts in RAM by default;
-# here at most a quarter of the memory then available, and a tenth of the data dir's free disk, up to 32 GiB.
-HOST_SHARE, HOST_MAX = 0.25, 8192 * MiB
+# here at most a tenth of the memory then available, and a tenth of the data dir's free disk, up to 32 GiB.
+HOST_SHARE, HOST_MAX = 0.10, 8192 * MiB
 DISK_SHARE, DISK_MAX = 0.10, 32768 * MiB
 
 
