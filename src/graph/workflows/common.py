@@ -76,11 +76,31 @@ ONE_SHOT = ("Answer the question using the contexts.\nQuestion: {{input:question
 answer = Component("answer", "llm", prompt=ANSWER)
 refine = Component("refine", "llm", prompt=REFINE)
 one_shot = Component("answer", "llm", prompt=ONE_SHOT)
+# The same prompts with the context before the question (RAGCache's order): a retrieved chunk then starts
+# the prompt after the fixed instruction, so its KV is an exact prefix the engine's cache and KV tiers find
+# in every later prompt that retrieves it (docs/workflows.md says what the order costs in answers).
+CONTEXT_FIRST = {
+    "context_first": {"type": "boolean", "default": False,
+                      "description": "put each retrieved context before the question, so a chunk's KV is "
+                                     "reused across queries as an exact prefix"},
+}
+answer_context_first = Component("answer", "llm", prompt=(
+    "Answer the question using the context.\nContext:\n{{input:context}}\nQuestion: {{input:question}}\n"
+    "Answer: {{output:answer}}"))
+refine_context_first = Component("refine", "llm", prompt=(
+    "Refine the answer to the question with the new context.\nNew context:\n{{input:context}}\n"
+    "Question: {{input:question}}\nExisting answer: {{input:previous}}\nRefined answer: {{output:answer}}"))
+one_shot_context_first = Component("answer", "llm", prompt=(
+    "Answer the question using the contexts.\nContexts:\n{{input:contexts}}\nQuestion: {{input:question}}\n"
+    "Answer: {{output:answer}}"))
+STEPS = {False: (answer, refine, one_shot),
+         True: (answer_context_first, refine_context_first, one_shot_context_first)}  # by context_first
 
 
 def synthesize(b: GraphBuilder, mode: str, contexts: str, n: int, config: dict[str, Any], fan_in: int = 3) -> list[Component]:
     """Emit the synthesis over ``n`` contexts in ``contexts``; the final text lands in ``answer``."""
     llm = {"max_tokens": config["max_tokens"]}
+    answer, refine, one_shot = STEPS[bool(config.get("context_first"))]
     if mode == "one_shot" or n <= 1:
         b.emit(one_shot, rename={"contexts": contexts}, **llm)
         return [one_shot]
