@@ -19,6 +19,7 @@ from headrace.daemon.config import Config
 from headrace.daemon.errors import APIError, api_error_handler, internal_error_handler
 from headrace.daemon.lifecycle import DrainMiddleware, Lifecycle
 from headrace.daemon.openapi import openapi_json
+from headrace.daemon.responses_store import ResponsesStore
 from headrace.daemon.docs import docs_asset, docs_page
 from headrace.daemon.routes import API_ROUTES
 from headrace.daemon.services import Services, daemon, services
@@ -132,7 +133,8 @@ def create_app(config: Config, registry: Registry | None = None) -> Starlette:
                             Exception: internal_error_handler},
         lifespan=lifespan,
     )
-    Services(composed, lifecycle).install(app)
+    responses = ResponsesStore(config.data.data_path(), config.responses.max_age_seconds)
+    Services(composed, lifecycle, responses).install(app)
     app.add_middleware(APIKeyMiddleware, api_keys=config.server.keys())
     app.add_middleware(DrainMiddleware, lifecycle=lifecycle)  # outermost: a drain refuses before anything
     return app

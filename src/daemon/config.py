@@ -176,6 +176,18 @@ class WorkflowsConfig:
         _check(self.keep_runs >= 1, "keep_runs", f"must be >= 1, got {self.keep_runs}")
 
 
+@dataclass(frozen=True)
+class ResponsesConfig:
+    """``[responses]``: the stored responses of ``/v1/responses`` (under the data dir, each owned by its API key)."""
+
+    # A stored response older than this is gone: GET answers 404, and a previous_response_id naming it too.
+    # OpenAI keeps them 30 days.
+    max_age_seconds: float = 30 * 24 * 3600.0
+
+    def __post_init__(self) -> None:
+        _check(self.max_age_seconds > 0, "max_age_seconds", f"must be > 0, got {self.max_age_seconds}")
+
+
 def _check_batching(b: BatchingConfig | BatchingOverride) -> None:
     if b.policy is not None:
         _check(bool(b.policy), "policy", "must not be empty")
@@ -289,6 +301,7 @@ class Config:
     collections: CollectionsConfig = field(default_factory=CollectionsConfig)
     sessions: SessionsConfig = field(default_factory=SessionsConfig)
     workflows: WorkflowsConfig = field(default_factory=WorkflowsConfig)
+    responses: ResponsesConfig = field(default_factory=ResponsesConfig)
     residency: ResidencyConfig = field(default_factory=ResidencyConfig)
     engines: list[EngineConfig] = field(default_factory=list)
 
@@ -406,7 +419,8 @@ def _from_string(tp: Any, text: str) -> Any:
 # The sections whose scalar fields env vars and dotted overrides may set.
 _SECTIONS: dict[str, type] = {"server": ServerConfig, "data": DataConfig, "batching": BatchingConfig,
                               "collections": CollectionsConfig, "sessions": SessionsConfig,
-                              "workflows": WorkflowsConfig, "residency": ResidencyConfig}
+                              "workflows": WorkflowsConfig, "responses": ResponsesConfig,
+                              "residency": ResidencyConfig}
 
 
 def _read_file(path: Path) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response
 from headrace import __version__
 from headrace.daemon import headrace_schemas as h
 from headrace.daemon import openai_schemas as o
+from headrace.daemon import responses_schemas as r
 from headrace.daemon.services import services
 from headrace.graph.workflow import Workflow
 
@@ -55,6 +56,7 @@ ENGINE_NAME = {"name": "engine", "in": "path", "required": True, "schema": {"typ
 MODEL_ID = {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
 ASSET = {"name": "file", "in": "path", "required": True, "schema": {"type": "string"},
          "description": "a file of the swagger-ui-bundle package"}
+RESPONSE_ID = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
 SESSION_ID = {"name": "session_id", "in": "path", "required": True, "schema": {"type": "string"}}
 VARIABLE = {"name": "variable", "in": "path", "required": True,
             "schema": {"type": "string", "pattern": h.VARIABLE_NAME}}
@@ -79,11 +81,12 @@ def document(workflows: Mapping[str, Workflow]) -> dict[str, Any]:
     requests = [o.ChatCompletionRequest, o.CompletionRequest, o.EmbeddingRequest, o.RerankRequest, h.RunRequest,
                 h.CreateCollectionRequest, h.AddDocumentsRequest, h.EngineSettingsRequest, o.TokenizeRequest,
                 o.TokenizeChatRequest, o.DetokenizeRequest, h.CreateSessionRequest, h.CreateVariableRequest,
-                h.SetVariableRequest, h.SemanticCallRequest]
+                h.SetVariableRequest, h.SemanticCallRequest, r.ResponseRequest]
     responses = [o.ErrorResponse, h.Health, h.Readiness, o.ModelCard, o.ModelList, o.ChatCompletion, o.Completion,
                  o.EmbeddingList, o.RerankResponse, h.WorkflowList, h.RunRecord, h.RunList, h.RunGraph, h.RunTimeline,
                  h.CollectionCard, h.CollectionList, h.DocumentsAdded, h.Deleted, h.EngineSettings, o.Tokenized,
-                 o.Detokenized, h.SessionCard, h.SessionVariable, h.SessionCall]
+                 o.Detokenized, h.SessionCard, h.SessionVariable, h.SessionCall, r.ResponseObject, r.ResponseDeleted,
+                 r.InputItemList]
     _, defs = models_json_schema([(m, "validation") for m in requests + responses], ref_template=REF)
     components = dict(defs.get("$defs", {}))
     text = {"description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}}
@@ -110,6 +113,17 @@ def document(workflows: Mapping[str, Workflow]) -> dict[str, Any]:
                                              _ref(o.ChatCompletionRequest))},
         "/v1/completions": {"post": _op("text completion", {"200": _json(_ref(o.Completion), stream=True)},
                                         _ref(o.CompletionRequest))},
+        "/v1/responses": {"post": _op(
+            "create a response (OpenAI's Responses API, served as a chat request); stored unless store: false",
+            {"200": _json(_ref(r.ResponseObject), stream=True)}, _ref(r.ResponseRequest))},
+        "/v1/responses/{response_id}": {
+            "get": _op("a stored response (404: missing, expired, or another key's)",
+                       {"200": _json(_ref(r.ResponseObject))}, params=[RESPONSE_ID]),
+            "delete": _op("delete a stored response", {"200": _json(_ref(r.ResponseDeleted))}, params=[RESPONSE_ID]),
+        },
+        "/v1/responses/{response_id}/input_items": {"get": _op(
+            "a stored response's input items, a page at a time", {"200": _json(_ref(r.InputItemList))},
+            params=[RESPONSE_ID, *_query(r.InputItemsQuery)])},
         "/v1/embeddings": {"post": _op("embeddings", {"200": _json(_ref(o.EmbeddingList))},
                                        _ref(o.EmbeddingRequest))},
         "/v1/rerank": {"post": _op("rerank documents against a query", {"200": _json(_ref(o.RerankResponse))},

@@ -21,12 +21,14 @@ if TYPE_CHECKING:
 
     from headrace.daemon.compose import Daemon
     from headrace.daemon.lifecycle import Lifecycle
+    from headrace.daemon.responses_store import ResponsesStore
 
 
 @dataclass
 class Services:
     daemon: Daemon
     lifecycle: Lifecycle
+    responses: ResponsesStore  # /v1/responses' stored responses
     # named programs' attained service (the las policy's ranks), per daemon
     programs: ProgramRegistry = field(default_factory=ProgramRegistry)
     # /openapi.json, built on its first request: the workflows are fixed once the app exists

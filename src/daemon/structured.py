@@ -4,7 +4,9 @@
 engine enforces by constrained decoding; ``tools`` are rendered by the engine's chat
 template (``headrace.plugins.engines.chat``), and the output is parsed back into OpenAI's
 ``tool_calls``. A response is a tool call when it begins with ``<tool_call>``; each complete
-block is one call (so a stream sends each call as soon as its block closes).
+block is one call (so a stream sends each call as soon as its block closes). A block that
+``max_tokens`` cut off is still a call, as OpenAI's API answers it: its name and the arguments
+so far (not JSON yet), with ``finish_reason: "length"``; the template's markup never becomes content.
 
 ``tool_choice``: ``none`` offers no tools; ``auto`` offers them and decodes freely (a small
 model may answer in text, or write a call, which is parsed); ``required`` and a named
@@ -15,6 +17,7 @@ function constrain the output to calls of the allowed tools whose arguments matc
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -153,8 +156,40 @@ def _call(block: str, names: frozenset[str]) -> dict[str, Any] | None:
             return None
     if not isinstance(arguments, dict):
         return None
+    return _tool_call(data["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _tool_call(name: str, arguments: str) -> dict[str, Any]:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": data["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}}
+            "function": {"name": name, "arguments": arguments}}
+
+
+# The head of a call block as the template (and the constraint's grammar) writes it: its name, maybe cut.
+_CUT_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]*)("?)')
+_ARGUMENTS = re.compile(r'\s*,\s*"arguments"\s*:\s*')
+
+
+def _cut_call(block: str, names: frozenset[str]) -> dict[str, Any] | None:
+    """The call a block cut off by ``max_tokens`` began: its name (a cut name: the one tool it can begin) and
+    its arguments as far as they came; None when it names no tool (or several could be meant)."""
+    for k in range(len(TOOL_CALL_CLOSE), 0, -1):  # a closing tag begun: the JSON before it is whole
+        if block.endswith("\n" + TOOL_CALL_CLOSE[:k]):
+            block = block[: -k - 1]
+            break
+    whole = _call(block.strip(), names)  # cut after the JSON, before the closing tag
+    if whole is not None:
+        return whole
+    head = _CUT_NAME.match(block)
+    if head is None:
+        return None
+    name, closed = head.group(1), head.group(2)
+    if not closed:
+        candidates = [n for n in names if n.startswith(name)]
+        return _tool_call(candidates[0], "") if len(candidates) == 1 else None
+    if name not in names:
+        return None
+    arguments = _ARGUMENTS.match(block, head.end())
+    return _tool_call(name, block[arguments.end():] if arguments else "")
 
 
 @dataclass
@@ -167,6 +202,7 @@ class ToolCallParser:
 
     names: frozenset[str]
     calls: list[dict[str, Any]] = field(default_factory=list)
+    cut: bool = False  # the last call is one max_tokens cut off (finish(cut=True) found it)
     _buffer: str = ""
     _mode: str = "start"  # start: nothing decided yet; calls: inside the leading calls; text: plain content
 
@@ -200,18 +236,31 @@ class ToolCallParser:
             out.append(("call", call))
             self._mode = "calls"
 
-    def finish(self) -> list[tuple[str, Any]]:
-        """The rest (a block the generation cut off is content)."""
+    def finish(self, cut: bool = False) -> list[tuple[str, Any]]:
+        """The rest. ``cut`` (the generation reached max_tokens): a block it cut off is a call with the
+        arguments so far, and markup too short to name a tool is dropped; else such a block is content."""
         rest, self._buffer = self._buffer, ""
+        head = rest.lstrip()
+        if cut and self._mode != "text" and head:
+            if head.startswith(TOOL_CALL_OPEN):
+                call = _cut_call(head[len(TOOL_CALL_OPEN):], self.names)
+                if call is None:
+                    return []
+                self.calls.append(call)
+                self.cut = True
+                return [("call", call)]
+            if TOOL_CALL_OPEN.startswith(head):
+                return []
         if self._mode == "calls":
             rest = rest.strip()
         return [("content", rest)] if rest else []
 
 
-def parse_tool_output(text: str, names: frozenset[str]) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content, tool_calls) of a whole generation; content is None when it holds only calls."""
+def parse_tool_output(text: str, names: frozenset[str], cut: bool = False) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, tool_calls) of a whole generation; content is None when it holds only calls. ``cut``: it
+    reached max_tokens (a call it cut off is a call, see ``ToolCallParser.finish``)."""
     parser = ToolCallParser(names)
-    items = parser.feed(text) + parser.finish()
+    items = parser.feed(text) + parser.finish(cut)
     content = "".join(value for kind, value in items if kind == "content")
     return (content or None) if parser.calls else content, parser.calls
 

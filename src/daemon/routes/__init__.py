@@ -1,6 +1,7 @@
 """The daemon's API routes, one module per surface, and their table (``API_ROUTES``).
 
 - ``openai_api``: /v1/models, /v1/chat/completions, /v1/completions (OpenAI's text API)
+- ``responses_api``: /v1/responses (OpenAI's Responses API, served as chat; stored responses)
 - ``retrieval_api``: /v1/embeddings, /v1/rerank
 - ``tokenizer_api``: /tokenize, /detokenize (vLLM's)
 - ``collection_api``: /v1/collections and their documents
@@ -21,6 +22,7 @@ from headrace.daemon.routes.collection_api import (add_documents, create_collect
                                                    delete_document, get_collection, list_collections)
 from headrace.daemon.routes.engine_api import update_engine
 from headrace.daemon.routes.openai_api import chat_completions, completions, get_model, list_models
+from headrace.daemon.routes.responses_api import create_response, delete_response, get_response, list_input_items
 from headrace.daemon.routes.retrieval_api import embeddings, rerank
 from headrace.daemon.routes.session_api import (create_call, create_session, create_variable, delete_session,
                                                 get_session, get_variable, set_variable)
@@ -36,6 +38,10 @@ API_ROUTES = [
     Route("/v1/models/{model:path}", get_model),
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/responses", create_response, methods=["POST"]),
+    Route("/v1/responses/{response_id}", get_response),
+    Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
+    Route("/v1/responses/{response_id}/input_items", list_input_items),
     Route("/v1/embeddings", embeddings, methods=["POST"]),
     Route("/v1/rerank", rerank, methods=["POST"]),
     Route("/v1/collections", list_collections),

@@ -101,8 +101,25 @@ async def _llm_request(request: Request, model: type[rq.Model], what: str) -> tu
 
 async def chat_completions(request: Request) -> Response:
     body, slot = await _llm_request(request, ChatCompletionRequest, "chat completions")
-    messages = structured.chat_messages(body)
     spec = rq.stream_spec(body)
+    chat = await plan_chat(slot, body)
+    return await _respond(request, slot, [chat.tokens], chat.params, body.n or 1, spec, chat=True, tools=chat.tools,
+                          program=_program(request, body), pins=chat.pins)
+
+
+@dataclass(frozen=True)
+class ChatPlan:
+    """What a checked chat request asks the engine for (the Responses route builds one too)."""
+
+    tokens: list[int]  # the prompt, through the chat template
+    params: SamplingParams
+    tools: structured.ToolPlan | None
+    pins: list[tuple[int, float]]  # its cache_control marks: (prompt tokens, TTL)
+
+
+async def plan_chat(slot: Any, body: ChatCompletionRequest) -> ChatPlan:
+    """The prompt, sampling, tools and pins of a validated chat request; 400 for what cannot be served."""
+    messages = structured.chat_messages(body)
     # Compiling a large schema takes a while: off the event loop, as tokenizing a long prompt is.
     schemas = structured.schema_chars(body)
     tools = await rq.off_loop_if_large(schemas, structured.plan_tools, body)
@@ -116,8 +133,7 @@ async def chat_completions(request: Request) -> Response:
     marked = retention.marks(body)
     prefixes = await rq.off_loop_if_large(size * len(marked), retention.marked_prefixes, slot.engine, messages,
                                           tools, tokens, marked) if marked else []
-    return await _respond(request, slot, [tokens], params, body.n or 1, spec, chat=True, tools=tools,
-                          program=_program(request, body), pins=prefixes)
+    return ChatPlan(tokens, params, tools, prefixes)
 
 
 def _chat_tokens(engine: Any, messages: list[dict[str, Any]], tools: structured.ToolPlan | None) -> list[int]:
@@ -178,7 +194,7 @@ def _encode_all(engine: Any, texts: list[str]) -> list[list[int]]:
 
 
 @dataclass
-class _Choice:
+class Choice:
     """What one choice has generated so far (a non-streamed response)."""
 
     text: list[str] = field(default_factory=list)
@@ -195,9 +211,9 @@ class _Choice:
         self.logprobs.extend(d.logprobs)
 
 
-async def _collect(request: Request, deltas: AsyncIterator[ChoiceDelta], count: int) -> list[_Choice] | None:
+async def collect(request: Request, deltas: AsyncIterator[ChoiceDelta], count: int) -> list[Choice] | None:
     """Drain a non-streamed generation; None when the client disconnected first (the generation is aborted)."""
-    choices = [_Choice() for _ in range(count)]
+    choices = [Choice() for _ in range(count)]
     gone = False
     failed: Exception | None = None
     async with anyio.create_task_group() as tg:
@@ -231,21 +247,9 @@ async def _respond(request: Request, slot: Any, prompts: list[list[int]], params
     count = len(prompts) * n
     n_prompt = sum(map(len, prompts))  # each prompt counted once, however many choices fork it (as vLLM counts)
     strings = TokenStrings(slot.engine.tokenizer) if params.logprobs is not None else None
-    # A one-request run through the graph executor: the same batching path as workflows. A named program
-    # brings the tokens its earlier requests were served (``las`` ranks by them) and adds this one's.
-    registry = services(request).programs
-    if program is None:
-        deltas = daemon(request).workflows.generate_choices(slot.name, prompts, params, n)
-    else:
-        registry.back(program)
-        deltas = _served(daemon(request).workflows.generate_choices(
-            slot.name, prompts, params, n, program=program, attained_tokens=registry.attained(program)),
-            registry, program, n_prompt)
-    retained = program if slot.retention else None  # switched off: the program's turns are served as LRU finds them
-    if chat and (pins or retained is not None):  # a chat turn's pins (headrace.daemon.retention)
-        deltas = retention.pinned_after(deltas, slot.engine, prompts[0], tools, retained, registry, pins or [])
+    deltas = generation(request, slot, prompts, params, n, chat, tools, program, pins)
     if not spec.stream:
-        collected = await _collect(request, deltas, count)
+        collected = await collect(request, deltas, count)
         if collected is None:
             return Response(status_code=499)  # nginx's "client closed request": nobody reads it
         choices = [_choice(i, c, strings, chat, tools) for i, c in enumerate(collected)]
@@ -261,7 +265,28 @@ async def _respond(request: Request, slot: Any, prompts: list[list[int]], params
     )
 
 
-def _choice(index: int, c: _Choice, strings: TokenStrings | None, chat: bool,
+def generation(request: Request, slot: Any, prompts: list[list[int]], params: SamplingParams, n: int, chat: bool,
+               tools: structured.ToolPlan | None = None, program: str | None = None,
+               pins: list[tuple[int, float]] | None = None) -> AsyncIterator[ChoiceDelta]:
+    """The deltas of ``prompts`` generated as one request: counted to ``program``, a chat turn's pins made after."""
+    n_prompt = sum(map(len, prompts))
+    # A one-request run through the graph executor: the same batching path as workflows. A named program
+    # brings the tokens its earlier requests were served (``las`` ranks by them) and adds this one's.
+    registry = services(request).programs
+    if program is None:
+        deltas = daemon(request).workflows.generate_choices(slot.name, prompts, params, n)
+    else:
+        registry.back(program)
+        deltas = _served(daemon(request).workflows.generate_choices(
+            slot.name, prompts, params, n, program=program, attained_tokens=registry.attained(program)),
+            registry, program, n_prompt)
+    retained = program if slot.retention else None  # switched off: the program's turns are served as LRU finds them
+    if chat and (pins or retained is not None):  # a chat turn's pins (headrace.daemon.retention)
+        deltas = retention.pinned_after(deltas, slot.engine, prompts[0], tools, retained, registry, pins or [])
+    return deltas
+
+
+def _choice(index: int, c: Choice, strings: TokenStrings | None, chat: bool,
             tools: structured.ToolPlan | None = None) -> dict[str, Any]:
     text = "".join(c.text)
     if chat:
@@ -269,7 +294,7 @@ def _choice(index: int, c: _Choice, strings: TokenStrings | None, chat: bool,
         message: dict[str, Any] = {"role": "assistant", "content": text}
         finish = c.finish
         if tools is not None:
-            content, calls = structured.parse_tool_output(text, tools.names)
+            content, calls = structured.parse_tool_output(text, tools.names, cut=finish == "length")
             if calls:
                 message = {"role": "assistant", "content": content, "tool_calls": calls}
                 finish = "tool_calls" if finish == "stop" else finish
@@ -333,7 +358,7 @@ async def _chunks(rid: str, created: int, model: str, n_prompt: int, count: int,
                     yield chunk(c.index, d)
                 continue
             parser = parsers[c.index]
-            items = parser.feed(d.text) + (parser.finish() if d.finish_reason else [])
+            items = parser.feed(d.text) + (parser.finish(cut=d.finish_reason == "length") if d.finish_reason else [])
             # The parser may split a delta into several chunks or hold its text back: its tokens'
             # logprobs go out once, on the next chunk this choice sends.
             unsent[c.index] += d.logprobs
