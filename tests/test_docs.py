@@ -128,7 +128,8 @@ def _config_fields() -> dict[str, set[str]]:
     out = {name: {f.name for f in dataclasses.fields(getattr(config, cls))}
            for name, cls in [("server", "ServerConfig"), ("data", "DataConfig"), ("batching", "BatchingConfig"),
                              ("collections", "CollectionsConfig"), ("sessions", "SessionsConfig"),
-                             ("workflows", "WorkflowsConfig"), ("residency", "ResidencyConfig")]}
+                             ("workflows", "WorkflowsConfig"), ("responses", "ResponsesConfig"),
+                             ("residency", "ResidencyConfig")]}
     assert set(out) | {"engines"} == set(sections)
     out["engines"] = {f.name for f in dataclasses.fields(config.EngineConfig)}
     out["engines.batching"] = {f.name for f in dataclasses.fields(config.BatchingOverride)}
@@ -140,7 +141,7 @@ def test_every_documented_config_key_exists():
     bad = []
     for name, span in spans():
         for section, key in [*re.findall(r"^\[([a-z.]+)\](?: ([a-z_]+))?", span),
-                             *re.findall(r"^(server|data|batching|collections|sessions|workflows|residency)\.([a-z_]+)$", span)]:
+                             *re.findall(r"^(server|data|batching|collections|sessions|workflows|responses|residency)\.([a-z_]+)$", span)]:
             if section == "engines.options":
                 continue  # an engine plugin's own options
             if section not in fields or (key and key not in fields[section]):
