@@ -12,6 +12,8 @@ from typing import Any, Callable
 from headrace.bench.agents import AGENT_MODES, AGENTS, DEFAULT_AGENT_MODES, SHAPES, VLLM_MODE
 from headrace.bench.mixed import MIXED_BENCH
 from headrace.bench.mixed import SHAPES as MIX_SHAPES
+from headrace.bench.rag_repeat import RAG_REPEAT
+from headrace.bench.rag_repeat import add_arguments as add_rag_repeat_arguments
 from headrace.bench.soak import SOAK
 from headrace.bench.workloads import MIXED_MODES, WORKLOADS
 from headrace.daemon.config import default_config_path
@@ -28,7 +30,8 @@ def add_parser(sub: Any) -> None:
                    help=f"one or more of {', '.join(WORKLOADS)}, {AGENTS} (the agents benchmark: --agents-...), "
                         f"{MIXED_BENCH} (one stream of chats, workflows and agents: --mixed-...), {SOAK} (mixed "
                         "traffic at a steady load for an hour, the daemon's RSS and descriptors sampled: --soak-...; "
-                        "runs alone)")
+                        f"runs alone), {RAG_REPEAT} (RAG over a collection whose popular chunks recur, a daemon per "
+                        "KV-cache mode and llama-server: --rag-...; runs alone)")
     p.add_argument("--modes", nargs="+", help="modes for the single-query phase (default: the workload's baseline, "
                    "sequential, headrace); server modes: sequential, +<pass>..., headrace, headrace-fifo, "
                    "headrace-topology, headrace-objective, headrace-deadline, headrace-las (headrace under that LLM "
@@ -128,6 +131,7 @@ def add_parser(sub: Any) -> None:
                    help="the daemon's process id, with --url (default: the process listening on its port here)")
     p.add_argument("--soak-probe", type=int, default=4, metavar="N",
                    help="arrivals at once in the soak's capacity probe (default 4; three times as many in all)")
+    add_rag_repeat_arguments(p)
     p.add_argument("--documents", type=int, default=4, help="corpus documents (default 4)")
     p.add_argument("--doc-tokens", type=int, default=2000, help="minimum tokens per document (default 2000)")
     p.add_argument("--seed", type=int, default=0)
@@ -157,11 +161,15 @@ def run(args: argparse.Namespace) -> int:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     unknown = [w for w in [*args.workloads, *(args.ladder or ()), *(args.load_workloads or ())]
-               if w not in WORKLOADS and w not in (AGENTS, MIXED_BENCH, SOAK)]
+               if w not in WORKLOADS and w not in (AGENTS, MIXED_BENCH, SOAK, RAG_REPEAT)]
     if unknown:
         print(f"headrace bench: unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}, {AGENTS}, "
-              f"{MIXED_BENCH}, {SOAK}", file=sys.stderr)
+              f"{MIXED_BENCH}, {SOAK}, {RAG_REPEAT}", file=sys.stderr)
         return 2
+    if RAG_REPEAT in args.workloads:  # its own daemons, one per mode, and its own result files
+        from headrace.bench.rag_repeat import run_command
+
+        return run_command(args, llm_tokenizer(args.config))
     agents = agents_options(args) if AGENTS in args.workloads else None
     mixed = mixed_options(args) if MIXED_BENCH in args.workloads else stray_mixed_flags(args)
     soak = soak_options(args) if SOAK in args.workloads else stray_soak_flags(args)

@@ -1,0 +1,97 @@
+"""The rag-repeat benchmark (``headrace bench rag-repeat``): its seeded Zipf queries, its per-mode configs, its
+flags, and a smoke run against the session's daemon whose report holds together and whose token counts agree."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import API_KEY, ROOT
+from headrace.bench.corpus import build_corpus
+from headrace.bench.rag_repeat import MODES, RagRepeatOptions, draw_queries, options_from
+from headrace.bench.rag_repeat_daemon import mode_config
+from headrace.bench.rag_repeat_report import same_answers
+from headrace.cli import main
+
+CORPUS = build_corpus(0, n_documents=2, min_tokens=300, count_tokens=lambda text: len(text.split()))
+
+
+def test_queries_are_seeded_and_a_few_topics_draw_most_of_them():
+    queries = draw_queries(CORPUS, 200, 1.1, seed=0, salt=1)
+    assert queries == draw_queries(CORPUS, 200, 1.1, seed=0, salt=1)
+    assert queries != draw_queries(CORPUS, 200, 1.1, seed=0, salt=2)  # another point: other draws
+    counts = Counter(q.topic for q in queries)
+    topics = {t for d in CORPUS.documents for t in d.topics}
+    assert set(counts) <= topics and all(q.topic in q.text for q in queries)
+    # The same popular topics in every draw of one seed: the shuffle of topics depends on the seed alone.
+    top = [t for t, _ in counts.most_common(2)]
+    again = Counter(q.topic for q in draw_queries(CORPUS, 200, 1.1, seed=0, salt=3))
+    assert [t for t, _ in again.most_common(1)][0] in top
+    assert sum(n for _, n in counts.most_common(3)) > 200 * 3 / len(topics)  # far above uniform
+
+
+def test_each_mode_is_the_config_with_its_llm_options(tmp_path):
+    base = ROOT / "configs" / "default.toml"
+    original = tomllib.loads(base.read_text())
+    off = tomllib.loads(mode_config(base, MODES["engine-cache"].engine_options, tmp_path / "a.toml").read_text())
+    llm = next(e for e in off["engines"] if e["plugin"] == "llama-cpp")
+    assert llm["options"]["kv_host_mib"] == 0 and llm["options"]["kv_disk_mib"] == 0
+    # Everything else as written, every engine and table kept.
+    llm["options"] = {k: v for k, v in llm["options"].items() if k not in ("kv_host_mib", "kv_disk_mib")}
+    assert off == original
+    # A tier the config turned off is on (its default size) in a tiers mode.
+    (tmp_path / "off.toml").write_text((tmp_path / "a.toml").read_text())
+    on = tomllib.loads(mode_config(tmp_path / "off.toml", MODES["tiers"].engine_options, tmp_path / "b.toml")
+                       .read_text())
+    assert "kv_host_mib" not in next(e for e in on["engines"] if e["plugin"] == "llama-cpp")["options"]
+    assert MODES["tiers-context-first"].workflow_config == {"context_first": True}
+
+
+def _args(**kw):
+    d = RagRepeatOptions()
+    base = dict(rag_modes=d.modes, rag_workflows=d.workflows, rag_fractions=None, rag_rates=[], rag_arrivals=60,
+                rag_chunks=200, rag_zipf=1.1, rag_probe=3, rag_restart=40, rag_restart_queries=20, rag_max_tokens=24,
+                doc_tokens=2000, drain=None, seed=0, workloads=["rag-repeat"], url=None)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_flags_are_checked_before_anything_starts():
+    opts = options_from(_args())
+    assert opts.fractions == [0.5, 0.8] and opts.modes == list(MODES)
+    assert "unknown rag-repeat mode" in options_from(_args(rag_modes=["nope"]))
+    assert "runs alone" in options_from(_args(workloads=["rag-repeat", "naive_rag"]))
+    assert "names the one mode" in options_from(_args(url="http://x"))
+    assert "without --url" in options_from(_args(url="http://x", rag_modes=["llama-server"]))
+    assert same_answers(["a", "b", None], ["a", "c", "x"]) == {"same": 1, "compared": 2, "share": 0.5}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_smoke_the_report_holds_together_and_the_tokens_agree(server, tmp_path):
+    out = tmp_path / "rag"
+    code = main(["bench", "rag-repeat", "--url", server.base_url, "--api-key", API_KEY, "--out", str(out),
+                 "--rag-modes", "engine-cache", "--rag-workflows", "naive_rag", "--rag-chunks", "4",
+                 "--rag-arrivals", "3", "--rag-probe", "1", "--rag-fractions", "2", "--rag-max-tokens", "4"])
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["collection"]["chunks"] >= 4 and results["restart"] is None  # no restart with --url
+    assert results["retrieval"]["top_share"] > 0 and results["retrieval"]["queries"] == 3
+    cap = results["capacity"]["naive_rag"]
+    assert results["rates"]["naive_rag"] == [pytest.approx(2 * cap["queries_per_s"], rel=1e-3)]
+    (point,) = results["workflows"]["naive_rag"]["engine-cache"]["points"]
+    assert point["arrivals"] == point["completed"] == 3 and point["errors"] == []
+    assert len(point["answers"]) == 3 and all(isinstance(a, str) for a in point["answers"])
+    assert 0 < point["ttft_mean_s"] <= point["mean_s"]
+    t = point["tokens"]
+    # Three leaves and a combine a query (tree synthesis over top_k 3): prompt tokens from four LLM calls each.
+    assert t["requests"] == 3 * 4 and t["prompt_tokens"] == pytest.approx(3 * point["prompt_per_query"])
+    assert point["prompt_per_query"] > 4 * 20
+    assert 0 <= t["prefilled_tokens"] == pytest.approx(t["prompt_tokens"] - t["cached_tokens"])
+    assert t["cached_tokens"] <= t["prompt_tokens"] and t["cells_hit_tokens"] >= 0
+    assert point["vs"]["same_as_engine_cache"]["share"] == 1.0 and point["vs"]["latency_vs_engine_cache"] == 1.0
+    text = (out / "results.txt").read_text()
+    assert "== naive_rag at 2 x capacity" in text and "prefill/q" in text and "any-position" not in text
