@@ -155,17 +155,38 @@ def sampling(body: ChatCompletionRequest | CompletionRequest, default_max_tokens
              constraint: OutputConstraint | None = None) -> SamplingParams:
     # max_completion_tokens is OpenAI's newer name; on /v1/completions too it is max_tokens' alias.
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    min_tokens = body.min_tokens or 0
+    if max_tokens is not None and min_tokens > max_tokens:
+        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        raise bad_request(f"'min_tokens' ({min_tokens}) is more than '{param}' ({max_tokens})", param="min_tokens")
     stop = body.stop
     stops = (stop,) if isinstance(stop, str) and stop else tuple(stop) if isinstance(stop, list) else ()
     return SamplingParams(
-        max_tokens=max_tokens or default_max_tokens,
+        # No max_tokens given: the default, or min_tokens where that is more (vLLM's default is the context).
+        max_tokens=max_tokens or max(default_max_tokens, min_tokens),
         temperature=1.0 if body.temperature is None else float(body.temperature),
         top_p=1.0 if body.top_p is None else float(body.top_p),
         seed=body.seed,
         stop=stops,
         logprobs=logprobs(body),
         constraint=constraint,
+        presence_penalty=float(body.presence_penalty or 0),
+        frequency_penalty=float(body.frequency_penalty or 0),
+        repetition_penalty=1.0 if body.repetition_penalty is None else float(body.repetition_penalty),
+        top_k=body.top_k or 0,
+        min_p=float(body.min_p or 0),
+        logit_bias={int(token): float(bias) for token, bias in (body.logit_bias or {}).items()},
+        min_tokens=min_tokens,
+        ignore_eos=bool(body.ignore_eos),
+        stop_token_ids=tuple(body.stop_token_ids or ()),
     )
+
+
+def sampling_token_ids(body: Sampling) -> list[tuple[str, int]]:
+    """(param, token id) of every token id the body's sampling settings name, for the route to check against
+    the model's vocabulary (``logit_bias`` keys, ``stop_token_ids``)."""
+    return ([(f"logit_bias.{key}", int(key)) for key in body.logit_bias or {}]
+            + [(f"stop_token_ids[{i}]", token) for i, token in enumerate(body.stop_token_ids or ())])
 
 
 def completion_prompts(body: CompletionRequest) -> list[str | list[int]]:

@@ -9,8 +9,10 @@ the same class, so the published schema cannot drift from the checks.
 
 Request models are strict (no coercion: ``"1"`` is not an integer, ``true`` is
 not a number) and closed (``extra="forbid"``: an unsupported parameter is
-refused by name). Fields OpenAI's SDKs may send with their "off" value (``n``,
-the penalties, ...) are declared with only that value allowed. headrace's own
+refused by name). Fields OpenAI's SDKs may send with their "off" value (``echo``,
+``best_of``) are declared with only that value allowed; fields that change nothing
+here (``service_tier``, ``reasoning_effort``, ...) are accepted and ignored, as vLLM
+ignores them. headrace's own
 routes (runs, collections, sessions, engine settings, probes) have theirs in
 ``headrace_schemas``, built on the same ``Body``.
 """
@@ -44,19 +46,18 @@ class Body(BaseModel):
 
 
 # Fields accepted only with the value that means "off" (what OpenAI's SDKs may send by default).
-NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "echo": False, "best_of": 1, "logit_bias": {}}
+NEUTRAL = {"echo": False, "best_of": 1}
 # Choices one request may ask for, over all its prompts (each is a decode the engine batches).
 MAX_CHOICES = 128
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,20}$")]  # a token id as a JSON object's key (logit_bias)
 
 
 class NeutralFields(Body):
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = Field(
         None, description=f"choices per prompt (default 1; at most {MAX_CHOICES} over all prompts); the prompt is "
                           "prefilled once and forked")
-    presence_penalty: Annotated[float, Field(ge=0, le=0)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=0, le=0)] | None = None
-    logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None
 
 
 class Sampling(Body):
@@ -73,6 +74,27 @@ class Sampling(Body):
         None, description="the program (an agent's or a conversation's turns) the request joins: the `las` LLM "
                           "policy ranks it by the tokens that program was served so far, and a turn that ends in "
                           "tool calls keeps its context's KV pinned for the program's next turn")
+    # OpenAI's penalties and logit_bias, and vLLM's extensions (its SamplingParams' names and ranges).
+    presence_penalty: Penalty | None = Field(None, description="subtracted once from the logit of every token "
+                                                               "generated so far; default 0")
+    frequency_penalty: Penalty | None = Field(None, description="subtracted from the logit of every token generated "
+                                                                "so far, times its count; default 0")
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = Field(
+        None, description="tokens of the prompt and the output: a positive logit divided by it, a negative one "
+                          "multiplied (vLLM's); default 1 (off)")
+    top_k: Annotated[int, Field(ge=-1)] | None = Field(None, description="sample among the k most likely tokens; "
+                                                                         "0 or -1 (the default): all")
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = Field(
+        None, description="drop tokens less likely than min_p times the most likely one; default 0 (off)")
+    logit_bias: dict[TokenIdKey, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, description="token ids of the model's tokenizer (as strings) to a bias from -100 to 100 added to "
+                          "their logits; -100 bans a token")
+    min_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)] | None = Field(
+        None, description="no end (EOS, stop_token_ids, stop strings) before this many tokens; at most max_tokens "
+                          "(which, not given, is raised to it)")
+    ignore_eos: bool | None = Field(None, description="EOS does not end the output (it runs to max_tokens)")
+    stop_token_ids: list[TokenId] | None = Field(None, description="generating one of these ends the output (it "
+                                                                   "counts as a token, but is not in the text)")
 
 
 class StreamOptions(Body):
@@ -194,7 +216,23 @@ class ChatMessage(Body):
                                                                  "in the prefix cache")
 
 
-class ChatCompletionRequest(Sampling, NeutralFields, WithResponseFormat):
+class PredictionContent(Body):
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+
+class IgnoredFields(Body):
+    """Fields OpenAI's clients send that change nothing here: accepted and ignored (vLLM ignores them too)."""
+
+    service_tier: str | None = Field(None, description="accepted and ignored: one tier serves every request")
+    reasoning_effort: str | None = Field(None, description="accepted and ignored: the models here do not reason")
+    verbosity: str | None = Field(None, description="accepted and ignored")
+    safety_identifier: str | None = Field(None, description="accepted and ignored")
+    prediction: PredictionContent | None = Field(None, description="accepted and ignored (a predicted output "
+                                                                   "only speeds a response up)")
+
+
+class ChatCompletionRequest(Sampling, NeutralFields, WithResponseFormat, IgnoredFields):
     model: NonEmptyStr
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: MaxTokens | None = None
@@ -202,8 +240,8 @@ class ChatCompletionRequest(Sampling, NeutralFields, WithResponseFormat):
     logprobs: bool | None = Field(None, description="each output token's log-probability in choices[].logprobs")
     top_logprobs: TopLogprobs | None = Field(None, description="with logprobs: true, the k most likely tokens "
                                                                "at each position")
-    metadata: dict[str, str] | None = None
-    store: bool | None = None
+    metadata: dict[str, str] | None = Field(None, description="accepted and ignored")
+    store: bool | None = Field(None, description="accepted and ignored: chat completions are not stored")
     tools: Annotated[list[Tool], Field(min_length=1, max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="default: auto with tools, none without")

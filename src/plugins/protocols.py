@@ -134,8 +134,29 @@ class SamplingParams:
     logprobs: int | None = None
     # The output must match it (every engine enforces it with a token mask); None: free text.
     constraint: OutputConstraint | None = None
+    # OpenAI's penalties, on the tokens generated so far: each logit less count * frequency_penalty and
+    # (count > 0) * presence_penalty.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # vLLM's (and HF's), on the tokens of the prompt and the output: a positive logit divided by it, a negative
+    # one multiplied by it. 1: off.
+    repetition_penalty: float = 1.0
+    top_k: int = 0  # the k most likely tokens only; 0 or -1: all (vLLM's)
+    min_p: float = 0.0  # tokens less likely than min_p times the most likely one are dropped; 0: off
+    # (token id, bias) pairs added to the logits (OpenAI's logit_bias); a mapping given is kept as sorted pairs.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0  # EOS and stop_token_ids cannot end the output (nor stop strings) before this many tokens
+    ignore_eos: bool = False  # EOS does not end the output (vLLM's; a benchmark's fixed lengths)
+    # Generating one ends the output (finish "stop"); it is in the token ids, not in the text (vLLM's).
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if isinstance(self.logit_bias, Mapping):
+            object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b))
+                                                                for t, b in self.logit_bias.items())))
+        else:
+            object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
+        object.__setattr__(self, "stop_token_ids", tuple(dict.fromkeys(int(t) for t in self.stop_token_ids)))
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -146,6 +167,29 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}]")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+        # vLLM's ranges (SamplingParams._verify_args).
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2]")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError("repetition_penalty must be a finite number > 0")
+        if self.top_k < -1:
+            raise ValueError("top_k must be 0 or -1 (off), or at least 1")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if any(t < 0 for t, _ in self.logit_bias) or any(t < 0 for t in self.stop_token_ids):
+            raise ValueError("token ids in logit_bias and stop_token_ids must be >= 0")
+        if any(math.isnan(b) for _, b in self.logit_bias):
+            raise ValueError("a logit_bias value must be a number")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError("min_tokens must be in [0, max_tokens]")
+
+    @property
+    def neutral_logits(self) -> bool:
+        """Whether the logits reach the sampler as the model made them (no bias, penalty or min_tokens):
+        such a row costs the sampler nothing extra, and a greedy one is its argmax."""
+        return (not self.logit_bias and not self.min_tokens and self.repetition_penalty == 1
+                and not self.presence_penalty and not self.frequency_penalty)
 
 
 FinishReason = Literal["stop", "length"]

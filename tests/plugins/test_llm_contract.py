@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from conftest import prompts_on_a_shared_prefix
-from llm_engines import LONG_ENOUGH, Batches, chat, contrib_module, outcomes, running, text_of
+from llm_engines import LONG_ENOUGH, Batches, chat, collect, contrib_module, outcomes, running, text_of
 from headrace.plugins.api import EngineEnv, EngineError, EngineSpec, JsonSchemaConstraint, SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -477,3 +477,94 @@ def test_a_fork_and_its_decode_reuse_the_cached_kv(llm):
     fork = portal.call(forked)
     assert fork[0] and fork == one
     assert engine.stats()["contexts"] == 0
+
+
+# ----- sampling settings (OpenAI's and vLLM's): each changes the output as documented -------------------------
+
+
+def _run(llm, prompt: list[int], **settings) -> tuple[str, list[int], str | None]:
+    """(text, token ids, finish) of one generate: greedy, 24 tokens, unless ``settings`` say otherwise."""
+    params = SamplingParams(**{"max_tokens": 24, "temperature": 0, **settings})
+    return llm.portal.call(collect, llm.engine.generate(prompt, params))
+
+
+def test_penalties_remove_a_repeat_greedy_decoding_makes(llm):
+    prompt = chat(llm.engine, "Say hi.")
+    _, greedy, _ = _run(llm, prompt)
+    for penalty in ({"presence_penalty": 2.0}, {"frequency_penalty": 2.0}):
+        ids = _run(llm, prompt, **penalty)[1]
+        at = next((i for i, (a, b) in enumerate(zip(ids, greedy)) if a != b), None)
+        # They lower only tokens generated before: greedy's choice changes first where it repeats one.
+        assert at is not None and greedy[at] in greedy[:at], penalty
+
+
+def test_logit_bias_bans_and_forces_tokens(llm):
+    prompt = chat(llm.engine, "What is the capital of France?")
+    first = _run(llm, prompt, max_tokens=1)[1][0]
+    assert _run(llm, prompt, max_tokens=1, logit_bias={first: -100})[1][0] != first
+    banana = llm.engine.tokenizer.encode(" banana", add_special_tokens=False)[0]
+    assert _run(llm, prompt, max_tokens=1, temperature=1.0, seed=1, logit_bias={banana: 100})[1] == [banana]
+
+
+def test_min_tokens_and_ignore_eos_decode_past_the_eos(llm):
+    prompt = chat(llm.engine, "What is 2 + 2?")
+    _, greedy, finish = _run(llm, prompt, max_tokens=40)
+    n = len(greedy)  # its last token is the EOS
+    assert finish == "stop"
+    ids = _run(llm, prompt, max_tokens=n + 4, min_tokens=n + 2)[1]
+    assert ids[:n - 1] == greedy[:n - 1] and ids[n - 1] != greedy[-1] and len(ids) >= n + 2
+    _, ids, finish = _run(llm, prompt, max_tokens=n + 2, ignore_eos=True)
+    assert ids[:n] == greedy and len(ids) == n + 2 and finish == "length"
+
+
+def test_top_k_1_and_min_p_1_are_greedy_at_any_temperature(llm):
+    prompt = chat(llm.engine, "Tell me a story about a fox.")
+    greedy = _run(llm, prompt, max_tokens=8)[1]
+    assert _run(llm, prompt, max_tokens=8, temperature=1.5, seed=1)[1] != greedy  # so the test can tell
+    assert _run(llm, prompt, max_tokens=8, temperature=1.5, seed=1, top_k=1)[1] == greedy
+    assert _run(llm, prompt, max_tokens=8, temperature=1.5, seed=2, min_p=1.0)[1] == greedy
+
+
+def test_stop_token_ids_end_the_output_unsaid(llm):
+    prompt = chat(llm.engine, "List three fruits.")
+    greedy = _run(llm, prompt, max_tokens=12)[1]
+    k = greedy.index(greedy[4])  # the first time that token comes
+    text, ids, finish = _run(llm, prompt, max_tokens=12, stop_token_ids=(greedy[4],))
+    assert ids == greedy[:k + 1] and finish == "stop"
+    assert text == llm.engine.tokenizer.decode(greedy[:k], skip_special_tokens=True)
+
+
+def test_rows_with_different_settings_decode_together_each_as_alone(llm):
+    prompt = chat(llm.engine, "Repeat the word 'cat' five times.")
+    greedy = _run(llm, prompt, max_tokens=8)[1]
+    # repetition_penalty lowers the prompt's tokens too: the output changes from the start.
+    settings = {"plain": {}, "banned": {"logit_bias": {greedy[0]: -100}},
+                "penalised": {"presence_penalty": 2.0, "repetition_penalty": 2.0},
+                "top_k": {"temperature": 1.5, "seed": 3, "top_k": 1}}
+    alone = {key: _run(llm, prompt, max_tokens=8, **s)[1] if s else greedy for key, s in settings.items()}
+
+    async def together():
+        out = {}
+
+        async def one(key):
+            params = SamplingParams(**{"max_tokens": 8, "temperature": 0, **settings[key]})
+            out[key] = (await collect(llm.engine.generate(prompt, params)))[1]
+
+        async with anyio.create_task_group() as tg:
+            for key in settings:
+                tg.start_soon(one, key)
+        return out
+
+    llm.batches.clear()
+    assert llm.portal.call(together) == alone
+    assert max(n for op, n in llm.batches if op == "decode") > 1
+    assert alone["plain"] == alone["top_k"] == greedy and alone["banned"][0] != greedy[0]
+    assert alone["penalised"] != greedy
+
+
+def test_sampling_token_ids_outside_the_vocabulary_are_refused(llm):
+    prompt = chat(llm.engine, "Hi.")
+    for bad in ({"logit_bias": {llm.engine.vocab_size: 1.0}}, {"stop_token_ids": (llm.engine.vocab_size + 5,)}):
+        with pytest.raises(EngineError, match="vocabulary"):
+            _run(llm, prompt, max_tokens=2, **bad)
+    assert is_idle(llm.portal.call(wait_until_idle, llm.engine))

@@ -280,7 +280,12 @@ class VLLMCore(TokenListCore):
         p = cmd.params
         params = _vllm_params(output_kind="delta", max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
                               seed=p.seed, stop=list(p.stop) or None, logprobs=p.logprobs,
-                              structured_outputs=structured_outputs(p.constraint))
+                              structured_outputs=structured_outputs(p.constraint),
+                              # The same names and meanings in vLLM's SamplingParams: passed through as they are.
+                              presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                              repetition_penalty=p.repetition_penalty, top_k=p.top_k, min_p=p.min_p,
+                              logit_bias=dict(p.logit_bias) or None, min_tokens=p.min_tokens,
+                              ignore_eos=p.ignore_eos, stop_token_ids=list(p.stop_token_ids) or None)
         self._add(tokens, params, cmd.priority, _Live("decode", ctx=cmd.ctx, send=cmd.send,
                                                       free_after=cmd.free_after, top_logprobs=p.logprobs))
 

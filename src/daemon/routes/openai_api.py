@@ -93,6 +93,15 @@ def check_vocab(slot: Any, tokens: list[int], param: str = "prompt") -> None:
                               param=f"{param}[{i}]")
 
 
+def check_sampling_vocab(slot: Any, body: Any) -> None:
+    """The token ids of the body's sampling settings (logit_bias keys, stop_token_ids) are the model's."""
+    size = vocab_size(slot.engine)
+    for param, token in rq.sampling_token_ids(body):
+        if size is not None and token >= size:
+            raise bad_request(f"token id {token} is outside the vocabulary of '{slot.name}' (0 to {size - 1})",
+                              param=param)
+
+
 async def _llm_request(request: Request, model: type[rq.Model], what: str) -> tuple[rq.Model, Any]:
     raw = await rq.read_json(request, daemon(request).config.server.max_body_bytes)
     body = rq.validate(model, raw)
@@ -127,6 +136,7 @@ async def plan_chat(slot: Any, body: ChatCompletionRequest) -> ChatPlan:
                   await rq.off_loop_if_large(schemas, structured.response_constraint, body))
     params = rq.sampling(body, DEFAULT_MAX_TOKENS, constraint)
     _check_logprobs(slot, params, "logprobs")
+    check_sampling_vocab(slot, body)
     size = sum(len(m["content"]) for m in messages) + (len(json.dumps(tools.specs)) if tools else 0)
     tokens = await rq.off_loop_if_large(size, _chat_tokens, slot.engine, messages, tools)
     _check_length(slot, tokens, "messages")
@@ -148,6 +158,7 @@ async def completions(request: Request) -> Response:
     constraint = await rq.off_loop_if_large(structured.schema_chars(body), structured.response_constraint, body)
     params = rq.sampling(body, COMPLETIONS_MAX_TOKENS, constraint)
     _check_logprobs(slot, params, "logprobs")
+    check_sampling_vocab(slot, body)
     n = body.n or 1
     if len(prompts) * n > MAX_CHOICES:
         raise bad_request(f"{len(prompts)} prompts with n={n} make {len(prompts) * n} choices; at most {MAX_CHOICES}",

@@ -48,7 +48,8 @@ from headrace.plugins.engines import constraints
 from headrace.plugins.engines.llm_messages import (CacheControl, Command, Decode, EngineError, Heartbeat, Logits,
                                                    Outbox, Pin, Prefill, Stop)
 from headrace.plugins.engines.prefix_cache import PinPolicy
-from headrace.plugins.engines.sampling import Detokenizer, is_greedy, make_generator, sample, token_logprob
+from headrace.plugins.engines.sampling import (NO_HISTORY, Detokenizer, History, is_greedy, make_generator, sample,
+                                               token_logprob)
 from headrace.plugins.protocols import SamplingParams, TokenDelta
 from headrace.types import ContextId
 
@@ -74,6 +75,7 @@ class Row:
     paused_at: float | None = None  # when it last left the batch for more urgent work; None: not paused
     paused_for: float = 0.0  # seconds paused before that, in all
     keep_context: bool = False  # its request may come back repeating it all (``Decode.keep_context``)
+    history: History = NO_HISTORY  # what its penalties and min_tokens read (its settings all off: nothing)
 
 
 class LLMCore(ABC):
@@ -266,8 +268,10 @@ class LLMCore(ABC):
                                f"{self.max_context_tokens}")
         return None
 
-    def new_row(self, cmd: Decode, length: int) -> Row:
-        """A decoding row; a constrained one gets its matcher (compiled here, on the worker, cached per constraint)."""
+    def new_row(self, cmd: Decode, length: int, prompt: Sequence[int] = ()) -> Row:
+        """A decoding row; a constrained one gets its matcher (compiled here, on the worker, cached per constraint).
+
+        ``prompt``: the tokens its context holds, which ``repetition_penalty`` penalises."""
         matcher = None
         if cmd.params.constraint is not None:
             if self._constrainer is None:
@@ -276,9 +280,14 @@ class LLMCore(ABC):
                 matcher = self._constrainer.matcher(cmd.params.constraint)
             except constraints.ConstraintError as exc:
                 raise EngineError(f"the output constraint does not compile: {exc}") from None
-        return Row(ctx=cmd.ctx, params=cmd.params, send=cmd.send, free_after=cmd.free_after, priority=cmd.priority,
-                   generator=make_generator(cmd.params.seed), detok=Detokenizer(self.tokenizer, cmd.params.stop),
-                   length=length, matcher=matcher, preemptive=cmd.preemptive, keep_context=cmd.keep_context)
+        p = cmd.params
+        detok = Detokenizer(self.tokenizer, p.stop, min_tokens=p.min_tokens)
+        history = NO_HISTORY if p.neutral_logits else History(
+            prompt=prompt if p.repetition_penalty != 1 else (), output=detok.ids,
+            stops=frozenset(self.eos) | frozenset(p.stop_token_ids))
+        return Row(ctx=cmd.ctx, params=p, send=cmd.send, free_after=cmd.free_after, priority=cmd.priority,
+                   generator=make_generator(p.seed), detok=detok, length=length, matcher=matcher,
+                   preemptive=cmd.preemptive, keep_context=cmd.keep_context, history=history)
 
     def emit(self, r: Row, token: int, out: Outbox, logits: torch.Tensor | None = None) -> bool:
         """Record one sampled token of ``r`` (its KV holds ``r.length`` tokens); True when the row is finished.
@@ -288,8 +297,8 @@ class LLMCore(ABC):
         wanted = r.params.logprobs
         logprobs = (token_logprob(logits, token, wanted),) if wanted is not None and logits is not None else ()
         finish = None
-        if token in self.eos:
-            text, finish = r.detok.flush(), "stop"
+        if (token in self.eos and not r.params.ignore_eos) or token in r.params.stop_token_ids:
+            text, finish = r.detok.flush(), "stop"  # the token ends it, unsaid (vLLM's stop_token_ids too)
         else:
             if r.matcher is not None:
                 try:
@@ -324,7 +333,8 @@ def sample_rows(rows: Sequence[Row], logits: torch.Tensor) -> list[int | BaseExc
     the batch fail, each row on its own, failing alone."""
     try:
         mask = constraints.bitmask([r.matcher for r in rows], logits.shape[-1])
-        return list(sample(logits, [r.params for r in rows], [r.generator for r in rows], mask))
+        return list(sample(logits, [r.params for r in rows], [r.generator for r in rows], mask,
+                           [r.history for r in rows]))
     except Exception:
         tokens: list[int | BaseException] = []
         for i, r in enumerate(rows):
@@ -338,19 +348,19 @@ def sample_rows(rows: Sequence[Row], logits: torch.Tensor) -> list[int | BaseExc
 def sample_row(r: Row, logits: torch.Tensor) -> int:
     """One token for one row from its logits (V,): a decode's first token, from its prefill."""
     mask = constraints.bitmask([r.matcher], logits.shape[-1])
-    return sample(logits.unsqueeze(0), [r.params], [r.generator], mask)[0]
+    return sample(logits.unsqueeze(0), [r.params], [r.generator], mask, [r.history])[0]
 
 
 def sample_rows_numpy(rows: Sequence[Row], logits: np.ndarray) -> list[int | BaseException]:
     """``sample_rows`` for a core whose logits are a numpy array (B, V) (llama.cpp's buffer, copied out).
 
-    A greedy row with no constraint takes its argmax in numpy, so the common case costs no torch op on
-    the per-token path (a torch op runs an OpenMP team of its own, which contends with the engine's own
-    threads for the same cores); the other rows go through the shared sampler, failing alone."""
+    A greedy row with no constraint, bias or penalty takes its argmax in numpy, so the common case costs no
+    torch op on the per-token path (a torch op runs an OpenMP team of its own, which contends with the
+    engine's own threads for the same cores); the other rows go through the shared sampler, failing alone."""
     tokens: list[int | BaseException] = [0] * len(rows)
     rest = []
     for i, r in enumerate(rows):
-        if r.matcher is None and is_greedy(r.params):
+        if r.matcher is None and is_greedy(r.params) and r.params.neutral_logits:
             tokens[i] = int(logits[i].argmax())
         else:
             rest.append(i)

@@ -210,6 +210,7 @@ class LLMFront:
     async def generate(self, tokens: Sequence[int], params: SamplingParams, *,
                        priority: int = 0, preemptive: bool = False,
                        keep_context: bool = False) -> AsyncIterator[TokenDelta]:
+        self._check_sampling(params)  # before the prefill: refused, nothing is left held
         ctx = self.new_context_id()
         cached = await self._open(self.generate_prefill, ctx, tokens, None, priority, preemptive)
         try:
@@ -337,10 +338,15 @@ class LLMFront:
     def _check_tokens(self, tokens: Sequence[int]) -> None:
         check_token_ids(tokens, self.vocab_size, self.name)
 
+    def _check_sampling(self, params: SamplingParams) -> None:
+        """The token ids of the sampling settings: one past the vocabulary would fail its row at the first step."""
+        self._check_tokens([t for t, _ in params.logit_bias] + list(params.stop_token_ids))
+
     async def _decode(self, ctx: ContextId, params: SamplingParams, free_after: bool,
                       priority: int, preemptive: bool = False, keep_context: bool = False) -> AsyncIterator[TokenDelta]:
         self._require_running()
         check_priority(priority)
+        self._check_sampling(params)
         if ctx not in self._live:
             raise EngineError(f"context {ctx!r} does not exist")
         # One item per token at most (the worker never blocks on it); one loop wake per delivery.

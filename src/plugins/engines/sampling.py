@@ -48,26 +48,119 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
-           bitmask: torch.Tensor | None = None) -> list[int]:
-    """One token per row of ``logits`` (B, V), each row with its own params and RNG.
+@dataclass(eq=False)  # compared by identity: rows share the empty one
+class History:
+    """What a row's logits processors read: its prompt (``repetition_penalty``), its output so far (the
+    penalties, ``min_tokens``), and the tokens ``min_tokens`` holds back (EOS and ``stop_token_ids``)."""
 
-    Every value ``SamplingParams`` admits works: tiny temperatures are greedy, a
-    top_p that rounds to 0 keeps the top token, and a row whose distribution is
-    not finite (NaN logits) falls back to its argmax rather than failing.
-    ``bitmask`` (rows of a constrained decode's allowed tokens, see ``apply_bitmask``)
-    is applied first, so greedy and sampled rows alike pick only allowed tokens.
+    prompt: Sequence[int] = ()
+    output: Sequence[int] = ()
+    stops: frozenset[int] = frozenset()
+    _prompt_ids: torch.Tensor | None = field(default=None, repr=False)
+
+    def prompt_ids(self) -> torch.Tensor:
+        if self._prompt_ids is None:  # the prompt does not change while the row decodes: converted once
+            self._prompt_ids = torch.tensor(list(self.prompt), dtype=torch.long)
+        return self._prompt_ids
+
+
+NO_HISTORY = History()
+
+
+def _pairs(rows: list[int], values: list[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token) index tensors of every token of ``values[j]`` in row ``j``."""
+    counts = torch.tensor([len(v) for v in values], dtype=torch.long)
+    tokens = torch.tensor([t for v in values for t in v], dtype=torch.long)
+    return torch.arange(len(rows)).repeat_interleave(counts), tokens
+
+
+def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
+                   history: Sequence[History]) -> torch.Tensor:
+    """``logits`` (B, V) as vLLM's sampler has them before greedy or random sampling: ``logit_bias`` added, the
+    repetition, frequency and presence penalties applied, and EOS and ``stop_token_ids`` banned in rows short of
+    their ``min_tokens``. A copy in float32 where any row changes; ``logits`` itself (the engine's, which its
+    logprobs read raw, as vLLM reports them) where none does. Vectorised over the rows that change."""
+    rows = [i for i, p in enumerate(params) if not p.neutral_logits]
+    if not rows:
+        return logits
+    width = logits.shape[1]
+    ps = [params[i] for i in rows]
+    hs = [history[i] for i in rows]
+    sub = logits[torch.tensor(rows)].float()  # a copy
+    biased = [j for j, p in enumerate(ps) if p.logit_bias]
+    if biased:
+        at, ids = _pairs(biased, [[t for t, _ in ps[j].logit_bias] for j in biased])
+        values = torch.tensor([b for j in biased for _, b in ps[j].logit_bias], dtype=torch.float32)
+        sub.index_put_((torch.tensor(biased)[at], ids), values, accumulate=True)
+    penalised = [j for j, p in enumerate(ps)
+                 if p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty]
+    if penalised:
+        at, ids = _pairs(penalised, [hs[j].output for j in penalised])
+        counts = torch.zeros(len(penalised), width)
+        counts.index_put_((at, ids), torch.ones(len(ids)), accumulate=True)
+        seen = counts > 0
+        part = sub[penalised]
+        repeated = [k for k, j in enumerate(penalised) if ps[j].repetition_penalty != 1]
+        if repeated:  # prompt or output: HF's rule, as vLLM applies it
+            mask = seen.clone()
+            for k in repeated:
+                mask[k, hs[penalised[k]].prompt_ids()] = True
+            rp = torch.tensor([ps[j].repetition_penalty for j in penalised]).unsqueeze(1)
+            part = torch.where(mask, torch.where(part > 0, part / rp, part * rp), part)
+        freq = torch.tensor([ps[j].frequency_penalty for j in penalised]).unsqueeze(1)
+        pres = torch.tensor([ps[j].presence_penalty for j in penalised]).unsqueeze(1)
+        sub[penalised] = part - freq * counts - pres * seen
+    short = [j for j, p in enumerate(ps) if len(hs[j].output) < p.min_tokens and hs[j].stops]
+    if short:
+        at, ids = _pairs(short, [sorted(hs[j].stops) for j in short])
+        keep = ids < width
+        at, ids = at[keep], ids[keep]
+        where = torch.tensor(short)
+        before = sub[where]
+        sub.index_put_((where[at], ids), torch.tensor(float("-inf")))
+        # A grammar that allows nothing but ending keeps its end (vLLM restores it too): never a row of no token.
+        stuck = ~torch.isfinite(sub[where]).any(dim=-1)
+        if bool(stuck.any()):
+            sub[where[stuck]] = before[stuck]
+    out = logits.to(torch.float32, copy=True)
+    out[torch.tensor(rows)] = sub
+    return out
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
+           bitmask: torch.Tensor | None = None, history: Sequence[History] | None = None) -> list[int]:
+    """One token per row of ``logits`` (B, V), each row with its own params, RNG and ``history``.
+
+    In vLLM's order: ``bitmask`` (rows of a constrained decode's allowed tokens, see ``apply_bitmask``), so
+    greedy and sampled rows alike pick only allowed tokens; then ``process_logits`` (bias, penalties,
+    min_tokens); greedy rows take the argmax; sampled rows are divided by their temperature, then cut by
+    min_p, top_k and top_p. Every value ``SamplingParams`` admits works: tiny temperatures are greedy, a
+    top_p that rounds to 0 keeps the top token, and a row whose distribution is not finite (NaN logits)
+    falls back to its argmax rather than failing. Rows whose settings are all off cost nothing extra.
     """
     if bitmask is not None:
         logits = apply_bitmask(logits, bitmask)
+    logits = process_logits(logits, params, history if history is not None else [NO_HISTORY] * len(params))
     greedy = logits.argmax(dim=-1).tolist()
     sampled_rows = [i for i, p in enumerate(params) if not is_greedy(p)]
     if not sampled_rows:
         return greedy
     rows = torch.tensor(sampled_rows)
-    temps = torch.tensor([params[i].temperature for i in sampled_rows], dtype=torch.float32).unsqueeze(1)
-    probs = torch.softmax(logits[rows].float() / temps, dim=-1)
-    top_ps = torch.tensor([params[i].top_p for i in sampled_rows], dtype=torch.float32).unsqueeze(1)
+    ps = [params[i] for i in sampled_rows]
+    temps = torch.tensor([p.temperature for p in ps], dtype=torch.float32).unsqueeze(1)
+    scaled = logits[rows].float() / temps
+    min_ps = torch.tensor([p.min_p for p in ps], dtype=torch.float32).unsqueeze(1)
+    if bool((min_ps > 0).any()):
+        probs = torch.softmax(scaled, dim=-1)
+        scaled = scaled.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * min_ps, float("-inf"))
+    width = scaled.shape[1]
+    top_ks = [min(p.top_k, width) if p.top_k >= 1 else width for p in ps]
+    if min(top_ks) < width:
+        # The k-th largest logit of each row; ties with it stay in, as in vLLM.
+        kth = scaled.topk(max(top_ks), dim=-1).values.gather(1, torch.tensor(top_ks).unsqueeze(1) - 1)
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    top_ps = torch.tensor([p.top_p for p in ps], dtype=torch.float32).unsqueeze(1)
     if bool((top_ps < 1).any()):
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         # Keep the smallest prefix whose mass reaches top_p, and always the top token
@@ -104,16 +197,19 @@ class Detokenizer:
 
     Decodes a short window of recent tokens so each step costs O(1), and holds
     back text that is an incomplete UTF-8 sequence or could still become a stop
-    string.
+    string. A stop string counts only where it ends past the text of the first ``min_tokens`` tokens
+    (vLLM's rule): before that, text is handed out as it comes.
     """
 
     tokenizer: object
     stop: tuple[str, ...] = ()
+    min_tokens: int = 0
     ids: list[int] = field(default_factory=list)
     text: str = ""  # everything decoded so far
     emitted: int = 0  # chars of ``text`` already handed out
     _prefix_offset: int = 0
     _read_offset: int = 0
+    _stops_from: int = 0  # a stop string must end past this many chars of ``text``
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)  # type: ignore[attr-defined]
@@ -127,14 +223,18 @@ class Detokenizer:
             self.text += full[len(prefix) :]
             self._prefix_offset = self._read_offset
             self._read_offset = len(self.ids)
+        if len(self.ids) == self.min_tokens:
+            self._stops_from = len(self.text)
         return self._take()
 
     def _take(self) -> tuple[str, bool]:
-        if self.stop:
+        if self.stop and len(self.ids) > self.min_tokens:
             window_start = max(0, self.emitted - max(map(len, self.stop)) + 1)
-            hits = [i for i in (self.text.find(s, window_start) for s in self.stop) if i >= 0]
+            hits = [i for i in (self.text.find(s, max(window_start, self._stops_from - len(s) + 1))
+                                for s in self.stop) if i >= 0]
             if hits:
-                end = min(hits)
+                # Past min_tokens, a stop string may begin in text already handed out: the rest is cut.
+                end = max(min(hits), self.emitted)
                 out, self.emitted = self.text[self.emitted : end], end
                 return out, True
             hold = self._held_back()

@@ -382,7 +382,7 @@ class TorchCore(LLMCore):
         if ctx is None or ctx.next_logits is None:
             out.fail_stream(cmd.send, EngineError(f"context {cmd.ctx!r} is not prefilled, or has decoded already"))
             return
-        self._waiting.append(self.new_row(cmd, ctx.length))
+        self._waiting.append(self.new_row(cmd, ctx.length, ctx.tokens))
 
     def row_finished(self, r: Row) -> None:
         ctx = self.contexts.get(r.ctx)
