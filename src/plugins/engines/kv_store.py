@@ -33,9 +33,10 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
+import psutil
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,32 @@ MAGIC = b"HRKVSTO1"  # the file format; another value is a foreign file
 _LENGTH = struct.Struct("<I")  # the header's length, after the magic
 SUFFIX = ".kv"
 _WRITE_QUEUE = 64  # entries waiting for the writer at most; past that a put does not wait, it skips the file
+
+
+MiB = 1 << 20
+# Defaults sized from the machine when the engine loads: llama-server keeps 8 GiB of prompts in RAM by default;
+# here at most a tenth of the memory then available, and a tenth of the data dir's free disk, up to 32 GiB.
+HOST_SHARE, HOST_MAX = 0.10, 8192 * MiB
+DISK_SHARE, DISK_MAX = 0.10, 32768 * MiB
+
+
+def default_host_bytes() -> int:
+    return int(min(HOST_MAX, HOST_SHARE * psutil.virtual_memory().available))
+
+
+def default_disk_bytes(directory: Path) -> int:
+    directory.mkdir(parents=True, exist_ok=True)
+    return int(min(DISK_MAX, DISK_SHARE * psutil.disk_usage(str(directory)).free))
+
+
+def mebibytes(value: Any, key: str) -> int | None:
+    """A tier's budget as configured, in MiB (as llama-server's ``--cache-ram``), in bytes; None (absent): sized
+    from the machine at load (above)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{key}: must be an integer >= 0 (MiB; 0 turns the tier off), not {value!r}")
+    return value << 20
 
 
 def block_digests(tokens: Sequence[int], block: int) -> list[bytes]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from headrace.plugins.engines.kv_store import mebibytes
 from headrace.plugins.engines.llama_cpp_files import QUANT_TYPES
 from headrace.plugins.engines.model_paths import resolve_model
 from headrace.plugins.engines.preemption import MAX_PAUSE_SECONDS
@@ -95,15 +96,6 @@ def parse_options(spec: EngineSpec) -> LlamaCppOptions:
     return LlamaCppOptions(path, threads, kv_unified, max_contexts, max_batch_tokens, cache_tokens, cache_sequences,
                            pins, float(wait), float(max_pause), quantize, max_context_tokens, n_ctx,
                            kv_host_bytes, kv_disk_bytes)
-
-
-def mebibytes(value: Any, key: str) -> int | None:
-    """A budget given in MiB (as llama-server's ``--cache-ram``), in bytes; None (absent): sized at load."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{key}: must be an integer >= 0 (MiB; 0 turns the tier off), not {value!r}")
-    return value << 20
 
 
 def positive(value: Any, key: str) -> int:

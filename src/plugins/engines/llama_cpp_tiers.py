@@ -17,29 +17,11 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-import psutil
-
-from headrace.plugins.engines.kv_store import KVStore
+from headrace.plugins.engines.kv_store import KVStore, default_disk_bytes, default_host_bytes
 from headrace.plugins.engines.llama_cpp_files import llama
 from headrace.plugins.engines.torch_loading import gguf_cache_key
 
 log = logging.getLogger(__name__)
-
-MiB = 1 << 20
-# Defaults sized from the machine when the engine loads: llama-server keeps 8 GiB of prompts in RAM by default;
-# here at most a tenth of the memory then available, and a tenth of the data dir's free disk, up to 32 GiB.
-HOST_SHARE, HOST_MAX = 0.10, 8192 * MiB
-DISK_SHARE, DISK_MAX = 0.10, 32768 * MiB
-
-
-def default_host_bytes() -> int:
-    return int(min(HOST_MAX, HOST_SHARE * psutil.virtual_memory().available))
-
-
-def default_disk_bytes(directory: Path) -> int:
-    directory.mkdir(parents=True, exist_ok=True)
-    return int(min(DISK_MAX, DISK_SHARE * psutil.disk_usage(str(directory)).free))
-
 
 def namespace(model_file: Path, streams: int) -> str:
     """What a saved sequence depends on: the model file's content, llama.cpp's state format (its version), the

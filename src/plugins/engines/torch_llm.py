@@ -18,21 +18,24 @@ request only. Only a decode forward pass that raises fails the rows it batched.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ContextManager
+from typing import Any, Iterator
 
 import torch
 
 from headrace.plugins.engines import kv
 from headrace.plugins.engines.llm_core import LLMCore, Row, sample_row, sample_rows
 from headrace.plugins.engines.llm_front import LLMFront
+from headrace.plugins.engines.kv_store import mebibytes
 from headrace.plugins.engines.llm_messages import Decode, EngineError, Logits, Outbox, Prefill
 from headrace.plugins.engines.model_paths import resolve_model
 from headrace.plugins.engines.prefix_cache import (
+    BLOCK,
     CachedPrefix,
     PinPolicy,
     PrefixCache,
@@ -42,6 +45,7 @@ from headrace.plugins.engines.prefix_cache import (
     pin_policy,
 )
 from headrace.plugins.engines.torch_loading import AUTO, load_causal_lm, parse_dtype
+from headrace.plugins.engines.torch_tiers import TensorTiers, open_tensor_tiers
 from headrace.plugins.hookspecs import hookimpl
 from headrace.plugins.protocols import EngineEnv, EngineSpec
 from headrace.types import BatchObserver, ContextId, TokenIds
@@ -82,6 +86,8 @@ class TorchLLM(LLMFront):
             max_iteration_tokens=int(opts.pop("max_iteration_tokens", 2048)),
             prefix_cache_tokens=cache_tokens,
             pins=pin_policy(opts, f"{key}.options", cache_tokens),
+            tier_dir=env.data_dir / "kv" / spec.name,
+            tier_budgets=tuple(mebibytes(opts.pop(n, None), f"{key}.options.{n}") for n in ("kv_host_mib", "kv_disk_mib")),
         )
         if opts:
             raise ValueError(f"{key}.options: unknown option(s) {sorted(opts)}")
@@ -94,7 +100,8 @@ class TorchCore(LLMCore):
     def __init__(self, name: str, *, path: Path, cache_dir: Path, observe_batch: BatchObserver, dtype: torch.dtype,
                  threads: int, max_batch_size: int, max_context_tokens: int, max_prefill_tokens: int,
                  max_iteration_tokens: int = 2048, prefix_cache_tokens: int = 0,
-                 pins: PinPolicy = PinPolicy()) -> None:
+                 pins: PinPolicy = PinPolicy(), tier_dir: Path | None = None,
+                 tier_budgets: tuple[int | None, int | None] = (0, 0)) -> None:
         super().__init__(name, max_context_tokens)
         self._path, self._cache_dir, self._dtype, self._threads = path, cache_dir, dtype, threads
         self._observe_batch = observe_batch
@@ -107,6 +114,10 @@ class TorchCore(LLMCore):
         self.prefix_cache_tokens = prefix_cache_tokens
         self._pins = pins  # pinned prefixes: their budget and the retention TTL (a prompt's KV; outputs are not cached)
         self._cache_stats = PrefixCacheStats()  # counted across switching the cache off and on
+        # Host memory and disk below the cached prefixes (``kv_store``), opened with the model: (None, None) budgets
+        # are sized from the machine, 0 is off.
+        self._tier_dir, self._tier_budgets = tier_dir, tier_budgets
+        self._tiers: TensorTiers | None = None
         self.prefix_cache: PrefixCache[kv.LayerKV] | None = self._new_cache() if prefix_cache_tokens > 0 else None
         # Tokens put through the model since load, by kind: what the prefix cache saved shows here.
         self.token_counts = {"prefill": 0, "score": 0, "decode": 0}
@@ -131,14 +142,31 @@ class TorchCore(LLMCore):
         self.eos.discard(None)
         self.max_context_tokens = min(self.max_context_tokens, self.model.config.max_position_embeddings)
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
+        if self.prefix_cache_tokens > 0 and self._tier_dir is not None and self._tiers is None:
+            self._tiers = open_tensor_tiers(self._path, self.model.config, self.model.dtype, BLOCK, self._tier_dir,
+                                            *self._tier_budgets, self.name)
 
-    def serving(self) -> ContextManager[Any]:
-        return torch.inference_mode()
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
+        try:
+            with torch.inference_mode():
+                yield
+        finally:
+            self._close_tiers()
+
+    def _close_tiers(self) -> None:
+        """The cached prefixes go to the tiers (and disk, for the next start); the tiers close."""
+        if self._tiers is not None:
+            if self.prefix_cache is not None:
+                self.prefix_cache.clear()
+            self._tiers.close()
+            self._tiers = None
 
     reloadable = True
 
     def unload(self) -> None:
         self.model = None  # the weights go; the tokenizer and the limits load() set stay
+        self._close_tiers()
         if self.prefix_cache is not None:  # cached KV is model memory too
             self.prefix_cache = self._new_cache()
 
@@ -162,7 +190,22 @@ class TorchCore(LLMCore):
             self.prefix_cache = self._new_cache()
 
     def _new_cache(self) -> PrefixCache[kv.LayerKV]:
-        return PrefixCache(self.prefix_cache_tokens, stats=self._cache_stats, policy=self._pins)
+        return PrefixCache(self.prefix_cache_tokens, stats=self._cache_stats, policy=self._pins, on_leave=self._offload)
+
+    def _offload(self, entry: CachedPrefix[kv.LayerKV], reason: str) -> None:
+        """A cached prefix leaving the cache goes to the tiers, unless a longer one that holds it came."""
+        if self._tiers is not None and reason != "superseded":
+            self._tiers.save(entry.kv, entry.tokens)
+
+    def _promote(self, job: Prefill) -> None:
+        """A longer prefix of ``job``'s prompt in the tiers than in the cache goes into the cache, which the
+        prefill then finds (restored, not prefilled)."""
+        cache = self.prefix_cache
+        hit = cache.match(job.tokens, len(job.tokens) - 1)
+        restored = self._tiers.restore(job.tokens, len(job.tokens) - 1, hit[1] if hit else 0)
+        if restored is not None:
+            tokens, layers = restored
+            cache.insert(tokens, lambda n: [(k[:, :, :n], v[:, :, :n]) for k, v in layers])
 
     def has_work(self) -> bool:
         return bool(self._rows or self._waiting or self._scoring or self._prefills)
@@ -177,6 +220,8 @@ class TorchCore(LLMCore):
                  "kv_cache_tokens": held, "kv_cache_capacity": self.max_batch_size * self.max_context_tokens}
         if self.prefix_cache_tokens > 0:
             stats.update(cache_stats(self._cache_stats, self.prefix_cache, self.prefix_cache_tokens, self._pins))
+        if self._tiers is not None:
+            stats.update(self._tiers.store.stats())
         return stats
 
     def step(self, out: Outbox) -> None:
@@ -260,6 +305,8 @@ class TorchCore(LLMCore):
             base = None
             if self.prefix_cache is not None:
                 cache = self.prefix_cache
+                if self._tiers is not None:
+                    self._promote(first)
                 hits = {id(job): cache.match(job.tokens, len(job.tokens) - 1) for _, job in group}
                 hit = hits[id(first)]
                 same = None if hit is None else (id(hit[0]), hit[1])

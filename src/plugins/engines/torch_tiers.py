@@ -1,0 +1,74 @@
+"""The torch core's side of ``kv_store``: a cached prefix's per-layer tensors saved to the tiers, and restored.
+
+An entry's payload is every layer's K then V, (1, heads, n, head_dim) each, packed in one buffer in the
+engine's dtype; a restore views that buffer (``torch.frombuffer``: no copy), so a restored prefix costs
+host memory once. The namespace names the model file's content, the dtype and the KV's shape per token.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from headrace.plugins.engines.kv import LayerKV
+from headrace.plugins.engines.kv_store import KVStore, default_disk_bytes, default_host_bytes
+from headrace.plugins.engines.torch_loading import gguf_cache_key
+
+log = logging.getLogger(__name__)
+
+
+class TensorTiers:
+    """Save and restore a torch core's cached prefixes through a ``KVStore``; on the engine's worker thread."""
+
+    def __init__(self, store: KVStore, layers: int, heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        self.store, self._layers, self._heads, self._head_dim, self._dtype = store, layers, heads, head_dim, dtype
+
+    def save(self, layers: LayerKV, tokens: Sequence[int]) -> None:
+        """Keep ``layers`` (the KV of exactly ``tokens``, block-aligned) in the tiers."""
+        if self.store.holds(tokens):
+            return
+        packed = torch.stack([torch.stack((k[0], v[0])) for k, v in layers])  # (layers, 2, heads, n, head_dim)
+        self.store.put(tokens, bytearray(packed.contiguous().view(torch.uint8).numpy().tobytes()))
+
+    def restore(self, tokens: Sequence[int], max_tokens: int, found: int) -> tuple[list[int], LayerKV] | None:
+        """The longest prefix of ``tokens`` (at most ``max_tokens``) the tiers hold, as the tokens it holds and their
+        KV, if longer than the ``found`` tokens the cells hold; None otherwise (or if its file was bad)."""
+        hit = self.store.match(tokens, max_tokens)
+        if hit is None or hit.tokens <= found:
+            return None
+        start = time.perf_counter()
+        data = self.store.payload(hit)
+        if data is None:
+            return None
+        n = len(hit.entry.tokens)
+        packed = torch.frombuffer(data, dtype=self._dtype).view(self._layers, 2, self._heads, n, self._head_dim)
+        layers = [(packed[i, 0, None, :, : hit.tokens], packed[i, 1, None, :, : hit.tokens])
+                  for i in range(self._layers)]
+        self.store.used(hit, time.perf_counter() - start)
+        return list(tokens[: hit.tokens]), layers
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def open_tensor_tiers(model_file: Path, config, dtype: torch.dtype, block: int, directory: Path,
+                      host_bytes: int | None, disk_bytes: int | None, name: str) -> TensorTiers | None:
+    """The core's tiers (``config``: the transformers model config), budgets None sized from the machine; None
+    when both are off."""
+    host = default_host_bytes() if host_bytes is None else host_bytes
+    disk = default_disk_bytes(directory) if disk_bytes is None else disk_bytes
+    if host == 0 and disk == 0:
+        return None
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    layers = config.num_hidden_layers
+    namespace = (f"torch-layer-kv model={gguf_cache_key(model_file)} dtype={dtype} layers={layers} heads={heads} "
+                 f"head_dim={head_dim}")
+    store = KVStore(namespace, block, host, directory if disk else None, disk)
+    log.info("engine %s: KV tiers: host memory %d MiB, disk %d MiB (%s, %d entries found)", name, host >> 20,
+             disk >> 20, directory, len(store))
+    return TensorTiers(store, layers, heads, head_dim, dtype)
