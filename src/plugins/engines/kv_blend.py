@@ -1,0 +1,168 @@
+"""Documents' KV reused at any position on llama.cpp: a document's cells, computed once alone, placed where it
+stands in a new prompt by a position shift (llama.cpp re-rotates the cached K with RoPE at its next update),
+with the first ``recompute_first`` tokens of each document prefilled again in place (EPIC's rule: it removes
+the attention sink a document computed alone has at its start). ``scripts/bench/kv_any_position.py``
+measured the rule's quality against a full prefill (docs/benchmarks.md, "Documents at any position"):
+on SmolLM2-135M no share held the issue's bar (identical greedy answers on 95% of queries: even a full prefill
+split differently gives 50%), and KL <= 0.05 nats needs about 16 tokens per document computed at position 0,
+or 32 after the template's constant prefix. It is a building block, not on by default.
+
+Cost to know: llama.cpp applies a pending shift at the next decode by re-rotating the K of EVERY cell of the
+cache (its K-shift graph spans ``n_ctx`` cells and all layers), so each prefill step after a placement costs
+a pass over the whole cache: keep placements together and the context small.
+
+Engine-facing and independent of the daemon: the caller owns the llama.cpp context and its own prefill path.
+``plan`` orders the work, because llama.cpp takes a sequence's new tokens only at its next position (a batch
+for sequence s starts at ``seq_pos_max(s) + 1``): prefill steps and placements alternate in position order,
+and the caller runs each ``Step`` in turn, a prefill through its own batching, a placement with ``place``.
+
+Placement needs a unified KV (``kv_unified = true``): there ``seq_cp`` tags cells, so a document restored into
+a scratch sequence, shifted there, and tagged into the target is one copy of its bytes. With a stream per
+sequence llama.cpp copies only whole streams (``seq_cp`` resets the destination) and a state restore clears
+its destination sequence first, so several documents cannot be joined in one sequence through the API.
+A cached document's state must not be shifted in a sequence that still shares its cells (a cell has one
+position), hence the restore from saved bytes into scratch rather than a ``seq_cp`` of a cached sequence.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any, Literal, Sequence
+
+from headrace.plugins.engines.llama_cpp_files import llama
+
+# The first tokens of each document prefilled again in place (documents computed at position 0: mean KL 0.046
+# nats against a full prefill in docs/benchmarks.md; 0 tokens: 0.127).
+DEFAULT_RECOMPUTE_FIRST = 16
+
+
+@dataclass(frozen=True)
+class CachedDoc:
+    """A document's KV computed alone: the sequence state llama.cpp saved, the document's token count, and the
+    position its first token had when computed (0 alone, or the length of the exact prefix it followed)."""
+
+    state: bytes
+    length: int
+    base: int
+
+
+@dataclass(frozen=True)
+class Step:
+    """Positions [start, end) of the target: ``prefill`` them (the caller's tokens there), or ``place`` the
+    cached cells of document ``doc`` (an index into the placements) that fall there."""
+
+    kind: Literal["prefill", "place"]
+    start: int
+    end: int
+    doc: int = -1
+
+
+def plan(n_tokens: int, docs: Sequence[tuple[int, int]], recompute_first: int = DEFAULT_RECOMPUTE_FIRST) -> list[Step]:
+    """The steps that build a prompt of ``n_tokens`` whose documents stand at ``docs`` ((target position,
+    length) each, in position order, not overlapping): everything outside the documents and each document's
+    first ``recompute_first`` tokens is prefilled, the rest placed. The last prompt token is always prefilled
+    (the caller needs its logits)."""
+    steps: list[Step] = []
+    pos = 0
+
+    def prefill(end: int) -> None:
+        nonlocal pos
+        if end > pos:
+            if steps and steps[-1].kind == "prefill":
+                steps[-1] = Step("prefill", steps[-1].start, end)
+            else:
+                steps.append(Step("prefill", pos, end))
+            pos = end
+
+    for i, (start, length) in enumerate(docs):
+        if start < pos or length < 0:
+            raise ValueError(f"document {i} at {start} overlaps what comes before it (up to {pos})")
+        end = min(start + length, n_tokens - 1)
+        prefill(min(start + recompute_first, end))
+        if end > pos:
+            steps.append(Step("place", pos, end, i))
+            pos = end
+    prefill(n_tokens)
+    return steps
+
+
+def prefill(ctx: Any, batch: Any, seq: int, tokens: Sequence[int], start: int, n_batch: int,
+            logits_last: bool = False) -> None:
+    """Decode ``tokens`` into ``seq`` from position ``start``, ``n_batch`` at a time (``batch`` from
+    ``llama_batch_init`` for at least that many); logits for the last one if asked (then the only output
+    row: ``llama_get_logits_ith(ctx, -1)``)."""
+    lc = llama()
+    for s in range(0, len(tokens), n_batch):
+        part = tokens[s:s + n_batch]
+        for i, t in enumerate(part):
+            batch.token[i] = t
+            batch.pos[i] = start + s + i
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = seq
+            batch.logits[i] = logits_last and s + i == len(tokens) - 1
+        batch.n_tokens = len(part)
+        rc = lc.llama_decode(ctx, batch)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+
+
+def save_state(ctx: Any, seq: int) -> bytes:
+    lc = llama()
+    size = lc.llama_state_seq_get_size_ext(ctx, seq, 0)
+    buf = (ctypes.c_uint8 * size)()
+    written = lc.llama_state_seq_get_data_ext(ctx, buf, size, seq, 0)
+    if written != size:
+        raise RuntimeError(f"llama.cpp saved {written} of {size} state bytes of sequence {seq}")
+    return bytes(buf)
+
+
+def compute_doc(ctx: Any, batch: Any, seq: int, tokens: Sequence[int], n_batch: int,
+                prefix: Sequence[int] = (), start: int = 0) -> CachedDoc:
+    """A document's KV computed alone in the empty sequence ``seq`` from position ``start`` (after ``prefix``,
+    dropped from the saved state), saved, and ``seq`` emptied again."""
+    lc = llama()
+    mem = lc.llama_get_memory(ctx)
+    try:
+        prefill(ctx, batch, seq, [*prefix, *tokens], start, n_batch)
+        lc.llama_memory_seq_rm(mem, seq, start, start + len(prefix))
+        return CachedDoc(save_state(ctx, seq), len(tokens), start + len(prefix))
+    finally:
+        lc.llama_memory_seq_rm(mem, seq, -1, -1)
+
+
+def place(ctx: Any, target: int, scratch: int, doc: CachedDoc, start: int, step: Step) -> None:
+    """Put ``doc``'s cells for the positions ``step`` covers into ``target``, the document standing at
+    ``start``: restored into the empty ``scratch``, shifted, the rest dropped, tagged into ``target``."""
+    lc = llama()
+    mem = lc.llama_get_memory(ctx)
+    if lc.llama_memory_seq_pos_max(mem, target) != step.start - 1:
+        raise ValueError(f"sequence {target} must end at {step.start - 1} before a placement at {step.start}")
+    src = (ctypes.c_uint8 * len(doc.state)).from_buffer_copy(doc.state)
+    try:
+        if lc.llama_state_seq_set_data_ext(ctx, src, len(doc.state), scratch, 0) == 0:
+            raise RuntimeError("llama.cpp could not restore a document's state (no room, or another layout)")
+        if start != doc.base:
+            lc.llama_memory_seq_add(mem, scratch, doc.base, doc.base + doc.length, start - doc.base)
+        lc.llama_memory_seq_cp(mem, scratch, target, step.start, step.end)
+    finally:
+        lc.llama_memory_seq_rm(mem, scratch, -1, -1)
+
+
+def build(ctx: Any, batch: Any, target: int, scratch: int, tokens: Sequence[int],
+          docs: Sequence[tuple[CachedDoc, int]], n_batch: int,
+          recompute_first: int = DEFAULT_RECOMPUTE_FIRST) -> int:
+    """The whole prompt ``tokens`` in the empty ``target``, documents ((cached, target position) each) placed,
+    the rest prefilled, the last token's logits computed (``llama_get_logits_ith(ctx, -1)``). Returns the
+    number of tokens prefilled."""
+    steps = plan(len(tokens), [(pos, d.length) for d, pos in docs], recompute_first)
+    prefilled = 0
+    for step in steps:
+        if step.kind == "place":
+            cached, pos = docs[step.doc]
+            place(ctx, target, scratch, cached, pos, step)
+        else:
+            prefill(ctx, batch, target, tokens[step.start:step.end], step.start, n_batch,
+                          logits_last=step.end == len(tokens))
+            prefilled += step.end - step.start
+    return prefilled
