@@ -26,7 +26,7 @@ class Mill(BaseModel):
 
 @pytest.fixture(scope="module")
 def agents(server):
-    agents = pytest.importorskip("agents")
+    import agents
     from openai import AsyncOpenAI
 
     agents.set_tracing_disabled(True)  # no trace export to OpenAI's servers
@@ -61,7 +61,7 @@ def test_the_agents_sdk_runs_a_forced_tool(agents, api):
 
 
 def test_pydantic_ai_gives_the_structured_output_type(server):
-    pytest.importorskip("pydantic_ai")
+    import pydantic_ai  # noqa: F401  (dev installs it)
     from pydantic_ai import Agent
     from pydantic_ai.models.openai import OpenAIChatModel
     from pydantic_ai.providers.openai import OpenAIProvider
@@ -73,7 +73,7 @@ def test_pydantic_ai_gives_the_structured_output_type(server):
 
 
 def test_langchain_chat_openai_on_the_responses_api(server):
-    langchain_openai = pytest.importorskip("langchain_openai")
+    import langchain_openai
     chat = langchain_openai.ChatOpenAI(model=LLM, base_url=f"{server.base_url}/v1", api_key=API_KEY, temperature=0,
                                        max_tokens=48, max_retries=0, use_responses_api=True)
     mill = chat.with_structured_output(Mill, method="json_schema").invoke("Invent a water mill.")
