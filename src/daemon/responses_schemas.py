@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Discriminator, Field, Tag
+from pydantic import BaseModel, Discriminator, Field, Tag, create_model
 
 from headrace.daemon.headrace_schemas import Query
-from headrace.daemon.openai_schemas import FUNCTION_NAME, Body, MaxTokens, NonEmptyStr
+from headrace.daemon.openai_schemas import FUNCTION_NAME, Body, MaxTokens, NonEmptyStr, Sampling
 
 MAX_TOOLS = 128
 MAX_METADATA = 16  # OpenAI's: at most 16 pairs, keys up to 64 characters, values up to 512
@@ -145,7 +145,16 @@ class ResponseStreamOptions(Body):
     include_obfuscation: bool | None = Field(None, description="accepted; no obfuscation field is sent")
 
 
-class ResponseRequest(Body):
+# The peers' sampling fields (issue 43, part 3), as chat defines them (same names, ranges and descriptions):
+# routes.responses_api passes them to the chat request the response is served as.
+PEER_SAMPLING = ("presence_penalty", "frequency_penalty", "repetition_penalty", "top_k", "min_p", "logit_bias",
+                 "min_tokens", "ignore_eos", "stop_token_ids")
+PeerSampling = create_model("PeerSampling", __base__=Body,  # type: ignore[call-overload]
+                            **{name: (Sampling.model_fields[name].annotation, Sampling.model_fields[name])
+                               for name in PEER_SAMPLING})
+
+
+class ResponseRequest(PeerSampling):
     model: NonEmptyStr
     input: NonEmptyStr | Annotated[list[InputItem], Field(min_length=1)] = Field(
         description="a user message's text, or a list of items: messages, function_call, function_call_output")

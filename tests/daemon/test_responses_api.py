@@ -201,6 +201,23 @@ def test_bad_input_is_a_named_4xx_and_stores_nothing(server):
     assert stored_rows(server) == before + 1  # only the good one
 
 
+def test_the_sampling_fields_reach_the_engine(server):
+    # The greedy first token, banned by logit_bias: the answer changes only if the field reached the engine.
+    body = {"input": "The capital of France is", "max_output_tokens": 1, "temperature": 0, "store": False}
+    greedy = post(server, body).json()["output"][0]["content"][0]["text"]
+    first = httpx.post(f"{server.base_url}/tokenize", headers=HEADERS, timeout=60, json={
+        "model": LLM, "prompt": greedy, "add_special_tokens": False}).json()["tokens"][0]
+    banned = post(server, {**body, "logit_bias": {str(first): -100}, "top_k": 5, "presence_penalty": 0.5})
+    assert banned.status_code == 200, banned.text
+    assert banned.json()["output"][0]["content"][0]["text"] != greedy
+    # Checked as chat checks them, named as the client sent them.
+    r = post(server, {**body, "stop_token_ids": [10**9]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids[0]"
+    r = post(server, {**body, "min_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
+    assert "'max_output_tokens'" in r.json()["error"]["message"]
+
+
 def test_stored_responses_survive_a_restart_and_expire(server, tmp_path):
     r = post(server, {"input": "Hello", "max_output_tokens": 2}).json()
     data = server.app.state.services.responses.path.parent

@@ -30,8 +30,8 @@ from headrace.batching.programs import PROGRAM_HEADER, program_of
 from headrace.daemon import bodies as rq
 from headrace.daemon.errors import APIError, bad_request, internal
 from headrace.daemon.openai_schemas import ChatCompletionRequest
-from headrace.daemon.responses_schemas import (FunctionCallItem, FunctionCallOutputItem, InputItemsQuery, MessageItem,
-                                               ResponseRequest)
+from headrace.daemon.responses_schemas import (PEER_SAMPLING, FunctionCallItem, FunctionCallOutputItem,
+                                               InputItemsQuery, MessageItem, ResponseRequest)
 from headrace.daemon.responses_store import ResponsesStore, StoredResponse
 from headrace.daemon.routes.openai_api import collect, engine_for, generation, plan_chat
 from headrace.daemon.routes.responses_output import Output
@@ -142,7 +142,8 @@ def chat_request(body: ResponseRequest, messages: list[dict[str, Any]]) -> ChatC
         else:
             chat["response_format"] = {"type": fmt.type}
     for name, value in (("max_completion_tokens", body.max_output_tokens), ("temperature", body.temperature),
-                        ("top_p", body.top_p), ("parallel_tool_calls", body.parallel_tool_calls)):
+                        ("top_p", body.top_p), ("parallel_tool_calls", body.parallel_tool_calls),
+                        *((field, getattr(body, field)) for field in PEER_SAMPLING)):
         if value is not None:
             chat[name] = value
     return rq.validate(ChatCompletionRequest, chat)
@@ -161,6 +162,8 @@ def _renamed(exc: APIError) -> APIError:
         param = param.replace(".function.", ".")  # tools[i].function.parameters -> tools[i].parameters
         exc.message = exc.message.replace(f"'{exc.param}'", f"'{param}'")
         exc.param = param
+    for chat, ours in _RENAMES:  # a message naming another field too ('min_tokens' is more than 'max_...')
+        exc.message = exc.message.replace(f"'{chat}'", f"'{ours}'")
     return exc
 
 
