@@ -113,8 +113,9 @@ class RagRepeatOptions:
             raise ValueError("--rag-arrivals, --rag-chunks, --rag-probe and --rag-restart-queries must be >= 1")
         if self.restart_warm < 0 or self.zipf <= 0 or any(x <= 0 for x in [*self.fractions, *self.rates]):
             raise ValueError("--rag-restart must be >= 0; --rag-zipf, --rag-fractions and --rag-rates > 0")
-        if not self.fractions and not self.rates:
-            raise ValueError("rag-repeat needs --rag-fractions or --rag-rates")
+        if not self.fractions and not self.rates and not self.restart_warm:
+            raise ValueError("rag-repeat needs --rag-fractions or --rag-rates (or only the restart phase: "
+                             "--rag-fractions with no value and --rag-restart N)")
 
 
 def add_arguments(p: Any) -> None:
@@ -127,7 +128,8 @@ def add_arguments(p: Any) -> None:
                    help=f"{RAG_REPEAT} workflows (default {' '.join(WORKFLOWS)})")
     p.add_argument("--rag-fractions", type=float, nargs="*",
                    help=f"{RAG_REPEAT} load points as fractions of the capacity engine-cache measures (one over its "
-                        "mean single-query latency; default 0.5 0.8 unless --rag-rates)")
+                        "mean single-query latency; default 0.5 0.8 unless --rag-rates; none given and no "
+                        "--rag-rates: the restart phase alone)")
     p.add_argument("--rag-rates", type=float, nargs="*", default=[], help=f"{RAG_REPEAT} load points in queries/s")
     p.add_argument("--rag-arrivals", type=int, default=d.arrivals,
                    help=f"Poisson arrivals per {RAG_REPEAT} point (default {d.arrivals})")
@@ -356,7 +358,7 @@ async def load_point(target: Target, queries: list[Query], rate: float, seed: in
         if sample.latency is None:  # cancelled at the drain's end, or failed
             record.latency_s, record.error = None, record.error or sample.error
     tokens = token_counts(before, await target.daemon.metrics(), llm) if llm else None
-    return {"rate": rate, **point_summary(records, result, tokens)}
+    return {"rate": rate, **point_summary(records, result, tokens), "questions": [q.text for q in queries]}
 
 
 # The benchmark ------------------------------------------------------------------------------------------------
@@ -497,9 +499,8 @@ class Bench:
                     await self.index(daemon)
                     if case != "empty":
                         await one_at_a_time(Target(daemon, workflow, config), self.plan.restart_warm)
-                    if case == "restarted":
-                        continue  # stopped (its cells' prefixes written to disk), started again below
-                    out[case] = await self.timed(daemon, workflow, config, timed)
+                    if case != "restarted":  # that one is stopped first (its cells' prefixes written to disk)
+                        out[case] = await self.timed(daemon, workflow, config, timed)
                 finally:
                     await daemon.aclose()
             if case == "restarted":
@@ -534,7 +535,7 @@ async def rag_repeat_phase(config: Path | None, url: str | None, api_key: str, c
         bench = Bench(config, url, api_key, opts, plan, log, Path(tmp))
         results: dict[str, Any] = {"workflows": {}}
         try:
-            for workflow in opts.workflows:
+            for workflow in opts.workflows if opts.fractions or opts.rates else ():  # none: the restart alone
                 results["workflows"][workflow] = {mode: await bench.run_mode(mode, workflow) for mode in modes}
             results["restart"] = await bench.restart_phase()
         except BaseException:

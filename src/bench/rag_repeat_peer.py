@@ -186,12 +186,14 @@ class PeerPipeline:
 
     async def call(self, text: str, max_tokens: int, record: Any, t0: float, final: bool,
                    lines: int | None = None) -> Any:
-        """One LLM call: the prompt as headrace's chat template tokenizes it, streamed from llama-server. The
-        answer stripped (or, with ``lines``, the first that many parsed lines, the stream closed after them)."""
+        """One LLM call: the prompt as headrace's chat template tokenizes it, streamed from the server's
+        ``/v1/completions`` (llama-server's; any OpenAI-compatible one). The answer stripped (or, with ``lines``,
+        the first that many parsed lines, the stream closed after them). Tokens prefilled: the server's
+        ``timings.prompt_n`` where it sends timings, else the whole prompt."""
         tokens = (await self.helper._json("POST", "/tokenize", json={
             "model": self.llm, "messages": [{"role": "user", "content": text}], "add_generation_prompt": True}))["tokens"]
         body = {"model": self.llm, "prompt": tokens, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                "cache_prompt": True, "timings_per_token": True, **self.extra}
+                **self.extra}
         parts, timings = [], None
         parser, pieces = (LineParser(), []) if lines else (None, [])
         async with self.server.stream("POST", "/v1/completions", json=body) as response:
@@ -269,7 +271,9 @@ async def peer_mode(bench: Any, workflow: str) -> dict[str, Any]:
                 limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
                 async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(None, connect=10),
                                              limits=limits) as server:
-                    pipeline = PeerPipeline(helper, bench.retriever, server, spec.body_extra, llm, reranker)
+                    # Its prompt cache on (its default, said), and its timings on every streamed chunk.
+                    extra = {**spec.body_extra, "cache_prompt": True, "timings_per_token": True}
+                    pipeline = PeerPipeline(helper, bench.retriever, server, extra, llm, reranker)
                     out = await bench.measure(PEER, workflow, Target(helper, workflow,
                                                                      workflow_config(PEER, bench.opts), pipeline),
                                               None)

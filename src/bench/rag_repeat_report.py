@@ -139,10 +139,12 @@ def text_report(results: dict[str, Any]) -> str:
 
 
 def write(results: dict[str, Any], out: Path) -> tuple[list[Path], str]:
-    """results.txt and results.json under ``out`` (the text first: it adds the ratios to ``results``)."""
+    """results.json and results.txt under ``out``; the JSON written again with the ratios the text adds (first
+    without them: a run's figures outlive a report that fails)."""
     out.mkdir(parents=True, exist_ok=True)
-    text = text_report(results)
     files = [out / "results.json", out / "results.txt"]
+    files[0].write_text(json.dumps(results, indent=2, default=str))
+    text = text_report(results)
     files[1].write_text(text + "\n")
     files[0].write_text(json.dumps(results, indent=2, default=str))
     return files, text

@@ -95,3 +95,33 @@ def test_smoke_the_report_holds_together_and_the_tokens_agree(server, tmp_path):
     assert point["vs"]["same_as_engine_cache"]["share"] == 1.0 and point["vs"]["latency_vs_engine_cache"] == 1.0
     text = (out / "results.txt").read_text()
     assert "== naive_rag at 2 x capacity" in text and "prefill/q" in text and "any-position" not in text
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_the_peer_pipeline_sends_headrace_s_own_prompts_and_gets_its_answer(server):
+    """The llama-server mode's client pipeline, pointed at headrace's own /v1/completions: its retrieval,
+    prompts and tokens are headrace's, so the greedy answer is the server-side run's."""
+    import httpx
+
+    from headrace.bench.client import Daemon
+    from headrace.bench.rag_repeat import Answer
+    from headrace.bench.rag_repeat_peer import PeerPipeline, Retriever
+
+    documents = [d.text for d in CORPUS.documents]
+    question = draw_queries(CORPUS, 1, 1.1, seed=0, salt=1)[0].text
+    helper = Daemon(server.base_url, API_KEY)
+    try:
+        served = await helper.run("naive_rag", {"question": question, "documents": documents}, {"max_tokens": 8})
+        retriever = await Retriever.build(helper, documents, 256, 30)
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120,
+                                     headers={"Authorization": f"Bearer {API_KEY}"}) as http:
+            record = Answer(0)
+            await PeerPipeline(helper, retriever, http, {}, "smollm2", None).run("naive_rag", question,
+                                                                                 {"max_tokens": 8}, record)
+    finally:
+        await helper.aclose()
+    assert record.answer == served.result["answer"]
+    assert 0 < record.ttft_s <= record.latency_s
+    # headrace sends no llama.cpp timings: every prompt token counts as prefilled, over 3 leaves and a combine.
+    assert record.prefilled_tokens == record.prompt_tokens > 4 * 20
