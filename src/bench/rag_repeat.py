@@ -536,8 +536,20 @@ async def rag_repeat_phase(config: Path | None, url: str | None, api_key: str, c
         results: dict[str, Any] = {"workflows": {}}
         try:
             for workflow in opts.workflows if opts.fractions or opts.rates else ():  # none: the restart alone
-                results["workflows"][workflow] = {mode: await bench.run_mode(mode, workflow) for mode in modes}
-            results["restart"] = await bench.restart_phase()
+                rows = results["workflows"][workflow] = {}
+                for mode in modes:
+                    try:
+                        rows[mode] = await bench.run_mode(mode, workflow)
+                    except BenchError as exc:  # one mode's failure (a server that died) leaves the others' figures
+                        if workflow not in bench.rates:
+                            raise  # no capacity, so no point for any mode
+                        log(f"  {workflow}, {mode}: failed: {exc}")
+                        rows[mode] = {"failed": str(exc)[:2000]}
+            try:
+                results["restart"] = await bench.restart_phase()
+            except BenchError as exc:  # the load points' figures stand without it
+                log(f"  restart phase failed: {exc}")
+                results["restart"] = {"failed": str(exc)[:2000]}
         except BaseException:
             keep = Path(tempfile.mkdtemp(prefix="headrace-rag-repeat-logs-"))
             for f in Path(tmp).rglob("*.log"):  # the daemons' logs outlive a failure

@@ -102,6 +102,10 @@ def tables(results: dict[str, Any]) -> list[str]:
                     lines.append(f"  {mode}: {error}")
             sources = {row["points"][k]["tokens"]["cached_source"] for row in modes.values() if "points" in row}
             lines.append(f"cached tokens from: {', '.join(sorted(sources))}")
+            for mode, row in modes.items():
+                if "failed" in row or ("skipped" in row and mode not in results.get("skipped", {})):
+                    lines.append(f"{mode}: {'failed' if 'failed' in row else 'skipped'}: "
+                                 f"{(row.get('failed') or row['skipped']).splitlines()[0][:300]}")
     lines += restart_table(results.get("restart"))
     return lines
 
@@ -109,6 +113,8 @@ def tables(results: dict[str, Any]) -> list[str]:
 def restart_table(restart: dict[str, Any] | None) -> list[str]:
     if not restart:
         return []
+    if "failed" in restart:
+        return ["", f"== restart: failed: {restart['failed'].splitlines()[0][:300]} =="]
     lines = ["", f"== restart: {restart['workflow']} in {restart['mode']}: {restart['warm_queries']} queries warm, "
                  f"then {restart['timed_queries']} timed one at a time ==",
              f"{'start':<28} {'mean s':>7} {'p95 s':>7} {'TTFT s':>7} {'prefill/q':>9} {'disk':>5} {'/ warm':>7}"]
