@@ -292,4 +292,5 @@ class LLMScheduler:
             await deltas.aclose()
             if meta is not None:
                 self.served.add(meta.run, max(0, prompt_tokens - cached) + generated)
-            self._observer.finished(self.name, time.monotonic() - arrival, prompt_tokens, generated, outcome)
+            self._observer.finished(self.name, time.monotonic() - arrival, prompt_tokens, generated, outcome,
+                                    cached_tokens=cached)

@@ -15,9 +15,10 @@ class SchedulerObserver(Protocol):
     def next_token(self, engine: str, seconds: float) -> None: ...
 
     def finished(self, engine: str, seconds: float, prompt_tokens: int, generation_tokens: int,
-                 finish_reason: str) -> None:
+                 finish_reason: str, cached_tokens: int = 0) -> None:
         """A request ended: ``finish_reason`` is ``stop`` or ``length`` (an LLM's; ``stop`` for other engines),
-        ``abort`` (cancelled or abandoned) or ``error`` (it failed)."""
+        ``abort`` (cancelled or abandoned) or ``error`` (it failed); ``cached_tokens``: of the prompt's, those found
+        cached (the engine's cells or a KV tier), not prefilled."""
         ...
 
 
@@ -35,5 +36,5 @@ class NullObserver:
         pass
 
     def finished(self, engine: str, seconds: float, prompt_tokens: int, generation_tokens: int,
-                 finish_reason: str) -> None:
+                 finish_reason: str, cached_tokens: int = 0) -> None:
         pass

@@ -57,6 +57,9 @@ class Metrics:
             registry=r, buckets=LATENCY_BUCKETS,
         )
         self.prompt_tokens = Counter("headrace_prompt_tokens", "Prompt tokens processed.", ["model"], registry=r)
+        self.prompt_cached_tokens = Counter(
+            "headrace_prompt_cached_tokens", "Of the prompt tokens, those found cached (the engine's cells or a KV "
+            "tier) rather than prefilled.", ["model"], registry=r)
         self.generation_tokens = Counter("headrace_generation_tokens", "Tokens generated.", ["model"], registry=r)
         self.request_prompt_tokens = Histogram(
             "headrace_request_prompt_tokens", "Prompt tokens per LLM request.", ["model"], registry=r,
@@ -257,7 +260,7 @@ class Metrics:
         self.itl.labels(engine).observe(seconds)
 
     def finished(self, engine: str, seconds: float, prompt_tokens: int, generation_tokens: int,
-                 finish_reason: str) -> None:
+                 finish_reason: str, cached_tokens: int = 0) -> None:
         self.e2e.labels(engine).observe(seconds)
         if finish_reason == "error":
             self.request_errors.labels(engine).inc()
@@ -265,6 +268,7 @@ class Metrics:
             self.request_success.labels(engine, finish_reason).inc()
         if prompt_tokens:
             self.prompt_tokens.labels(engine).inc(prompt_tokens)
+            self.prompt_cached_tokens.labels(engine).inc(min(cached_tokens, prompt_tokens))
         if generation_tokens:
             self.generation_tokens.labels(engine).inc(generation_tokens)
         if prompt_tokens or generation_tokens:  # an LLM request (other engines report no tokens)

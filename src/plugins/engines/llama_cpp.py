@@ -44,7 +44,7 @@ from headrace.plugins.engines.llm_front import LLMFront
 from headrace.plugins.engines.llm_messages import Decode, EngineError, Logits, Outbox, Prefill
 from headrace.plugins.engines.preemption import PausedRows, Want
 from headrace.plugins.engines.llama_cpp_tiers import SequenceTiers, open_tiers
-from headrace.plugins.engines.prefix_cache import BLOCK, CachedPrefix, PrefixCache, PrefixCacheStats, cache_stats
+from headrace.plugins.engines.prefix_cache import BLOCK, PrefixCache, PrefixCacheStats, cache_stats
 from headrace.plugins.hookspecs import hookimpl
 from headrace.plugins.protocols import EngineEnv, EngineSpec
 from headrace.types import ContextId, TokenIds
@@ -182,9 +182,7 @@ class LlamaCppCore(LLMCore):
         """Free every llama.cpp object, on the worker thread, once nothing runs any more."""
         lc = llama()
         if self._tiers is not None:
-            if self.prefix_cache is not None:
-                self.prefix_cache.clear()  # the cells' prefixes go to the tiers (and disk), for the next start
-            self._tiers.close()
+            self._tiers.close(self.prefix_cache)
             self._tiers = None
         if self._batch is not None:
             lc.llama_batch_free(self._batch)
@@ -293,11 +291,12 @@ class LlamaCppCore(LLMCore):
         hit = None
         if parent is None and self.prefix_cache is not None:
             hit = self.prefix_cache.match(job.tokens, len(job.tokens) - 1)
-            self.prefix_cache.use(hit[0] if hit else None, len(job.tokens), hit[1] if hit else 0)
         seq = self._free_seqs.pop()
         # Or a longer prefix from the tiers below the cells, restored rather than prefilled.
         skip = self._tiers.restore(job.tokens, len(job.tokens) - 1, hit[1] if hit else 0, seq) \
             if parent is None and self._tiers is not None and self.prefix_cache is not None else 0
+        if parent is None and self.prefix_cache is not None:  # the cells' hit counts only if it served
+            self.prefix_cache.use(hit[0] if hit and not skip else None, len(job.tokens), 0 if skip or not hit else hit[1])
         if parent is not None:
             self._copy_sequence(parent.seq, seq)
         elif hit is not None and not skip:
@@ -532,13 +531,9 @@ class LlamaCppCore(LLMCore):
             # stream per sequence each entry holds a copy of its own.
             self.prefix_cache = PrefixCache(self.prefix_cache_tokens, stats=self._cache_stats,
                                             shared_blocks=self._kv_unified, policy=self._pins,
-                                            max_entries=self._cache_sequences, on_leave=self._offload,
+                                            max_entries=self._cache_sequences,
+                                            on_leave=self._tiers.offload if self._tiers is not None else None,
                                             on_evict=lambda seq: self._drop_sequence(seq, self._free_cache_seqs))
-
-    def _offload(self, entry: CachedPrefix[int], reason: str) -> None:
-        """A cached prefix leaving the cells goes to the tiers, unless a longer one that holds it came."""
-        if self._tiers is not None and reason != "superseded":
-            self._tiers.save(entry.kv, entry.tokens)
 
     def _finish_decode(self, rows: list[Row], logits: np.ndarray, out: Outbox) -> None:
         tokens = sample_rows_numpy(rows, logits)

@@ -19,6 +19,7 @@ from typing import Any, Sequence
 
 from headrace.plugins.engines.kv_store import KVStore, default_disk_bytes, default_host_bytes
 from headrace.plugins.engines.llama_cpp_files import llama
+from headrace.plugins.engines.prefix_cache import CachedPrefix, PrefixCache
 from headrace.plugins.engines.torch_loading import gguf_cache_key
 
 log = logging.getLogger(__name__)
@@ -90,5 +91,13 @@ class SequenceTiers:
         self.store.used(hit, time.perf_counter() - start)
         return hit.tokens
 
-    def close(self) -> None:
+    def offload(self, entry: CachedPrefix[int], reason: str) -> None:
+        """A cached prefix (its sequence) leaving the cells goes to the tiers, unless a longer one holding it came."""
+        if reason != "superseded":
+            self.save(entry.kv, entry.tokens)
+
+    def close(self, cache: PrefixCache[int] | None) -> None:
+        """The cells' prefixes go to the tiers (and disk, for the next start); the store closes."""
+        if cache is not None:
+            cache.clear()
         self.store.close()

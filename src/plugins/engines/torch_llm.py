@@ -157,9 +157,7 @@ class TorchCore(LLMCore):
     def _close_tiers(self) -> None:
         """The cached prefixes go to the tiers (and disk, for the next start); the tiers close."""
         if self._tiers is not None:
-            if self.prefix_cache is not None:
-                self.prefix_cache.clear()
-            self._tiers.close()
+            self._tiers.close(self.prefix_cache)
             self._tiers = None
 
     reloadable = True
@@ -190,12 +188,8 @@ class TorchCore(LLMCore):
             self.prefix_cache = self._new_cache()
 
     def _new_cache(self) -> PrefixCache[kv.LayerKV]:
-        return PrefixCache(self.prefix_cache_tokens, stats=self._cache_stats, policy=self._pins, on_leave=self._offload)
-
-    def _offload(self, entry: CachedPrefix[kv.LayerKV], reason: str) -> None:
-        """A cached prefix leaving the cache goes to the tiers, unless a longer one that holds it came."""
-        if self._tiers is not None and reason != "superseded":
-            self._tiers.save(entry.kv, entry.tokens)
+        return PrefixCache(self.prefix_cache_tokens, stats=self._cache_stats, policy=self._pins,
+                           on_leave=lambda entry, reason: self._tiers and self._tiers.offload(entry, reason))
 
     def _promote(self, job: Prefill) -> None:
         """A longer prefix of ``job``'s prompt in the tiers than in the cache goes into the cache, which the

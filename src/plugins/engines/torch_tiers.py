@@ -16,6 +16,7 @@ import torch
 
 from headrace.plugins.engines.kv import LayerKV
 from headrace.plugins.engines.kv_store import KVStore, default_disk_bytes, default_host_bytes
+from headrace.plugins.engines.prefix_cache import CachedPrefix, PrefixCache
 from headrace.plugins.engines.torch_loading import gguf_cache_key
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,15 @@ class TensorTiers:
         self.store.used(hit, time.perf_counter() - start)
         return list(tokens[: hit.tokens]), layers
 
-    def close(self) -> None:
+    def offload(self, entry: CachedPrefix[LayerKV], reason: str) -> None:
+        """A cached prefix leaving the cache goes to the tiers, unless a longer one holding it came."""
+        if reason != "superseded":
+            self.save(entry.kv, entry.tokens)
+
+    def close(self, cache: PrefixCache[LayerKV] | None) -> None:
+        """The cached prefixes go to the tiers (and disk, for the next start); the store closes."""
+        if cache is not None:
+            cache.clear()
         self.store.close()
 
 
