@@ -488,14 +488,31 @@ def _run(llm, prompt: list[int], **settings) -> tuple[str, list[int], str | None
     return llm.portal.call(collect, llm.engine.generate(prompt, params))
 
 
+def _together(llm, prompt: list[int], *settings: dict) -> list[list[int]]:
+    """The token ids of a generate per ``settings`` (over greedy, 8 tokens), all at once: rows of one batch."""
+    async def run():
+        out: list = [None] * len(settings)
+
+        async def one(i):
+            params = SamplingParams(**{"max_tokens": 8, "temperature": 0, **settings[i]})
+            out[i] = (await collect(llm.engine.generate(prompt, params)))[1]
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(settings)):
+                tg.start_soon(one, i)
+        return out
+
+    return llm.portal.call(run)
+
+
 def test_penalties_remove_a_repeat_greedy_decoding_makes(llm):
-    prompt = chat(llm.engine, "Say hi.")
-    _, greedy, _ = _run(llm, prompt)
-    for penalty in ({"presence_penalty": 2.0}, {"frequency_penalty": 2.0}):
-        ids = _run(llm, prompt, **penalty)[1]
+    greedy, *penalised = _together(llm, chat(llm.engine, "Say hi."), {"max_tokens": 24},
+                                   {"max_tokens": 24, "presence_penalty": 2.0},
+                                   {"max_tokens": 24, "frequency_penalty": 2.0})
+    for ids in penalised:
         at = next((i for i, (a, b) in enumerate(zip(ids, greedy)) if a != b), None)
         # They lower only tokens generated before: greedy's choice changes first where it repeats one.
-        assert at is not None and greedy[at] in greedy[:at], penalty
+        assert at is not None and greedy[at] in greedy[:at], (greedy, ids)
 
 
 def test_logit_bias_bans_and_forces_tokens(llm):
@@ -511,25 +528,25 @@ def test_min_tokens_and_ignore_eos_decode_past_the_eos(llm):
     _, greedy, finish = _run(llm, prompt, max_tokens=40)
     n = len(greedy)  # its last token is the EOS
     assert finish == "stop"
-    ids = _run(llm, prompt, max_tokens=n + 4, min_tokens=n + 2)[1]
-    assert ids[:n - 1] == greedy[:n - 1] and ids[n - 1] != greedy[-1] and len(ids) >= n + 2
-    _, ids, finish = _run(llm, prompt, max_tokens=n + 2, ignore_eos=True)
-    assert ids[:n] == greedy and len(ids) == n + 2 and finish == "length"
+    longer, ignoring = _together(llm, prompt, {"max_tokens": n + 4, "min_tokens": n + 2},
+                                 {"max_tokens": n + 2, "ignore_eos": True})
+    assert longer[:n - 1] == greedy[:n - 1] and longer[n - 1] != greedy[-1] and len(longer) >= n + 2
+    assert ignoring[:n] == greedy and len(ignoring) == n + 2  # through the EOS to max_tokens
 
 
 def test_top_k_1_and_min_p_1_are_greedy_at_any_temperature(llm):
     prompt = chat(llm.engine, "Tell me a story about a fox.")
-    greedy = _run(llm, prompt, max_tokens=8)[1]
-    assert _run(llm, prompt, max_tokens=8, temperature=1.5, seed=1)[1] != greedy  # so the test can tell
-    assert _run(llm, prompt, max_tokens=8, temperature=1.5, seed=1, top_k=1)[1] == greedy
-    assert _run(llm, prompt, max_tokens=8, temperature=1.5, seed=2, min_p=1.0)[1] == greedy
+    greedy, hot, top_k, min_p = _together(llm, prompt, {}, {"temperature": 1.5, "seed": 1},
+                                          {"temperature": 1.5, "seed": 1, "top_k": 1},
+                                          {"temperature": 1.5, "seed": 2, "min_p": 1.0})
+    assert hot != greedy and top_k == greedy and min_p == greedy  # hot: the test can tell
 
 
 def test_stop_token_ids_end_the_output_unsaid(llm):
     prompt = chat(llm.engine, "List three fruits.")
-    greedy = _run(llm, prompt, max_tokens=12)[1]
+    greedy = _run(llm, prompt, max_tokens=8)[1]
     k = greedy.index(greedy[4])  # the first time that token comes
-    text, ids, finish = _run(llm, prompt, max_tokens=12, stop_token_ids=(greedy[4],))
+    text, ids, finish = _run(llm, prompt, max_tokens=8, stop_token_ids=(greedy[4],))
     assert ids == greedy[:k + 1] and finish == "stop"
     assert text == llm.engine.tokenizer.decode(greedy[:k], skip_special_tokens=True)
 
@@ -542,21 +559,8 @@ def test_rows_with_different_settings_decode_together_each_as_alone(llm):
                 "penalised": {"presence_penalty": 2.0, "repetition_penalty": 2.0},
                 "top_k": {"temperature": 1.5, "seed": 3, "top_k": 1}}
     alone = {key: _run(llm, prompt, max_tokens=8, **s)[1] if s else greedy for key, s in settings.items()}
-
-    async def together():
-        out = {}
-
-        async def one(key):
-            params = SamplingParams(**{"max_tokens": 8, "temperature": 0, **settings[key]})
-            out[key] = (await collect(llm.engine.generate(prompt, params)))[1]
-
-        async with anyio.create_task_group() as tg:
-            for key in settings:
-                tg.start_soon(one, key)
-        return out
-
     llm.batches.clear()
-    assert llm.portal.call(together) == alone
+    assert dict(zip(settings, _together(llm, prompt, *settings.values()))) == alone
     assert max(n for op, n in llm.batches if op == "decode") > 1
     assert alone["plain"] == alone["top_k"] == greedy and alone["banned"][0] != greedy[0]
     assert alone["penalised"] != greedy
