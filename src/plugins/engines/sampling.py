@@ -67,11 +67,11 @@ class History:
 NO_HISTORY = History()
 
 
-def _pairs(rows: list[int], values: list[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row, token) index tensors of every token of ``values[j]`` in row ``j``."""
+def _pairs(values: list[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(j, token) index tensors of every token of ``values[j]``, for every j."""
     counts = torch.tensor([len(v) for v in values], dtype=torch.long)
     tokens = torch.tensor([t for v in values for t in v], dtype=torch.long)
-    return torch.arange(len(rows)).repeat_interleave(counts), tokens
+    return torch.arange(len(values)).repeat_interleave(counts), tokens
 
 
 def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -79,51 +79,51 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
     """``logits`` (B, V) as vLLM's sampler has them before greedy or random sampling: ``logit_bias`` added, the
     repetition, frequency and presence penalties applied, and EOS and ``stop_token_ids`` banned in rows short of
     their ``min_tokens``. A copy in float32 where any row changes; ``logits`` itself (the engine's, which its
-    logprobs read raw, as vLLM reports them) where none does. Vectorised over the rows that change."""
+    logprobs read raw, as vLLM reports them) where none does.
+
+    Vectorised over the rows that change, and sparse: each setting touches only the tokens it names or the row
+    has seen (one (B, V) copy in all), so a step's cost grows with those tokens, not with the vocabulary."""
     rows = [i for i, p in enumerate(params) if not p.neutral_logits]
     if not rows:
         return logits
     width = logits.shape[1]
-    ps = [params[i] for i in rows]
-    hs = [history[i] for i in rows]
-    sub = logits[torch.tensor(rows)].float()  # a copy
-    biased = [j for j, p in enumerate(ps) if p.logit_bias]
-    if biased:
-        at, ids = _pairs(biased, [[t for t, _ in ps[j].logit_bias] for j in biased])
-        values = torch.tensor([b for j in biased for _, b in ps[j].logit_bias], dtype=torch.float32)
-        sub.index_put_((torch.tensor(biased)[at], ids), values, accumulate=True)
-    penalised = [j for j, p in enumerate(ps)
-                 if p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty]
-    if penalised:
-        at, ids = _pairs(penalised, [hs[j].output for j in penalised])
-        counts = torch.zeros(len(penalised), width)
-        counts.index_put_((at, ids), torch.ones(len(ids)), accumulate=True)
-        seen = counts > 0
-        part = sub[penalised]
-        repeated = [k for k, j in enumerate(penalised) if ps[j].repetition_penalty != 1]
-        if repeated:  # prompt or output: HF's rule, as vLLM applies it
-            mask = seen.clone()
-            for k in repeated:
-                mask[k, hs[penalised[k]].prompt_ids()] = True
-            rp = torch.tensor([ps[j].repetition_penalty for j in penalised]).unsqueeze(1)
-            part = torch.where(mask, torch.where(part > 0, part / rp, part * rp), part)
-        freq = torch.tensor([ps[j].frequency_penalty for j in penalised]).unsqueeze(1)
-        pres = torch.tensor([ps[j].presence_penalty for j in penalised]).unsqueeze(1)
-        sub[penalised] = part - freq * counts - pres * seen
-    short = [j for j, p in enumerate(ps) if len(hs[j].output) < p.min_tokens and hs[j].stops]
-    if short:
-        at, ids = _pairs(short, [sorted(hs[j].stops) for j in short])
-        keep = ids < width
-        at, ids = at[keep], ids[keep]
-        where = torch.tensor(short)
-        before = sub[where]
-        sub.index_put_((where[at], ids), torch.tensor(float("-inf")))
-        # A grammar that allows nothing but ending keeps its end (vLLM restores it too): never a row of no token.
-        stuck = ~torch.isfinite(sub[where]).any(dim=-1)
-        if bool(stuck.any()):
-            sub[where[stuck]] = before[stuck]
     out = logits.to(torch.float32, copy=True)
-    out[torch.tensor(rows)] = sub
+    biased = [i for i in rows if params[i].logit_bias]
+    if biased:
+        at, ids = _pairs([[t for t, _ in params[i].logit_bias] for i in biased])
+        values = torch.tensor([b for i in biased for _, b in params[i].logit_bias], dtype=torch.float32)
+        out.index_put_((torch.tensor(biased)[at], ids), values, accumulate=True)
+    penalised = [i for i in rows if params[i].repetition_penalty != 1 or params[i].frequency_penalty
+                 or params[i].presence_penalty]
+    if penalised:
+        index = torch.tensor(penalised)
+        # Each row's distinct output tokens and their counts: one unique() over (row, token) keys.
+        at, ids = _pairs([history[i].output for i in penalised])
+        keys, counts = torch.unique(at * width + ids, return_counts=True)
+        repeated = [k for k, i in enumerate(penalised) if params[i].repetition_penalty != 1]
+        if repeated:  # HF's rule, as vLLM applies it: every token of the prompt or the output, once
+            prompts = [history[penalised[k]].prompt_ids() for k in repeated]
+            prompt_at = torch.tensor(repeated).repeat_interleave(torch.tensor([len(p) for p in prompts]))
+            seen = torch.unique(torch.cat([keys, prompt_at * width + torch.cat(prompts)]))
+            penalty = torch.tensor([params[i].repetition_penalty for i in penalised])[seen // width]
+            where = (index[seen // width], seen % width)
+            values = out[where]
+            out[where] = torch.where(values > 0, values / penalty, values * penalty)
+        freq = torch.tensor([params[i].frequency_penalty for i in penalised])[keys // width]
+        pres = torch.tensor([params[i].presence_penalty for i in penalised])[keys // width]
+        where = (index[keys // width], keys % width)
+        out[where] = out[where] - freq * counts - pres
+    short = [i for i in rows if len(history[i].output) < params[i].min_tokens and history[i].stops]
+    if short:
+        index = torch.tensor(short)
+        at, ids = _pairs([sorted(t for t in history[i].stops if t < width) for i in short])
+        before = out[index[at], ids]
+        out.index_put_((index[at], ids), torch.tensor(float("-inf")))
+        # A grammar that allows nothing but ending keeps its end (vLLM restores it too): never a row of no token.
+        stuck = ~torch.isfinite(out[index]).any(dim=-1)
+        if bool(stuck.any()):
+            undo = stuck[at]
+            out[index[at][undo], ids[undo]] = before[undo]
     return out
 
 
