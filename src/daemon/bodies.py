@@ -1,7 +1,9 @@
 """Read request bodies safely and validate them with the models of ``openai_schemas`` and ``headrace_schemas``.
 
 Every field a route does not support is refused by name with a 400, never
-silently ignored; every client mistake is a 4xx with OpenAI's error envelope.
+silently ignored (but for the few that change nothing here, which the schemas
+declare as accepted and ignored, as vLLM does); every client mistake is a 4xx
+with OpenAI's error envelope.
 """
 
 from __future__ import annotations
