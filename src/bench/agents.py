@@ -17,6 +17,12 @@ so the output is constrained to that call and a 135M model cannot end the loop e
 turn adds a user message asking for a one-sentence answer (``tool_choice: auto``, so the
 rendered tools, and with them the cached prefix, stay the same). Everything is drawn from the
 seed, so every mode serves the same agents.
+
+The ``responses`` mode runs the same agents as OpenAI's Responses API has them: each turn is one
+``POST /v1/responses`` continuing the last (``previous_response_id``) with only what is new (the
+task, then each tool's result as a ``function_call_output`` item; the forced tool in ``tool_choice``
+as on chat). The server rebuilds the conversation, so the prompts are the chat mode's token for token,
+and the chain is the program: no ``prompt_cache_key`` is sent.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Literal
 
 import anyio
 
@@ -52,6 +58,10 @@ AGENT_MODES: dict[str, dict[str, Any]] = {
 # Not a PATCH of this daemon: a second daemon, started from .venv-vllm on the ``vllm`` engine plugin
 # (plugins-contrib/headrace-vllm) with vLLM's own automatic prefix caching and ``fifo`` (``agents_vllm``).
 VLLM_MODE = "vllm"
+# Not settings either: the agents drive POST /v1/responses (``AgentClient.run_responses``) under the settings of
+# RESPONSES_SETTINGS, so that against that mode only the protocol differs.
+RESPONSES_MODE = "responses"
+RESPONSES_SETTINGS = "program-aware"
 DEFAULT_AGENT_MODES = ("per-request", "program-aware")
 BASE_MODE = "per-request"  # the capacity probe runs in it, and the ratios are against it
 
@@ -107,6 +117,9 @@ INSTRUCTIONS = ("You are the support agent of a software shop. Work through the 
                 "call one tool at a time and read its result before the next. When told to answer, reply to the "
                 "customer in one short sentence.")
 ANSWER_NOW = "Answer the customer now, in one short sentence."
+# The same tools in the Responses API's flat shape.
+RESPONSES_TOOLS = [{"type": "function", **tool["function"]} for tool in TOOLS]
+Api = Literal["chat", "responses"]
 
 
 @dataclass(frozen=True)
@@ -161,7 +174,9 @@ class Turn:
     completion_tokens: int
     finish_reason: str | None
     answered_s: float = 0.0  # when its answer was read (time.perf_counter): the live working set's clock
-    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens: prefix-cache hits, as the engine says
+    # usage.prompt_tokens_details.cached_tokens (Responses: usage.input_tokens_details.cached_tokens): prefix-cache
+    # hits, as the engine says
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -206,9 +221,12 @@ class AgentClient:
                     max_tokens=self.shape.call_tokens))
 
     async def run(self, program: Program, key: str, record: AgentRecord, tools_wait: bool = True,
-                  on_turn: Callable[[], None] | None = None) -> AgentRecord:
+                  on_turn: Callable[[], None] | None = None, api: Api = "chat") -> AgentRecord:
         """Run ``program`` as agent ``key`` (its ``prompt_cache_key``), filling ``record`` turn by turn; with
-        ``tools_wait`` false the tools return at once (the capacity probe)."""
+        ``tools_wait`` false the tools return at once (the capacity probe). ``api``: chat completions, or the
+        Responses API (``run_responses``)."""
+        if api == "responses":
+            return await self.run_responses(program, key, record, tools_wait, on_turn)
         messages: list[dict[str, Any]] = [{"role": "system", "content": self.system},
                                           {"role": "user", "content": program.task}]
         t0 = record.started_s = time.perf_counter()
@@ -245,6 +263,49 @@ class AgentClient:
                 await anyio.sleep(program.tool_s[t])
                 record.tool_s += program.tool_s[t]
             messages.append({"role": "tool", "tool_call_id": call.id, "content": program.results[t]})
+        record.job_s = time.perf_counter() - t0
+        return record
+
+    async def run_responses(self, program: Program, key: str, record: AgentRecord, tools_wait: bool = True,
+                            on_turn: Callable[[], None] | None = None) -> AgentRecord:
+        """``run`` through ``POST /v1/responses``: each turn continues the last by ``previous_response_id`` and sends
+        only the new items. The instructions and tools go with every turn (the API carries neither over); ``key``
+        names the agent in errors only (the chain is its program)."""
+        items: list[dict[str, Any]] = [{"role": "user", "content": program.task}]
+        previous: dict[str, Any] = {}
+        t0 = record.started_s = time.perf_counter()
+        for t in range(program.turns):
+            last = t == program.turns - 1
+            if last:
+                items.append({"role": "user", "content": ANSWER_NOW})
+                choice: Any = "auto"
+            else:
+                choice = {"type": "function", "name": program.tools[t]}
+            sent = time.perf_counter()
+            record.sent += 1
+            response = await self.client.responses.create(
+                model=self.model, instructions=self.system, input=items, tools=RESPONSES_TOOLS, tool_choice=choice,
+                temperature=0, max_output_tokens=self.shape.answer_tokens if last else self.shape.call_tokens,
+                **previous)
+            usage, now = response.usage, time.perf_counter()
+            calls = [item for item in response.output if item.type == "function_call"]
+            finish = "length" if response.status == "incomplete" else "tool_calls" if calls else "stop"
+            details = usage.input_tokens_details if usage else None
+            record.turns.append(Turn(t, now - sent, usage.input_tokens if usage else 0,
+                                     usage.output_tokens if usage else 0, finish, now,
+                                     (details.cached_tokens or 0) if details is not None else 0))
+            if on_turn is not None:
+                on_turn()
+            if last:
+                break
+            if not calls:
+                raise AgentError(f"agent {key} turn {t}: tool_choice named {program.tools[t]} but the response has "
+                                 f"no function_call (status {response.status})")
+            previous = {"previous_response_id": response.id}
+            if tools_wait:
+                await anyio.sleep(program.tool_s[t])
+                record.tool_s += program.tool_s[t]
+            items = [{"type": "function_call_output", "call_id": calls[0].call_id, "output": program.results[t]}]
         record.job_s = time.perf_counter() - t0
         return record
 
@@ -306,7 +367,7 @@ class AgentsOptions:
     vllm_api_key: str = ""
 
     def check(self) -> None:
-        known = [*AGENT_MODES, VLLM_MODE]
+        known = [*AGENT_MODES, RESPONSES_MODE, VLLM_MODE]
         unknown = [m for m in self.modes if m not in known]
         if unknown:
             raise ValueError(f"unknown agents mode(s) {unknown}; choose from {', '.join(known)}")

@@ -33,6 +33,7 @@ from headrace.bench.load import percentile
 E2E_COUNT = ("headrace_e2e_request_latency_seconds_count", "")
 TTFT_SUM, TTFT_COUNT = ("headrace_time_to_first_token_seconds_sum", ""), ("headrace_time_to_first_token_seconds_count", "")
 PROMPT = ("headrace_prompt_tokens_total", "")
+CACHED = ("headrace_prompt_cached_tokens_total", "")  # of those, not prefilled (cells, prefix cache or a KV tier)
 QUERIES, HITS = ("headrace_prefix_cache_queries_total", ""), ("headrace_prefix_cache_hits_total", "")
 
 
@@ -147,7 +148,7 @@ def summarize_chats(stream: ChatStream, samples: list[ChatSample]) -> dict[str, 
 
 def exclude(delta: dict[tuple[str, str], float], streams: list[dict[str, Any]]) -> dict[tuple[str, str], float]:
     """The daemon's metric deltas less what ``streams``' chats added: the agents' own. Requests, prompt tokens and
-    prefix-cache queries and hits subtract exactly (each chat's ``usage`` says its prompt and cached tokens, which
+    prefix-cache queries and hits and the cached prompt tokens subtract exactly (each chat's ``usage`` says its prompt and cached tokens, which
     the cache counted as queried and hit); the time-to-first-token sum less the chats' client-side times (which
     include the HTTP round trip, so the agents' mean left errs low by that much). The histogram's buckets cannot
     be split: its count and sum only."""
@@ -155,6 +156,8 @@ def exclude(delta: dict[tuple[str, str], float], streams: list[dict[str, Any]]) 
     for s in streams:
         out[E2E_COUNT] = out.get(E2E_COUNT, 0.0) - s["completed"]
         out[PROMPT] = out.get(PROMPT, 0.0) - s["prompt_tokens"]
+        if CACHED in out:
+            out[CACHED] -= s["cached_tokens"]
         if out.get(QUERIES, 0.0) > 0:  # the cache was on: every chat's prompt was looked up
             out[QUERIES] -= s["prompt_tokens"]
             out[HITS] = out.get(HITS, 0.0) - s["cached_tokens"]

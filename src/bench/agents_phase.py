@@ -12,12 +12,19 @@ its tool time included), each turn's latency as the client saw it (mean, p95) an
 token from the daemon's ``headrace_time_to_first_token_seconds`` histogram (mean exact from its sum,
 p95 interpolated within its buckets), the prefix cache's hit rate (``headrace_prefix_cache_hits`` /
 ``headrace_prefix_cache_queries``, before/after deltas), tokens prefilled per job (prompt tokens
-from each response's ``usage`` less the cache's hits), completed agents, and the oldest waits (the
+from each response's ``usage`` less those the engine found cached, ``headrace_prompt_cached_tokens``:
+the prefix cache's hits, and also a retained program's context still in the engine's cells and what a
+KV tier restored, which the prefix cache's counter leaves out), completed agents, and the oldest waits (the
 longest turns and jobs). Each mode starts with an empty prefix cache.
 
 Beside the agents, optionally (``agents_chats``): a background stream of unrelated chats, and probe
 chats whose time to first token is set against an idle engine's; each reported on its own and taken
 out of the agents' figures (the agents' TTFT p95 then goes: the histogram's buckets cannot be split).
+
+The ``responses`` mode (``agents.RESPONSES_MODE``) serves the same agents through ``POST /v1/responses``
+in ``program-aware``'s settings; each point compares it with that mode (``protocol``): the same engine
+settings, the protocol alone differing. Its prompt and cached tokens come from the Responses usage
+(``input_tokens``, ``input_tokens_details.cached_tokens``); the prefix cache's figures from the same counters.
 
 Memory: retention saves prefill only when the live agents' contexts exceed the prefix cache. Each point
 sets the cache in force (``agents_cache_tokens``/``pin_tokens``: a memory-pressure point, the whole
@@ -34,9 +41,9 @@ from typing import Any, Callable
 
 import anyio
 
-from headrace.bench.agents import (BASE_MODE, VLLM_MODE, AgentClient, AgentRecord, AgentsOptions, Program,
-                                   build_prompts, draw_programs, mean_turns)
-from headrace.bench.agents_chats import ChatStream, exclude, idle_ttft, run_stream
+from headrace.bench.agents import (BASE_MODE, RESPONSES_MODE, RESPONSES_SETTINGS, VLLM_MODE, AgentClient, AgentRecord,
+                                   AgentsOptions, Api, Program, build_prompts, draw_programs, mean_turns)
+from headrace.bench.agents_chats import CACHED, ChatStream, exclude, idle_ttft, run_stream
 from headrace.bench.agents_vllm import check_vllm, vllm_daemon, vllm_line
 from headrace.bench.client import BenchError, Daemon
 from headrace.bench.corpus import Corpus
@@ -87,6 +94,12 @@ async def agents_phase(systems: Any, corpus: Corpus, opts: AgentsOptions, log: C
 
         async def measure(p: int, rate: float, mode: str) -> dict[str, Any]:
             key = f"bench-{run_tag}-p{p}-{mode}"
+            if mode == RESPONSES_MODE:  # the settings of the chat mode it is compared with, set here
+                restore = await use_mode(systems, RESPONSES_SETTINGS, {})
+                try:
+                    return await run_point(daemon, llm, client, programs, rate, opts, key, snippets, api="responses")
+                finally:
+                    await use_mode(systems, None, restore)
             if mode != VLLM_MODE:
                 return await run_point(daemon, llm, client, programs, rate, opts, key, snippets)
             async with vllm_daemon(opts, system, programs[0].task, log) as v:  # one per point: agents_vllm says why
@@ -97,7 +110,10 @@ async def agents_phase(systems: Any, corpus: Corpus, opts: AgentsOptions, log: C
             out["points"].append(await measure_point(
                 systems, opts.modes, p, point, lambda mode: measure(p, point["rate"], mode),
                 lambda mode, row: log(f"    agents {point['rate']:g}/s, {mode}: " + point_line(row)), ratios,
-                elsewhere={VLLM_MODE}))
+                elsewhere={VLLM_MODE, RESPONSES_MODE}))  # their measure() sets their daemon's settings
+            if RESPONSES_MODE in opts.modes and RESPONSES_SETTINGS in opts.modes:
+                out["points"][-1]["protocol"] = protocol(out["points"][-1]["modes"])
+                log("    " + protocol_line(out["points"][-1]["protocol"]))
             if set(opts.modes) - {VLLM_MODE}:  # the headrace daemon's cache against its own modes' live sets
                 out["points"][-1]["memory"] = memory(out["prefix_cache"], out["points"][-1]["modes"])
                 log("    " + memory_line(out["points"][-1]["memory"]))
@@ -220,12 +236,13 @@ def side_streams(opts: AgentsOptions) -> list[ChatStream]:
 
 async def run_point(daemon: Daemon, llm: str, client: AgentClient, programs: list[Program], rate: float,
                     opts: AgentsOptions, key: str, snippets: list[str] | None = None,
-                    hits_from: str = "metrics") -> dict[str, Any]:
-    """One point's agents in one mode against ``daemon`` serving ``llm``; ``hits_from`` as ``summarize`` takes it."""
+                    hits_from: str = "metrics", api: Api = "chat") -> dict[str, Any]:
+    """One point's agents in one mode against ``daemon`` serving ``llm``; ``hits_from`` as ``summarize`` takes it;
+    ``api``: the agents' protocol (``AgentClient.run``)."""
     records = [AgentRecord(p.index, p.turns) for p in programs]
 
     async def agent(i: int) -> None:
-        await client.run(programs[i], f"{key}-{i}", records[i])
+        await client.run(programs[i], f"{key}-{i}", records[i], api=api)
 
     streams, span = side_streams(opts), opts.shape.result_tokens
     idle = None
@@ -276,9 +293,13 @@ def summarize(records: list[AgentRecord], result: Any, delta: dict[tuple[str, st
     prompt = sum(t.prompt_tokens for _, t in turns)
     queries = delta.get(("headrace_prefix_cache_queries_total", ""), 0.0)
     hits = delta.get(("headrace_prefix_cache_hits_total", ""), 0.0)
+    # Not prefilled: the prefix cache's hits, a context retained in the cells, a KV tier's restore (a daemon from
+    # before that counter: the prefix cache's hits alone).
+    cached = delta.get(CACHED, hits)
     note = None
     if hits_from == "usage":
         queries, hits = float(prompt), float(sum(t.cached_tokens for _, t in turns))
+        cached = hits
         if not hits:
             note = ("no turn's usage.prompt_tokens_details.cached_tokens was above 0 (an engine that does not say "
                     "reports 0)")
@@ -304,8 +325,10 @@ def summarize(records: list[AgentRecord], result: Any, delta: dict[tuple[str, st
         "prefix_queries": int(queries), "prefix_hits": int(hits),
         "hit_rate": hits / queries if queries and known else None, "hits_from": hits_from, "cache_note": note,
         "prompt_tokens": prompt, "daemon_prompt_tokens": int(delta.get(("headrace_prompt_tokens_total", ""), 0.0)),
-        "tokens_prefilled": int(prompt - hits) if known else None,
-        "prefilled_per_job": (prompt - hits) / len(records) if records and known else None,
+        "usage_cached_tokens": sum(t.cached_tokens for _, t in turns),  # the responses' own count of cached_tokens
+        "cached_tokens": int(cached),
+        "tokens_prefilled": int(prompt - cached) if known else None,
+        "prefilled_per_job": (prompt - cached) / len(records) if records and known else None,
         "max_context_tokens": max((t.prompt_tokens for _, t in turns), default=0),
         **live_working_set(records),
         "makespan_s": result.makespan,
@@ -321,18 +344,34 @@ def _at_most(x: float | None, bound: float | None) -> float | None:
     return x if x is None or bound is None else min(x, bound)
 
 
+def against(base: dict[str, Any], row: dict[str, Any]) -> dict[str, float | None]:
+    """``row``'s figures against ``base``'s (the base's over the row's: above 1 is better)."""
+
+    def over(key: str) -> float | None:
+        return base[key] / row[key] if base.get(key) and row.get(key) else None
+
+    return {"job_mean": over("job_mean_s"), "job_p95": over("job_p95_s"), "ttft_mean": over("ttft_mean_s"),
+            "prefilled_per_job": over("prefilled_per_job")}
+
+
 def ratios(modes: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
-    """Each mode against ``per-request`` (the base's figure over the mode's: above 1 is better)."""
+    """Each mode against ``per-request``."""
     base = modes.get(BASE_MODE)
     if base is None:
         return {}
+    return {mode: against(base, row) for mode, row in modes.items() if mode != BASE_MODE}
 
-    def over(key: str, row: dict[str, Any]) -> float | None:
-        return base[key] / row[key] if base.get(key) and row.get(key) else None
 
-    return {mode: {"job_mean": over("job_mean_s", row), "job_p95": over("job_p95_s", row),
-                   "ttft_mean": over("ttft_mean_s", row), "prefilled_per_job": over("prefilled_per_job", row)}
-            for mode, row in modes.items() if mode != BASE_MODE}
+def protocol(modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The Responses API mode against chat completions with ``prompt_cache_key`` in the same engine settings."""
+    return {"mode": RESPONSES_MODE, "against": RESPONSES_SETTINGS,
+            **against(modes[RESPONSES_SETTINGS], modes[RESPONSES_MODE])}
+
+
+def protocol_line(v: dict[str, Any]) -> str:
+    return (f"{v['mode']} vs {v['against']} (chat completions, prompt_cache_key): job mean {fmt(v['job_mean'])}x, "
+            f"p95 {fmt(v['job_p95'])}x, TTFT {fmt(v['ttft_mean'])}x, tokens prefilled "
+            f"{fmt(v['prefilled_per_job'])}x fewer")
 
 
 def point_line(row: dict[str, Any]) -> str:
@@ -404,6 +443,8 @@ def agents_table(agents: dict[str, Any]) -> list[str]:
         for mode, v in point["ratios"].items():
             lines.append(f"      {mode} vs {BASE_MODE}: job mean {fmt(v['job_mean'])}x, p95 {fmt(v['job_p95'])}x, "
                          f"TTFT {fmt(v['ttft_mean'])}x, tokens prefilled {fmt(v['prefilled_per_job'])}x fewer")
+        if point.get("protocol"):
+            lines.append("      " + protocol_line(point["protocol"]))
     lines.append("seconds; job: first request to last answer, tools included; TTFT from the daemon's histogram "
                  "(p95 within its buckets, capped at the turns' p95; none with chats beside the agents); oldest "
                  "turn: the longest one turn waited; background and one-call chats: apart from the agents' figures")

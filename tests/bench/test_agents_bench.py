@@ -23,7 +23,8 @@ from headrace.bench.harness import Systems
 from headrace.bench.phases import deltas, histogram_quantile
 from headrace.cli import main
 
-MODES = ["per-request", "las"]
+# The base, both levers, and the same agents through the Responses API in the second's settings.
+MODES = ["per-request", "program-aware", "responses"]
 
 
 def test_agents_are_drawn_from_the_seed_with_heavy_tailed_turns():
@@ -83,7 +84,7 @@ def test_the_live_working_set_sums_the_live_agents_contexts_over_time():
     (["--agents-modes", "per-request", "retain-forever"], "unknown agents mode"),
     (["--agents-rates", "1", "--agents-modes", "vllm-fast"],
      "unknown agents mode(s) ['vllm-fast']; choose from per-request, las, retention, program-aware, "
-     "no-prefix-cache, vllm"),
+     "no-prefix-cache, responses, vllm"),
     (["--agents-fractions"], "needs --agents-fractions or --agents-rates"),
     (["--agents-rates", "0"], "must be > 0"),
     (["--agents-rates", "1", "--agents-background", "-1"], "must be >= 0"),
@@ -157,14 +158,17 @@ def test_smoke_every_agent_completes_and_the_counts_agree(server, tmp_path):
     assert point["fraction"] == 2 and point["rate"] == pytest.approx(2 * capacity["programs_per_s"], rel=1e-3)
     assert list(point["modes"]) == MODES
     planned = {mode: row["turns_planned"] for mode, row in point["modes"].items()}
-    assert len(set(planned.values())) == 1 and planned["las"] >= 3 * 2  # the same agents, 2-3 turns each
+    assert len(set(planned.values())) == 1 and planned["responses"] >= 3 * 2  # the same agents, 2-3 turns each
     for mode, row in point["modes"].items():
         assert row["arrivals"] == 3 and row["completed"] == 3 and row["errors"] == [], (mode, row)
         # Every turn the client sent was answered, the daemon counted each once, and the prompts agree.
         assert row["turns_sent"] == row["turns_answered"] == row["turns_planned"] == row["daemon_requests"], row
         assert row["prompt_tokens"] == row["daemon_prompt_tokens"] > 0
         assert 0 < row["tokens_prefilled"] <= row["prompt_tokens"]
-        assert row["tokens_prefilled"] == row["prompt_tokens"] - row["prefix_hits"]
+        # Not prefilled: as each response's usage counted it (chat's or the Responses API's), and the daemon, the
+        # prefix cache's hits among them (a retained context in the cells and a KV tier's restore are not those).
+        assert row["usage_cached_tokens"] == row["cached_tokens"] >= row["prefix_hits"]
+        assert row["tokens_prefilled"] == row["prompt_tokens"] - row["cached_tokens"]
         assert row["prefix_hits"] <= row["prefix_queries"] and 0 < row["hit_rate"] <= 1  # the shared prompt hits
         assert agents["shape"]["system_tokens"] < row["max_context_tokens"] < 2048
         assert row["job_mean_s"] > row["tool_mean_s"] > 0 and row["job_p95_s"] >= row["job_p50_s"]
@@ -181,7 +185,12 @@ def test_smoke_every_agent_completes_and_the_counts_agree(server, tmp_path):
         idle = row["chats"]["idle"]
         assert idle["completed"] == 5 and idle["ttft_mean_s"] > 0
         assert row["chats"]["ttft_vs_idle"] == pytest.approx(row["chats"]["ttft_mean_s"] / idle["ttft_mean_s"])
-    assert set(point["ratios"]) == {"las"} and point["ratios"]["las"]["job_mean"] > 0
+    assert set(point["ratios"]) == {"program-aware", "responses"} and point["ratios"]["responses"]["job_mean"] > 0
+    # Sending only the new items, the agents' prompts are the chat mode's: the server rebuilt each conversation
+    # (the forced calls' arguments may differ by a token or so between runs).
+    chat, responses = point["modes"]["program-aware"], point["modes"]["responses"]
+    assert responses["prompt_tokens"] == pytest.approx(chat["prompt_tokens"], rel=0.05)
+    assert point["protocol"]["against"] == "program-aware" and point["protocol"]["job_mean"] > 0
     # The cache in force while the agents ran (read back from the daemon), beside each mode's measured live set.
     assert agents["prefix_cache"] == {"tokens": 1024, "pin_tokens": 512, "set_by": "--agents-cache-tokens"}
     memory = point["memory"]
@@ -193,7 +202,8 @@ def test_smoke_every_agent_completes_and_the_counts_agree(server, tmp_path):
         assert 0 < row["live_agents_mean"] <= row["live_agents_peak"] <= 3
     assert memory["memory_pressured"] == all(1024 < v["mean"] for v in memory["live_tokens"].values())
     text = (out / "results.txt").read_text()
-    assert "== agents (smoke)" in text and "las vs per-request" in text and "capacity" in text
+    assert "== agents (smoke)" in text and "program-aware vs per-request" in text and "capacity" in text
+    assert "responses vs program-aware (chat completions, prompt_cache_key): job mean" in text
     assert "background chats at 0.2/s" in text and "x idle" in text
     assert "prefix cache 1024 tokens, pins 512 (set by --agents-cache-tokens)" in text
     assert "memory-pressured" in text.lower() and "against the live agents' contexts summed" in text
