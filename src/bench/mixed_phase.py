@@ -202,6 +202,8 @@ def summarize(programs: list[MixProgram], records: list[ProgramRecord], arrivals
     prompt = delta.get(("headrace_prompt_tokens_total", ""), 0.0)
     queries = delta.get(("headrace_prefix_cache_queries_total", ""), 0.0)
     hits = delta.get(("headrace_prefix_cache_hits_total", ""), 0.0)
+    # Not prefilled: found in the cells (a prefix or a program's retained context) or restored from a KV tier.
+    cached = delta.get(("headrace_prompt_cached_tokens_total", ""), hits)
     turns = sorted(((r.index, t, s) for r in records for t, s in enumerate(r.turns)), key=lambda x: -x[2])
     return {
         "rate": rate, **_stats([r.latency_s for r, _ in done], len(records)),
@@ -211,8 +213,8 @@ def summarize(programs: list[MixProgram], records: list[ProgramRecord], arrivals
         "client_agent_turns": sum(len(r.turns) for r in records),
         "client_agent_turns_planned": sum(p.agent.turns for p in programs if p.agent is not None),
         "prefix_queries": int(queries), "prefix_hits": int(hits), "hit_rate": hits / queries if queries else None,
-        "daemon_prompt_tokens": int(prompt), "tokens_prefilled": int(prompt - hits),
-        "prefilled_per_program": (prompt - hits) / len(records) if records else None,
+        "daemon_prompt_tokens": int(prompt), "tokens_prefilled": int(prompt - cached),
+        "prefilled_per_program": (prompt - cached) / len(records) if records else None,
         # The oldest waits: the slowest programs, and the longest one client-agent turn waited for its answer.
         "longest_programs": [{"program": r.index, "kind": r.kind, "size": programs[r.index].size(),
                               "arrival_s": round(at, 3), "seconds": round(r.latency_s, 3)}

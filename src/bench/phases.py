@@ -23,7 +23,8 @@ E2E = "headrace_e2e_request_latency_seconds"  # observed once per finished reque
 
 
 def samples(text: str, model: str) -> dict[tuple[str, str], float]:
-    """(metric name, its ``le`` label or "") -> value, for the samples of ``model`` in Prometheus text."""
+    """(metric name, its ``le`` label, or its other labels as ``k=v,...``, or "") -> value, for the samples of
+    ``model`` in Prometheus text (so ``headrace_kv_tier_hits_total{tier="host"}`` and ``{tier="disk"}`` stay apart)."""
     out: dict[tuple[str, str], float] = {}
     for line in text.splitlines():
         m = SAMPLE.match(line)
@@ -31,7 +32,8 @@ def samples(text: str, model: str) -> dict[tuple[str, str], float]:
             continue
         labels = dict(LABEL.findall(m["labels"] or ""))
         if labels.get("model") == model:
-            out[(m["name"], labels.get("le", ""))] = float(m["value"])
+            rest = ",".join(f"{k}={v}" for k, v in sorted(labels.items()) if k != "model")
+            out[(m["name"], labels.get("le", rest))] = float(m["value"])
     return out
 
 

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from headrace.bench.agents import AGENT_MODES, AGENTS, DEFAULT_AGENT_MODES, SHAPES, VLLM_MODE
+from headrace.bench.agents import AGENT_MODES, AGENTS, DEFAULT_AGENT_MODES, RESPONSES_MODE, SHAPES, VLLM_MODE
 from headrace.bench.mixed import MIXED_BENCH
 from headrace.bench.mixed import SHAPES as MIX_SHAPES
 from headrace.bench.rag_repeat import RAG_REPEAT
@@ -74,8 +74,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--agents-rates", type=float, nargs="*", default=[], help="agents load points in agents/s")
     p.add_argument("--agents-programs", type=int, default=60, help="Poisson agent arrivals per point (default 60)")
     p.add_argument("--agents-modes", nargs="+", default=list(DEFAULT_AGENT_MODES), metavar="MODE",
-                   help=f"modes of the agents benchmark, from {', '.join(AGENT_MODES)} (settings of the one daemon) "
-                        f"and {VLLM_MODE} (the same agents against a second daemon started per point from .venv-vllm "
+                   help=f"modes of the agents benchmark, from {', '.join(AGENT_MODES)} (settings of the one daemon), "
+                        f"{RESPONSES_MODE} (program-aware's settings, the agents on POST /v1/responses with "
+                        f"previous_response_id) and {VLLM_MODE} (the same agents against a second daemon started per point from .venv-vllm "
                         "with --agents-vllm-config: the vllm engine plugin with vLLM's own prefix caching; "
                         f"scripts/setup-vllm builds the venv) (default {' '.join(DEFAULT_AGENT_MODES)})")
     p.add_argument("--agents-vllm-venv", type=Path, metavar="DIR",
