@@ -2,9 +2,9 @@
 """A prefix restored from the KV tiers against prefilling it through the engine (issue 42's 50x target).
 
 For each prompt length (default 500 and 2,000 tokens), on the engine as the default config runs it (its
-own options, tiers on, a fresh data dir): the prompt prefilled with nothing cached (``fresh``), then its
-prefix dropped from the cells to host memory (the cache switched off and on: what an eviction does) and
-the same prompt prefilled again (``host``: restored, the tail past the last whole block prefilled), then
+own options but room in the cells for one prompt, tiers on, a fresh data dir): the prompt prefilled with
+nothing cached (``fresh``), then another prompt prefilled, which evicts its prefix from the cells to host
+memory, and the same prompt prefilled again (``host``: restored, the tail past the last whole block prefilled), then
 the engine stopped and started again on the same data dir and the prompt prefilled once more (``disk``:
 read back from its file and restored). ``cells hit``: the prompt again right after its fresh prefill, its
 prefix in the cells: the same tail to fill, so ``host`` less ``cells hit`` is what the restore costs. Each time is one ``engine.prefill`` call, as a request waits for it
@@ -26,7 +26,7 @@ import anyio
 from benchlib import ROOT, CPUWatch, cpu_note, median, write_results  # beside this script
 
 
-def engine_for(plugin: str, data_dir: Path):
+def engine_for(plugin: str, data_dir: Path, longest: int):
     from headrace.daemon.config import load_config
     from headrace.plugins.protocols import EngineEnv, EngineSpec
 
@@ -37,7 +37,9 @@ def engine_for(plugin: str, data_dir: Path):
         from headrace.plugins.engines.llama_cpp import LlamaCppLLM as cls
     else:
         from headrace.plugins.engines.torch_llm import TorchLLM as cls
-    return cls(EngineSpec(name=spec.name, plugin=plugin, model=spec.model, options=dict(spec.options)), env)
+    # Room in the cells for one prompt: the next evicts it to the tiers, as a busy engine's would.
+    room = {"prefix_cache_sequences": 1} if plugin == "llama-cpp" else {"prefix_cache_tokens": longest}
+    return cls(EngineSpec(name=spec.name, plugin=plugin, model=spec.model, options={**spec.options, **room}), env)
 
 
 def prompt(engine, n: int, seed: int) -> list[int]:
@@ -69,7 +71,7 @@ async def serving(engine, scenario):
 
 def measure(plugin: str, lengths: list[int], repeat: int) -> dict:
     data = Path(tempfile.mkdtemp(prefix="kv-tiers-"))
-    first = engine_for(plugin, data)
+    first = engine_for(plugin, data, max(lengths))
     prompts: dict[int, list[list[int]]] = {}
     times: dict[str, dict[int, list[float]]] = {"fresh": {}, "cells": {}, "host": {}, "disk": {}}
     cached: dict[str, dict[int, list[int]]] = {"host": {}, "disk": {}}
@@ -78,13 +80,13 @@ def measure(plugin: str, lengths: list[int], repeat: int) -> dict:
     async def before_restart():
         for n in lengths:
             prompts[n] = [prompt(first, n, 1000 * n + r) for r in range(repeat)]
-            for tokens in prompts[n]:
+            for r, tokens in enumerate(prompts[n]):
                 seconds, *_ = await timed_prefill(first, tokens)
                 times["fresh"].setdefault(n, []).append(seconds)
                 seconds, *_ = await timed_prefill(first, tokens)  # a hit in the cells: the same tail to prefill
                 times["cells"].setdefault(n, []).append(seconds)
-                await first.set_prefix_caching(False)  # the cells' prefixes go to host memory
-                await first.set_prefix_caching(True)
+                await timed_prefill(first, prompt(first, n, 7 + r))  # another prompt: this one's prefix leaves
+                # the cells for host memory
                 seconds, hit, restoring = await timed_prefill(first, tokens)
                 times["host"].setdefault(n, []).append(seconds)
                 cached["host"].setdefault(n, []).append(hit or 0)
@@ -92,7 +94,7 @@ def measure(plugin: str, lengths: list[int], repeat: int) -> dict:
         return first.stats()
 
     before = anyio.run(serving, first, before_restart)
-    second = engine_for(plugin, data)
+    second = engine_for(plugin, data, max(lengths))
 
     async def after_restart():
         for n in lengths:

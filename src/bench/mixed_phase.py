@@ -213,7 +213,7 @@ def summarize(programs: list[MixProgram], records: list[ProgramRecord], arrivals
         "client_agent_turns": sum(len(r.turns) for r in records),
         "client_agent_turns_planned": sum(p.agent.turns for p in programs if p.agent is not None),
         "prefix_queries": int(queries), "prefix_hits": int(hits), "hit_rate": hits / queries if queries else None,
-        "daemon_prompt_tokens": int(prompt), "tokens_prefilled": int(prompt - cached),
+        "daemon_prompt_tokens": int(prompt), "cached_tokens": int(cached), "tokens_prefilled": int(prompt - cached),
         "prefilled_per_program": (prompt - cached) / len(records) if records else None,
         # The oldest waits: the slowest programs, and the longest one client-agent turn waited for its answer.
         "longest_programs": [{"program": r.index, "kind": r.kind, "size": programs[r.index].size(),

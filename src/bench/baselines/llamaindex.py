@@ -96,6 +96,8 @@ def validate(workflow: str, inputs: Any, config: Any) -> tuple[dict[str, Any], d
     inputs, config = client_validate(WHAT, WORKFLOWS, workflow, inputs, config)
     if config["synthesis"] != SYNTHESIS[workflow]:
         raise ValueError(f"config.synthesis: {WHAT}'s {workflow} implements {SYNTHESIS[workflow]!r} only")
+    if config.get("context_first"):
+        raise ValueError(f"config.context_first: {WHAT}'s prompts put the question first only")
     if "documents" in inputs:
         common.count_chunks(inputs, "documents", config)  # the same errors for a bad split
     return inputs, config

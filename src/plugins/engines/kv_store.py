@@ -409,6 +409,13 @@ class KVStore:
         if self.on_disk:
             self._writes.join()
 
+    def clear(self) -> None:
+        """Drop every entry, in host memory and on disk (a reset: the engine's prefix caching switched off)."""
+        self.flush()
+        with self._lock:
+            for entry in list(self._entries.values()):
+                self._remove(entry, delete_file=True)
+
     def close(self) -> None:
         """Write what is queued, then stop the writer. Host memory is given back."""
         if self._writer is not None:

@@ -295,8 +295,8 @@ class LlamaCppCore(LLMCore):
         # Or a longer prefix from the tiers below the cells, restored rather than prefilled.
         skip = self._tiers.restore(job.tokens, len(job.tokens) - 1, hit[1] if hit else 0, seq) \
             if parent is None and self._tiers is not None and self.prefix_cache is not None else 0
-        if parent is None and self.prefix_cache is not None:  # the cells' hit counts only if it served
-            self.prefix_cache.use(hit[0] if hit and not skip else None, len(job.tokens), 0 if skip or not hit else hit[1])
+        if parent is None and self.prefix_cache is not None:  # hits: what the cells or a tier served (as torch counts)
+            self.prefix_cache.use(hit[0] if hit and not skip else None, len(job.tokens), skip or (hit[1] if hit else 0))
         if parent is not None:
             self._copy_sequence(parent.seq, seq)
         elif hit is not None and not skip:
@@ -523,8 +523,12 @@ class LlamaCppCore(LLMCore):
         if self.prefix_cache_tokens <= 0:
             super().set_prefix_caching(enabled)  # configured without one: refuse
         if not enabled and self.prefix_cache is not None:
+            # A reset (for comparisons), not an eviction: nothing goes to the tiers, which are emptied too.
+            self.prefix_cache.on_leave = None
             self.prefix_cache.clear()  # gives every cache sequence back
             self.prefix_cache = None
+            if self._tiers is not None:
+                self._tiers.store.clear()
         elif enabled and self.prefix_cache is None:
             # A cache sequence is seq_cp'd from its context, which was forked from the cached prefix it
             # extends: in the unified KV they share those cells, so a shared block counts once; with a

@@ -228,7 +228,8 @@ class Detokenizer:
         return self._take()
 
     def _take(self) -> tuple[str, bool]:
-        if self.stop and len(self.ids) > self.min_tokens:
+        # Stop strings count past min_tokens; on text added without its tokens (add_text: SGLang's), always.
+        if self.stop and (len(self.ids) > self.min_tokens or not self.ids):
             window_start = max(0, self.emitted - max(map(len, self.stop)) + 1)
             hits = [i for i in (self.text.find(s, max(window_start, self._stops_from - len(s) + 1))
                                 for s in self.stop) if i >= 0]

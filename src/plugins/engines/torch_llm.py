@@ -183,7 +183,9 @@ class TorchCore(LLMCore):
         if self.prefix_cache_tokens <= 0:
             super().set_prefix_caching(enabled)  # configured without one: refuse
         if not enabled:
-            self.prefix_cache = None  # the cached KV goes with it
+            self.prefix_cache = None  # the cached KV goes with it, and the tiers' (a reset, for comparisons)
+            if self._tiers is not None:
+                self._tiers.store.clear()
         elif self.prefix_cache is None:
             self.prefix_cache = self._new_cache()
 
