@@ -205,13 +205,16 @@ class KVStore:
     def put(self, tokens: Sequence[int], payload: bytearray) -> None:
         """Keep ``payload``, the KV of ``tokens`` (block-aligned), in host memory and (queued) on disk."""
         tokens = list(tokens)
-        if not tokens or len(tokens) % self.block or self.holds(tokens):
+        if not tokens or len(tokens) % self.block:
             return
         if len(payload) > max(self.host_bytes, self.disk_bytes if self.on_disk else 0):
             return
         digests = block_digests(tokens, self.block)
         entry = StoredPrefix(digests[-1], tokens, len(payload), digests=digests)
         with self._lock:
+            held = self._index.get(entry.key)
+            if held is not None and held.tokens[: len(tokens)] == tokens:
+                return  # an entry already answers for all of it (the lookup ``holds`` makes, digests reused)
             self._add(entry)
             if self.host_bytes >= entry.size:
                 entry.payload = payload
@@ -445,3 +448,40 @@ class KVStore:
 class _Pending:
     entry: StoredPrefix
     payload: bytearray  # its own reference: host memory may drop the entry's payload before the write
+
+
+def open_store(namespace: str, block: int, directory: Path, host_bytes: int | None, disk_bytes: int | None,
+               name: str) -> KVStore | None:
+    """An engine's store: budgets None sized from the machine, 0 off; None when both tiers are off."""
+    host = default_host_bytes() if host_bytes is None else host_bytes
+    disk = default_disk_bytes(directory) if disk_bytes is None else disk_bytes
+    if host == 0 and disk == 0:
+        return None
+    store = KVStore(namespace, block, host, directory if disk else None, disk)
+    if store.files_dropped:
+        log.warning("engine %s: %d bad KV files dropped from %s", name, store.files_dropped, directory)
+    log.info("engine %s: KV tiers: host memory %d MiB, disk %d MiB (%s, %d entries found)", name, host >> 20,
+             disk >> 20, directory, len(store))
+    return store
+
+
+class EngineTiers:
+    """What an engine's side of the store shares: a cached prefix leaving its cache is saved (``save``, the
+    engine's own serialisation), and at stop the cache's prefixes go to the tiers before the store closes."""
+
+    store: KVStore
+
+    def save(self, kv: Any, tokens: Sequence[int]) -> None:
+        raise NotImplementedError
+
+    def offload(self, entry: Any, reason: str) -> None:
+        """``PrefixCache.on_leave``: the entry goes to the tiers, unless a longer one holding it came."""
+        if reason != "superseded":
+            self.save(entry.kv, entry.tokens)
+
+    def close(self, cache: Any) -> None:
+        """The cache's prefixes (a ``PrefixCache`` or None) go to the tiers (and disk, for the next start); the
+        store closes."""
+        if cache is not None:
+            cache.clear()
+        self.store.close()

@@ -17,9 +17,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from headrace.plugins.engines.kv_store import KVStore, default_disk_bytes, default_host_bytes
+from headrace.plugins.engines.kv_store import EngineTiers, KVStore, open_store
 from headrace.plugins.engines.llama_cpp_files import llama
-from headrace.plugins.engines.prefix_cache import CachedPrefix, PrefixCache
 from headrace.plugins.engines.torch_loading import gguf_cache_key
 
 log = logging.getLogger(__name__)
@@ -37,19 +36,11 @@ def namespace(model_file: Path, streams: int) -> str:
 def open_tiers(model_file: Path, streams: int, block: int, directory: Path, host_bytes: int | None,
                disk_bytes: int | None, ctx: Any, mem: Any, name: str) -> "SequenceTiers | None":
     """The engine's tiers, budgets None sized from the machine; None when both are off."""
-    host = default_host_bytes() if host_bytes is None else host_bytes
-    disk = default_disk_bytes(directory) if disk_bytes is None else disk_bytes
-    if host == 0 and disk == 0:
-        return None
-    store = KVStore(namespace(model_file, streams), block, host, directory if disk else None, disk)
-    if store.files_dropped:
-        log.warning("engine %s: %d bad KV files dropped from %s", name, store.files_dropped, directory)
-    log.info("engine %s: KV tiers: host memory %d MiB, disk %d MiB (%s, %d entries found)", name, host >> 20,
-             disk >> 20, directory, len(store))
-    return SequenceTiers(store, ctx, mem, name)
+    store = open_store(namespace(model_file, streams), block, directory, host_bytes, disk_bytes, name)
+    return None if store is None else SequenceTiers(store, ctx, mem, name)
 
 
-class SequenceTiers:
+class SequenceTiers(EngineTiers):
     """Save and restore llama.cpp sequences through a ``KVStore``; on the engine's worker thread only."""
 
     def __init__(self, store: KVStore, ctx: Any, mem: Any, name: str) -> None:
@@ -90,14 +81,3 @@ class SequenceTiers:
         lc.llama_memory_seq_rm(self._mem, seq, hit.tokens, -1)  # the entry may hold more than this prompt shares
         self.store.used(hit, time.perf_counter() - start)
         return hit.tokens
-
-    def offload(self, entry: CachedPrefix[int], reason: str) -> None:
-        """A cached prefix (its sequence) leaving the cells goes to the tiers, unless a longer one holding it came."""
-        if reason != "superseded":
-            self.save(entry.kv, entry.tokens)
-
-    def close(self, cache: PrefixCache[int] | None) -> None:
-        """The cells' prefixes go to the tiers (and disk, for the next start); the store closes."""
-        if cache is not None:
-            cache.clear()
-        self.store.close()

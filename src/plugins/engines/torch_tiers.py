@@ -15,14 +15,13 @@ from typing import Sequence
 import torch
 
 from headrace.plugins.engines.kv import LayerKV
-from headrace.plugins.engines.kv_store import KVStore, default_disk_bytes, default_host_bytes
-from headrace.plugins.engines.prefix_cache import CachedPrefix, PrefixCache
+from headrace.plugins.engines.kv_store import EngineTiers, KVStore, open_store
 from headrace.plugins.engines.torch_loading import gguf_cache_key
 
 log = logging.getLogger(__name__)
 
 
-class TensorTiers:
+class TensorTiers(EngineTiers):
     """Save and restore a torch core's cached prefixes through a ``KVStore``; on the engine's worker thread."""
 
     def __init__(self, store: KVStore, layers: int, heads: int, head_dim: int, dtype: torch.dtype) -> None:
@@ -52,32 +51,15 @@ class TensorTiers:
         self.store.used(hit, time.perf_counter() - start)
         return list(tokens[: hit.tokens]), layers
 
-    def offload(self, entry: CachedPrefix[LayerKV], reason: str) -> None:
-        """A cached prefix leaving the cache goes to the tiers, unless a longer one holding it came."""
-        if reason != "superseded":
-            self.save(entry.kv, entry.tokens)
-
-    def close(self, cache: PrefixCache[LayerKV] | None) -> None:
-        """The cached prefixes go to the tiers (and disk, for the next start); the store closes."""
-        if cache is not None:
-            cache.clear()
-        self.store.close()
-
 
 def open_tensor_tiers(model_file: Path, config, dtype: torch.dtype, block: int, directory: Path,
                       host_bytes: int | None, disk_bytes: int | None, name: str) -> TensorTiers | None:
     """The core's tiers (``config``: the transformers model config), budgets None sized from the machine; None
     when both are off."""
-    host = default_host_bytes() if host_bytes is None else host_bytes
-    disk = default_disk_bytes(directory) if disk_bytes is None else disk_bytes
-    if host == 0 and disk == 0:
-        return None
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     layers = config.num_hidden_layers
     namespace = (f"torch-layer-kv model={gguf_cache_key(model_file)} dtype={dtype} layers={layers} heads={heads} "
                  f"head_dim={head_dim}")
-    store = KVStore(namespace, block, host, directory if disk else None, disk)
-    log.info("engine %s: KV tiers: host memory %d MiB, disk %d MiB (%s, %d entries found)", name, host >> 20,
-             disk >> 20, directory, len(store))
-    return TensorTiers(store, layers, heads, head_dim, dtype)
+    store = open_store(namespace, block, directory, host_bytes, disk_bytes, name)
+    return None if store is None else TensorTiers(store, layers, heads, head_dim, dtype)
