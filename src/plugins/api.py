@@ -30,14 +30,15 @@ from headrace.plugins.engines.llm_core import LLMCore, Row, sample_row, sample_r
 from headrace.plugins.engines.llm_front import LLMFront, check_token_ids
 from headrace.plugins.engines.llm_messages import (CacheControl, Command, Decode, EngineError, EngineFailed, Heartbeat,
                                                    Logits, Outbox, Prefill, Reply, Stop)
+from headrace.plugins.engines.prompt_scores import PromptScorer, PromptScoring
 from headrace.plugins.engines.llm_token_lists import Hold, TokenListCore, safetensors_model
 from headrace.plugins.engines.model_paths import ModelNotFound, resolve_model
 from headrace.plugins.engines.sampling import LOGPROB_FLOOR, Detokenizer, is_greedy
 from headrace.plugins.engines.torch_loading import auto_dtype, convert_gguf
 from headrace.plugins.protocols import (EmbedEngine, Engine, EngineEnv, EngineKind, EngineSpec, FinishReason,
                                         JsonSchemaConstraint, LarkConstraint, LLMEngine, OutputConstraint,
-                                        RerankEngine, SamplingParams, SearchHit, TokenDelta, TokenLogprob,
-                                        VectorStore)
+                                        PromptLogprobs, RerankEngine, SamplingParams, ScoresPrompts, SearchHit,
+                                        TokenDelta, TokenLogprob, VectorStore)
 from headrace.types import ContextId, TokenIds
 
 # Hosting names -> the daemon module that defines each (resolved lazily, see the module docstring).
@@ -52,11 +53,11 @@ __all__ = [
     # declaring an engine
     "Engine", "EngineKind", "EngineSpec", "EngineEnv", "LLMEngine", "EmbedEngine", "RerankEngine", "VectorStore",
     "SamplingParams", "TokenDelta", "TokenLogprob", "FinishReason", "SearchHit", "ContextId", "TokenIds",
-    "OutputConstraint", "JsonSchemaConstraint", "LarkConstraint",
+    "OutputConstraint", "JsonSchemaConstraint", "LarkConstraint", "ScoresPrompts", "PromptLogprobs",
     # an in-process LLM engine
     "EngineError", "EngineFailed", "LLMFront", "LLMCore", "Row", "sample_rows", "sample_row",
     "Command", "Prefill", "Decode", "Stop", "Logits", "CacheControl", "Heartbeat", "Reply", "Outbox",
-    "TokenListCore", "Hold",
+    "TokenListCore", "Hold", "PromptScoring", "PromptScorer",
     # helpers
     "check_token_ids", "Detokenizer", "is_greedy", "LOGPROB_FLOOR", "ChatMessages", "ToolSpecs", "apply_template",
     "json_schema_text", "resolve_model", "ModelNotFound", "convert_gguf", "safetensors_model", "auto_dtype",

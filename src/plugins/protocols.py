@@ -276,6 +276,34 @@ class LLMEngine(Engine, Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """Teacher-forced scores of a token sequence: each token's log-probability given everything before it
+    (vLLM's ``prompt_logprobs``, OpenAI's ``echo`` with ``logprobs``).
+
+    ``logprobs[i]`` scores ``tokens[i]``; None where nothing precedes it (the first token of a sequence with
+    no parent context). ``rows`` (asked for with ``full``): the whole log-softmax distribution each token was
+    drawn from, shape (len(tokens), vocab), float32, NaN in a row with no score: what a quality measurement
+    compares (KL divergence) against a reference's."""
+
+    logprobs: tuple[TokenLogprob | None, ...]
+    rows: "torch.Tensor | None" = None
+    cached_tokens: int = 0  # always 0 today: a scored prompt is computed whole (vLLM skips its prefix cache too)
+
+
+@runtime_checkable
+class ScoresPrompts(Protocol):
+    """An LLM engine that scores a token sequence teacher-forced (every position's logits, one forward pass)."""
+
+    async def prompt_logprobs(self, tokens: Sequence[int], *, parent: ContextId | None = None, top: int = 0,
+                              full: bool = False, priority: Priority = 0) -> PromptLogprobs:
+        """Score ``tokens``, each given the ones before it; with ``parent`` (a prefilled context that has not
+        decoded) they continue its KV, so ``tokens[0]`` is scored by the parent's last logits and the parent's
+        prompt came by whatever path filled it (cold, a prefix-cache hit, a fork, a KV tier's restore).
+        ``top``: each score's most likely alternatives (at most ``MAX_TOP_LOGPROBS``); ``full``: the whole rows."""
+        ...
+
+
 @runtime_checkable
 class ReportsLogprobs(Protocol):
     """An LLM engine whose decodes honour ``SamplingParams.logprobs`` (``TokenDelta.logprobs``); the API refuses

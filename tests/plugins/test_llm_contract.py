@@ -23,7 +23,8 @@ import torch
 
 from conftest import prompts_on_a_shared_prefix
 from llm_engines import LONG_ENOUGH, Batches, chat, collect, contrib_module, outcomes, running, text_of
-from headrace.plugins.api import EngineEnv, EngineError, EngineSpec, JsonSchemaConstraint, SamplingParams
+from headrace.plugins.api import (EngineEnv, EngineError, EngineSpec, JsonSchemaConstraint, SamplingParams,
+                                  ScoresPrompts)
 
 pytestmark = pytest.mark.slow
 
@@ -573,3 +574,97 @@ def test_sampling_token_ids_outside_the_vocabulary_are_refused(llm):
         with pytest.raises(EngineError, match="vocabulary"):
             _run(llm, prompt, max_tokens=2, **bad)
     assert is_idle(llm.portal.call(wait_until_idle, llm.engine))
+
+
+# ----- teacher-forced scoring (ScoresPrompts) ------------------------------------------------------
+
+
+def _scores_prompts(llm) -> None:
+    if not isinstance(llm.engine, ScoresPrompts):
+        pytest.skip(f"{llm.name} does not score prompts teacher-forced")
+
+
+def _greedy_with_logprobs(llm, prompt: list[int], n: int = 12):
+    async def deltas():
+        with anyio.fail_after(LONG_ENOUGH):
+            return [d async for d in llm.engine.generate(prompt, SamplingParams(max_tokens=n, temperature=0,
+                                                                                 logprobs=3, ignore_eos=True))]
+    got = llm.portal.call(deltas)
+    return [lp for d in got for lp in d.logprobs]
+
+
+def test_teacher_forcing_the_greedy_answer_gives_its_decode_logprobs(llm):
+    """Scoring prompt + answer in one pass gives each answer token the log-probability its decode step gave
+    it: a position off by one, or logits of the wrong row, would not."""
+    _scores_prompts(llm)
+    portal, engine = llm.portal, llm.engine
+    prompt = chat(engine, "Name three rivers of Europe.")
+    decoded = _greedy_with_logprobs(llm, prompt)
+    answer = [lp.token_id for lp in decoded]
+    scored = portal.call(lambda: engine.prompt_logprobs(prompt + answer, top=3))
+    assert len(scored.logprobs) == len(prompt) + len(answer) and scored.logprobs[0] is None
+    assert [s.token_id for s in scored.logprobs[1:]] == (prompt + answer)[1:]
+    assert scored.rows is None and scored.cached_tokens == 0
+    for step, score in zip(decoded, scored.logprobs[len(prompt):]):
+        assert score.top[0][0] == step.token_id  # the greedy token is the teacher-forced argmax too
+        # A batch of many tokens and one of a single token take different kernels: close, not equal.
+        assert score.logprob == pytest.approx(step.logprob, abs=0.05)
+        assert [v for _, v in score.top] == sorted((v for _, v in score.top), reverse=True)
+    assert all(s.logprob <= 0 for s in scored.logprobs[1:])
+    assert is_idle(portal.call(wait_until_idle, engine))
+
+
+def test_scoring_on_a_parent_continues_its_kv_and_leaves_it(llm):
+    """With a parent, the first token is scored by the parent's last logits and the rest continue its KV: the
+    same scores as the whole sequence scored alone; the parent still decodes afterwards."""
+    _scores_prompts(llm)
+    portal, engine = llm.portal, llm.engine
+    prompt = chat(engine, "What is the capital of Italy?")
+    answer = engine.encode("The capital of Italy is Rome.")
+
+    async def scenario():
+        ctx = engine.new_context_id()
+        await engine.prefill(ctx, prompt)
+        try:
+            forked = await engine.prompt_logprobs(answer, parent=ctx, full=True)
+            text, _, _ = await text_of(engine.decode(ctx, SamplingParams(max_tokens=8, temperature=0)))
+        finally:
+            await engine.free(ctx)
+        whole = await engine.prompt_logprobs(prompt + answer, full=True)
+        alone, _, _ = await text_of(engine.generate(prompt, SamplingParams(max_tokens=8, temperature=0)))
+        return forked, whole, text, alone
+
+    forked, whole, text, alone = portal.call(scenario)
+    assert text == alone  # the scored child left the parent's KV and logits as they were
+    assert forked.rows.shape == (len(answer), engine.vocab_size) and not forked.rows.isnan().any()
+    assert whole.rows.shape == (len(prompt) + len(answer), engine.vocab_size) and whole.rows[0].isnan().all()
+    assert [s.logprob for s in forked.logprobs] == pytest.approx(
+        [s.logprob for s in whole.logprobs[len(prompt):]], abs=0.05)
+    # Each row is a distribution, and the score is its entry for the token.
+    assert torch.logsumexp(forked.rows.double(), dim=-1) == pytest.approx(torch.zeros(len(answer)), abs=1e-4)
+    assert [float(forked.rows[i, t]) for i, t in enumerate(answer)] == pytest.approx(
+        [s.logprob for s in forked.logprobs], abs=1e-5)
+    assert is_idle(portal.call(wait_until_idle, engine))
+
+
+def test_a_cached_prompt_is_still_scored_whole(llm):
+    """A prompt its prefix cache holds is computed again to be scored: every position gets its logits."""
+    _scores_prompts(llm)
+    portal, engine = llm.portal, llm.engine
+    prompt = chat(engine, "Describe the sea in one sentence. " * 4)
+    portal.call(text_of, engine.generate(prompt, SamplingParams(max_tokens=2, temperature=0)))
+    portal.call(text_of, engine.generate(prompt, SamplingParams(max_tokens=2, temperature=0)))
+    scored = portal.call(lambda: engine.prompt_logprobs(prompt))
+    assert len(scored.logprobs) == len(prompt) and all(s is not None for s in scored.logprobs[1:])
+
+
+def test_bad_scoring_requests_fail_alone(llm):
+    _scores_prompts(llm)
+    portal, engine = llm.portal, llm.engine
+    with pytest.raises(EngineError, match="top"):
+        portal.call(lambda: engine.prompt_logprobs([1, 2, 3], top=21))
+    with pytest.raises(EngineError, match="parent"):
+        portal.call(lambda: engine.prompt_logprobs([1, 2, 3], parent="no-such-context"))
+    with pytest.raises(EngineError):
+        portal.call(lambda: engine.prompt_logprobs([engine.vocab_size + 5]))
+    assert len(portal.call(lambda: engine.prompt_logprobs([1, 2, 3])).logprobs) == 3

@@ -45,6 +45,7 @@ from headrace.plugins.engines.llm_messages import Decode, EngineError, Logits, O
 from headrace.plugins.engines.preemption import PausedRows, Want
 from headrace.plugins.engines.llama_cpp_tiers import SequenceTiers, open_tiers
 from headrace.plugins.engines.prefix_cache import BLOCK, PrefixCache, PrefixCacheStats, cache_stats
+from headrace.plugins.engines.prompt_scores import PromptScorer
 from headrace.plugins.hookspecs import hookimpl
 from headrace.plugins.protocols import EngineEnv, EngineSpec
 from headrace.types import ContextId, TokenIds
@@ -250,7 +251,7 @@ class LlamaCppCore(LLMCore):
         """A fresh prompt sharing a longer prefix with a prompt being filled than the cache holds for it:
         it waits for that fill to end, so the shared prefix is computed once."""
         cache = self.prefix_cache
-        if cache is None or job.parent is not None:
+        if cache is None or job.parent is not None or job.scoring is not None:
             return False
         filling = [self._contexts[f.prefill.ctx].tokens for f in self._prefills
                    if f.prefill is not None and f.prefill.ctx in self._contexts]
@@ -287,15 +288,17 @@ class LlamaCppCore(LLMCore):
         if not self._free_seqs:
             raise EngineError(f"engine {self.name!r} holds at most {self.max_contexts} contexts at once "
                               f"(engines.{self.name}.options.n_seq_max); free some first")
-        # A fresh prompt starting with a cached prefix forks it and fills only the rest.
+        # A fresh prompt starting with a cached prefix forks it and fills only the rest (a scored one is
+        # computed whole: a reused position has no logits).
+        fresh = parent is None and job.scoring is None
         hit = None
-        if parent is None and self.prefix_cache is not None:
+        if fresh and self.prefix_cache is not None:
             hit = self.prefix_cache.match(job.tokens, len(job.tokens) - 1)
         seq = self._free_seqs.pop()
         # Or a longer prefix from the tiers below the cells, restored rather than prefilled.
         skip = self._tiers.restore(job.tokens, len(job.tokens) - 1, hit[1] if hit else 0, seq) \
-            if parent is None and self._tiers is not None and self.prefix_cache is not None else 0
-        if parent is None and self.prefix_cache is not None:  # hits: what the cells or a tier served (as torch counts)
+            if fresh and self._tiers is not None and self.prefix_cache is not None else 0
+        if fresh and self.prefix_cache is not None:  # hits: what the cells or a tier served (as torch counts)
             self.prefix_cache.use(hit[0] if hit and not skip else None, len(job.tokens), skip or (hit[1] if hit else 0))
         if parent is not None:
             self._copy_sequence(parent.seq, seq)
@@ -304,8 +307,11 @@ class LlamaCppCore(LLMCore):
             self._copy_sequence(entry.kv, seq, skip)  # positions [0, skip)
         prompt = (parent.tokens if parent is not None else []) + list(job.tokens)
         self._contexts[job.ctx] = _Sequence(seq=seq, length=base + skip, tokens=prompt)
+        scorer = None
+        if job.scoring is not None:
+            scorer = PromptScorer(job.tokens, job.scoring, parent.next_logits if parent is not None else None)
         self._prefills.append(Fill(seq=seq, tokens=list(job.tokens[skip:]), start=base + skip, prefill=job,
-                                   cached=skip))
+                                   cached=skip, scorer=scorer))
 
     def add_scoring(self, job: Logits) -> None:
         self._scoring.add(job)
@@ -501,12 +507,14 @@ class LlamaCppCore(LLMCore):
         if fill.prefill is not None:
             seq = self._contexts[fill.prefill.ctx]
             seq.length = fill.start + fill.done
+            if fill.scorer is not None:
+                fill.scorer.add(logits)
             if fill.remaining == 0:
                 self._prefills.remove(fill)
-                seq.filling, seq.next_logits = False, logits[0].copy()  # not a view that pins the batch's
+                seq.filling, seq.next_logits = False, logits[-1].copy()  # not a view that pins the batch's
                 if self.prefix_cache is not None:
                     self.prefix_cache.insert(seq.tokens, lambda n, src=seq.seq: self._cache_copy(src, n))
-                out.reply(fill.prefill.reply, fill.cached)
+                out.reply(fill.prefill.reply, fill.cached if fill.scorer is None else fill.scorer.result())
         else:
             self._scoring.filled(fill, torch.from_numpy(logits), out)
 

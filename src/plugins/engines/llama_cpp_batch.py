@@ -20,6 +20,7 @@ import torch
 from headrace.plugins.engines.llm_core import Row
 from headrace.plugins.engines.llm_messages import Logits, Outbox, Prefill
 from headrace.plugins.engines.prefix_cache import common_prefix
+from headrace.plugins.engines.prompt_scores import PromptScorer
 from headrace.types import TokenIds
 
 # Scoring prompts that start with at least this many equal tokens (the reranker's system prompt
@@ -40,6 +41,7 @@ class Fill:
     job: ScoreJob | None = None
     index: int = 0  # the prompt's row in the scoring job
     group: SharedPrefix | None = None  # set on a scoring group's shared-prefix fill
+    scorer: PromptScorer | None = None  # a teacher-forced prefill: logits at every position go to it
 
     @property
     def remaining(self) -> int:
@@ -83,8 +85,13 @@ class Part:
 
     @property
     def outputs(self) -> int:
-        """Logits rows it asks for: one per decoding row, one where a prompt ends (not a shared prefix)."""
-        return len(self.rows) if self.kind == "decode" else int(self.ends_fill and self.fill.group is None)
+        """Logits rows it asks for: one per decoding row, one where a prompt ends (not a shared prefix), every
+        token's for a teacher-forced prefill."""
+        if self.kind == "decode":
+            return len(self.rows)
+        if self.fill.scorer is not None:
+            return self.count
+        return int(self.ends_fill and self.fill.group is None)
 
 
 def shared_prefix_groups(prompts: list[TokenIds], minimum: int) -> list[SharedPrefix]:
@@ -283,7 +290,8 @@ def batch_entries(parts: list[Part], seq_of: Callable[[Row], int]) -> tuple[list
         else:
             fill, last = part.fill, part.count - 1
             entries += [BatchEntry(fill.seq, fill.tokens[fill.done + k], fill.start + fill.done + k,
-                                   bool(part.outputs) and k == last) for k in range(part.count)]
+                                   fill.scorer is not None or (bool(part.outputs) and k == last))
+                        for k in range(part.count)]
     order = sorted(range(len(entries)), key=lambda k: entries[k].seq)
     rank = list(itertools.accumulate(e.logits for e in entries))  # rank[k] - 1: entry k's logits row, part order
     return [entries[k] for k in order], [rank[k] - 1 for k in order if entries[k].logits]

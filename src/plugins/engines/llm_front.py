@@ -55,7 +55,8 @@ from headrace.plugins.engines.llm_core import LLMCore
 from headrace.plugins.engines.llm_messages import (CacheControl, Command, Decode, EngineError, EngineFailed, Heartbeat,
                                                    Logits, Outbox, Pin, Prefill, Reply, Stop, TokenStream,
                                                    deliver_on_loop)
-from headrace.plugins.protocols import SamplingParams, TokenDelta
+from headrace.plugins.engines.prompt_scores import PromptScoring
+from headrace.plugins.protocols import MAX_TOP_LOGPROBS, PromptLogprobs, SamplingParams, TokenDelta
 from headrace.types import ContextId, TokenIds
 
 log = logging.getLogger(__name__)
@@ -169,12 +170,23 @@ class LLMFront:
 
     async def prefill(self, ctx: ContextId, tokens: Sequence[int], parent: ContextId | None = None, *,
                       priority: int = 0, preemptive: bool = False) -> int | None:
-        return await self._open(Prefill, ctx, tokens, parent, priority, preemptive)
+        cached = await self._open(Prefill, ctx, tokens, parent, priority, preemptive)
+        return cached if isinstance(cached, int) else None
+
+    async def prompt_logprobs(self, tokens: Sequence[int], *, parent: ContextId | None = None, top: int = 0,
+                              full: bool = False, priority: int = 0) -> PromptLogprobs:
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise EngineError(f"top must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        ctx = self.new_context_id()
+        try:
+            return await self._open(Prefill, ctx, tokens, parent, priority, scoring=PromptScoring(top, bool(full)))
+        finally:
+            await self.free(ctx)
 
     async def _open(self, command: type[Prefill], ctx: ContextId, tokens: Sequence[int], parent: ContextId | None,
-                    priority: int, preemptive: bool = False) -> int | None:
-        """Queue the context's prefill and wait for it; the prompt tokens its prefix cache held (None: the core
-        does not say)."""
+                    priority: int, preemptive: bool = False, scoring: PromptScoring | None = None) -> Any:
+        """Queue the context's prefill and wait for it; the core's reply: the prompt tokens its prefix cache held
+        (None: the core does not say), or a scored prefill's ``PromptLogprobs``."""
         self._require_running()
         check_priority(priority)
         if ctx in self._live:
@@ -186,15 +198,16 @@ class LLMFront:
         self._check_tokens(tokens)
         reply = Reply()
         self._live.add(ctx)
-        self._commands.put(command(ctx, list(tokens), parent, reply, priority, preemptive=bool(preemptive)))
+        prefill = command(ctx, list(tokens), parent, reply, priority, preemptive=bool(preemptive))
+        prefill.scoring = scoring
+        self._commands.put(prefill)
         try:
-            cached = await self._wait(reply)
+            return await self._wait(reply)
         except BaseException:
             # Cancelled or failed: the worker frees whatever it made (commands run in order).
             self._commands.put(Stop(ctx, free=True))
             self._live.discard(ctx)
             raise
-        return cached if isinstance(cached, int) else None
 
     async def decode(self, ctx: ContextId, params: SamplingParams, *, priority: int = 0,
                      preemptive: bool = False, keep_context: bool = False) -> AsyncIterator[TokenDelta]:
@@ -213,6 +226,7 @@ class LLMFront:
         self._check_sampling(params)  # before the prefill: refused, nothing is left held
         ctx = self.new_context_id()
         cached = await self._open(self.generate_prefill, ctx, tokens, None, priority, preemptive)
+        cached = cached if isinstance(cached, int) else None
         try:
             async for delta in self._decode(ctx, params, free_after=True, priority=priority, preemptive=preemptive,
                                             keep_context=keep_context):

@@ -14,6 +14,7 @@ from typing import Any
 import anyio
 import torch
 
+from headrace.plugins.engines.prompt_scores import PromptScoring
 from headrace.plugins.protocols import SamplingParams, TokenDelta
 from headrace.types import ContextId, TokenIds
 
@@ -104,6 +105,9 @@ class Prefill:
     reply: Reply  # resolved once the context holds the tokens: with how many its prefix cache held (or None)
     priority: int = 0  # lower runs first (the LLM scheduler's policy sets it)
     preemptive: bool = False  # may pause preemptive decodes of a lower rank (``preemption``)
+    # Teacher-forced: logits at every position, and the reply is a ``PromptLogprobs`` (its prompt is computed
+    # whole: no prefix-cache hit or tier restore, whose positions would have no logits).
+    scoring: PromptScoring | None = None
 
 
 @dataclass

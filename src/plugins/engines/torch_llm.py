@@ -33,6 +33,7 @@ from headrace.plugins.engines.llm_core import LLMCore, Row, sample_row, sample_r
 from headrace.plugins.engines.llm_front import LLMFront
 from headrace.plugins.engines.kv_store import mebibytes
 from headrace.plugins.engines.llm_messages import Decode, EngineError, Logits, Outbox, Prefill
+from headrace.plugins.engines.prompt_scores import PromptScorer
 from headrace.plugins.engines.model_paths import resolve_model
 from headrace.plugins.engines.prefix_cache import (
     BLOCK,
@@ -288,7 +289,11 @@ class TorchCore(LLMCore):
         starts with (the prefix cache): the jobs of a chunk fill only what follows their base.
         """
         parent = first.parent
-        group = sorted((e for e in self._prefills if e[1].parent == parent), key=lambda e: e[0])
+        # A scored prefill runs alone (its forward pass keeps every position's logits), never with a cache hit.
+        scored = first.scoring is not None
+        group = sorted((e for e in self._prefills if e[1].parent == parent and e[1].scoring is None), key=lambda e: e[0])
+        if scored:
+            group = [e for e in self._prefills if e[1] is first]
         hit: tuple[CachedPrefix[kv.LayerKV], int] | None = None
         if parent is not None:
             base = self.contexts.get(parent)
@@ -299,7 +304,7 @@ class TorchCore(LLMCore):
                 return 1
         else:
             base = None
-            if self.prefix_cache is not None:
+            if self.prefix_cache is not None and not scored:
                 cache = self.prefix_cache
                 if self._tiers is not None:
                     self._promote(first)
@@ -334,7 +339,7 @@ class TorchCore(LLMCore):
         self._take(chunk + refused)
         if not chunk:
             return 1
-        if parent is None and self.prefix_cache is not None:
+        if parent is None and self.prefix_cache is not None and not scored:
             for job in chunk:
                 self.prefix_cache.use(hit[0] if hit else None, len(job.tokens), skip)
         suffixes = [job.tokens[skip:] for job in chunk]
@@ -372,17 +377,23 @@ class TorchCore(LLMCore):
         positions = torch.arange(base_len, base_len + width).expand(len(chunk), -1)
         cache = kv.expand(base.kv, len(chunk)) if base else kv.DynamicCache()
         last = torch.tensor(lengths) - 1
+        scoring = chunk[0].scoring  # a scored prefill runs alone (_prefill_group)
         start = time.monotonic()
         result = self.model(
-            input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=last
+            input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,
+            logits_to_keep=0 if scoring is not None else last,  # 0: every position's
         )
         self._observe_batch("prefill", len(chunk), start, time.monotonic())
         self.token_counts["prefill"] += sum(lengths)
+        if scoring is not None:
+            scorer = PromptScorer(chunk[0].tokens, scoring, base.next_logits if base is not None else None)
+            scorer.add(result.logits[0].float())
+            cached = scorer.result()
         for i, job in enumerate(chunk):
             ctx = _Context(
                 kv=kv.row(result.past_key_values, i, 0, base_len + lengths[i]),
                 length=base_len + lengths[i],
-                next_logits=result.logits[i, i].float(),
+                next_logits=(result.logits[0, -1] if scoring is not None else result.logits[i, i]).float(),
                 tokens=(base.tokens if base else []) + suffixes[i],
             )
             self.contexts[job.ctx] = ctx
