@@ -293,7 +293,10 @@ class PromptLogprobs:
 
 @runtime_checkable
 class ScoresPrompts(Protocol):
-    """An LLM engine that scores a token sequence teacher-forced (every position's logits, one forward pass)."""
+    """An LLM engine that scores a token sequence teacher-forced (every position's logits, one forward pass),
+    when ``scores_prompts`` is true (an engine on the shared front whose core cannot says false)."""
+
+    scores_prompts: bool
 
     async def prompt_logprobs(self, tokens: Sequence[int], *, parent: ContextId | None = None, top: int = 0,
                               full: bool = False, priority: Priority = 0) -> PromptLogprobs:

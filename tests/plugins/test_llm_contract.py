@@ -580,7 +580,10 @@ def test_sampling_token_ids_outside_the_vocabulary_are_refused(llm):
 
 
 def _scores_prompts(llm) -> None:
-    if not isinstance(llm.engine, ScoresPrompts):
+    if not (isinstance(llm.engine, ScoresPrompts) and llm.engine.scores_prompts):
+        if isinstance(llm.engine, ScoresPrompts):  # on the shared front: it says so by name
+            with pytest.raises(EngineError, match="does not score prompts"):
+                llm.portal.call(lambda: llm.engine.prompt_logprobs([1, 2]))
         pytest.skip(f"{llm.name} does not score prompts teacher-forced")
 
 

@@ -69,6 +69,7 @@ class _Sequence:
 
 class LlamaCppCore(LLMCore):
     pauses_decodes = True
+    scores_prompts = True
     keeps_contexts = True
 
     def __init__(self, spec: EngineSpec, env: EngineEnv) -> None:

@@ -92,6 +92,8 @@ class LLMCore(ABC):
     # True: the core caches a finished row's whole context when its ``Decode.keep_context`` asks (``KeepsContexts``);
     # the front passes the flag either way, and a core that caches prompts only ignores it.
     keeps_contexts = False
+    # True: the core honours ``Prefill.scoring`` (teacher-forced scores, ``ScoresPrompts``).
+    scores_prompts = False
     # A core with a prefix cache sets both in its __init__: its budget in tokens (0: none) and its pins' policy.
     prefix_cache_tokens = 0
     _pins: PinPolicy | None = None

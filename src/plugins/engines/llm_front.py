@@ -175,6 +175,8 @@ class LLMFront:
 
     async def prompt_logprobs(self, tokens: Sequence[int], *, parent: ContextId | None = None, top: int = 0,
                               full: bool = False, priority: int = 0) -> PromptLogprobs:
+        if not self.scores_prompts:
+            raise EngineError(f"engine {self.name!r} does not score prompts (no prompt logprobs)")
         if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
             raise EngineError(f"top must be an integer in [0, {MAX_TOP_LOGPROBS}]")
         ctx = self.new_context_id()
@@ -266,6 +268,10 @@ class LLMFront:
     def pauses_decodes(self) -> bool:
         """``PausesDecodes``: whether the core pauses preemptive decodes for more urgent preemptive work."""
         return self.core.pauses_decodes
+
+    @property
+    def scores_prompts(self) -> bool:
+        return self.core.scores_prompts
 
     @property
     def keeps_contexts(self) -> bool:

@@ -98,6 +98,8 @@ class TorchLLM(LLMFront):
 class TorchCore(LLMCore):
     """Contexts as per-layer KV tensors; decoding rows as one left-padded ``DynamicCache`` batch."""
 
+    scores_prompts = True
+
     def __init__(self, name: str, *, path: Path, cache_dir: Path, observe_batch: BatchObserver, dtype: torch.dtype,
                  threads: int, max_batch_size: int, max_context_tokens: int, max_prefill_tokens: int,
                  max_iteration_tokens: int = 2048, prefix_cache_tokens: int = 0,
