@@ -1,4 +1,4 @@
-"""The ``headrace`` command: serve, run, profile, ingest, check, plugins, version."""
+"""The ``headrace`` command: serve, run, profile, ingest, check, pull, plugins, version."""
 
 from __future__ import annotations
 
@@ -69,6 +69,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, Any]:
     check = sub.add_parser("check", help="prove that each native engine of the config runs on this CPU, in child "
                                          "processes (scripts/setup ends with it); exit 1 names what fails")
     _add_config(check)
+    pull = sub.add_parser("pull", help="fetch hf: models from the Hugging Face Hub into its cache ahead of serving, "
+                                       "and print each one's local path")
+    pull.add_argument("models", nargs="*", metavar="MODEL",
+                      help="hf:<org>/<repo>[@<revision>][:<quant>] or hf:<org>/<repo>[@<revision>]/<file>.gguf "
+                           "(default: every hf: model of --config)")
+    _add_config(pull)
     sub.add_parser("plugins", help="list the loaded plugins and what each registers")
     sub.add_parser("version", help="print the version")
     return parser, sub
@@ -93,6 +99,8 @@ def dispatch(args: argparse.Namespace) -> int:
             return _ingest(args)
         if args.command == "check":
             return _check(args)
+        if args.command == "pull":
+            return _pull(args)
         return _serve(args)
     except (ConfigError, PluginError, WorkflowInputError, UnknownWorkflow, UnknownCollection) as exc:
         print(f"headrace: {exc}", file=sys.stderr)
@@ -115,7 +123,7 @@ def _local(args: argparse.Namespace) -> int:
     if args.command == "profile" and args.engine not in {e.name for e in config.engines}:
         raise ConfigError("engine", f"no engine named {args.engine!r} in {args.config}")
     run_config = _run_config(args) if args.command == "run" else {}
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    _fetch_hub_models(config)
     quiet_libraries()
     logging.basicConfig(level="WARNING", format="%(message)s")
     logging.getLogger("headrace.daemon.engine_residency").setLevel("INFO")  # one line per engine as it loads
@@ -177,6 +185,40 @@ def _check(args: argparse.Namespace) -> int:
     return status
 
 
+def _pull(args: argparse.Namespace) -> int:
+    from headrace.plugins.engines import hub_models
+    from headrace.plugins.engines.model_paths import ModelNotFound
+
+    models = [("model", m) for m in args.models] or hub_models.config_models(load_config(args.config))
+    if not models:
+        print(f"headrace pull: {args.config} names no hf: model; name one: headrace pull hf:<org>/<repo>[:<quant>]",
+              file=sys.stderr)
+        return 2
+    for key, ref in models:
+        if not hub_models.is_hub_ref(ref):
+            raise ConfigError(key, f"{ref!r} is not an hf: model; pull fetches {hub_models.GRAMMAR}")
+    status = 0
+    for key, ref in models:
+        try:
+            print(hub_models.pull(ref, key), flush=True)  # stdout: the paths alone, for scripts
+        except (ValueError, ModelNotFound) as exc:
+            print(f"headrace pull: {exc}", file=sys.stderr)
+            status = 1
+    return status
+
+
+def _fetch_hub_models(config: Any) -> None:
+    """Fetch the config's hf: models the cache lacks (unless HF_HUB_OFFLINE=1), once, before the engines are built;
+    from then on models come from disk, never a hub."""
+    from headrace.plugins.engines import hub_models
+
+    try:
+        hub_models.fetch_config_models(config)
+    except (ValueError, FileNotFoundError) as exc:  # a bad hf: name, or a model missing offline: one line, exit 2
+        raise ConfigError(str(exc)) from None
+    hub_models.offline_by_default()
+
+
 def _plugins() -> int:
     registry = collect()
     for plugin, hooks in sorted(registry.by_plugin.items()):
@@ -194,7 +236,7 @@ def _serve(args: argparse.Namespace) -> int:
     )
     if not config.engines:
         raise ConfigError("engines", f"no engines configured in {args.config}")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models come from disk, never a hub
+    _fetch_hub_models(config)
     # A fatal signal in native code (an engine's library: SIGILL, SIGSEGV...) logs every thread's Python
     # stack before the process dies; the engines' worker-thread lines say which thread is which engine.
     with contextlib.suppress(AttributeError, ValueError, io.UnsupportedOperation):  # stderr is no file: nowhere to dump

@@ -1,8 +1,9 @@
 """Resolve a config ``model`` string to a path on disk.
 
-A model is either a filesystem path or ``pkg:<module>[/<path inside it>]``: the
-weights that ship inside an installed Python package (found without importing
-it, since a model package may import things headrace does not install).
+A model is a filesystem path, ``pkg:<module>[/<path inside it>]``: the weights that
+ship inside an installed Python package (found without importing it, since a model
+package may import things headrace does not install), or ``hf:<org>/<repo>...``: a
+model on the Hugging Face Hub, from its cache or fetched into it (``hub_models``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ class ModelNotFound(FileNotFoundError):
 
 
 def resolve_model(ref: str, *, key: str = "model") -> Path:
+    if ref.startswith("hf:"):
+        from headrace.plugins.engines import hub_models  # huggingface_hub only for a model that needs it
+
+        return hub_models.resolve(ref, key)
     if ref.startswith("pkg:"):
         module, _, inner = ref[4:].partition("/")
         spec = importlib.util.find_spec(module)
@@ -35,5 +40,6 @@ def resolve_model(ref: str, *, key: str = "model") -> Path:
     else:
         path = Path(ref).expanduser()
     if not path.exists():
-        raise ModelNotFound(f"{key}: {path} does not exist; point {key} at a model directory or .gguf file.")
+        raise ModelNotFound(f"{key}: {path} does not exist; point {key} at a model directory or .gguf file, "
+                            "or name one on the Hugging Face Hub: hf:<org>/<repo>[:<quant>].")
     return path
