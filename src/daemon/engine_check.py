@@ -9,6 +9,9 @@ engine, how the child died, the CPU and its flags, and the one command that fixe
   ``headrace serve``, before the daemon reports ready.
 - engines on torch (torch, sentence-transformers, cross-encoder): a matmul in the dtype ``auto`` picks
   here (bfloat16 through oneDNN's AVX-512/AMX kernels where it has them), in a child.
+- LLM engines (llama-cpp, torch), once they run: their numbers (``quality_check``): next-token distributions on
+  canary prompts against a float32 reference on the same file, in a child; a wrong kernel, variant or build
+  fails the check as a SIGILL does.
 """
 
 from __future__ import annotations
@@ -17,10 +20,13 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from headrace.daemon.config import Config
-from headrace.plugins.engines.llama_cpp_cpu import (FIX_COMMAND, NoRunnableVariant, ProbeModel, chosen_variant,
-                                                    cpu_flags, exit_cause, library_dir, stderr_tail, variant_name)
+from headrace.daemon.quality_check import check_quality
+from headrace.plugins.engines.llama_cpp_cpu import (FIX_COMMAND, VARIANT_ENV, NoRunnableVariant, ProbeModel,
+                                                    chosen_variant, cpu_flags, exit_cause, library_dir, stderr_tail,
+                                                    variant_name)
 from headrace.plugins.engines.llama_cpp_options import parse_options
 from headrace.plugins.protocols import EngineSpec
 
@@ -45,6 +51,7 @@ class CheckResult:
     plugin: str
     ok: bool
     detail: str
+    wrong_numbers: bool = False  # it runs, but its numbers are off the reference's (not a crash)
 
 
 def check_engines(config: Config) -> list[CheckResult]:
@@ -56,8 +63,19 @@ def check_engines(config: Config) -> list[CheckResult]:
             results.append(_check_llama_cpp(config, EngineSpec(ec.name, ec.plugin, ec.model, dict(ec.options))))
         elif ec.plugin in TORCH_PLUGINS:
             torch_result = torch_result or _check_torch()
-            results.append(CheckResult(ec.name, ec.plugin, torch_result.ok, torch_result.detail))
+            result = CheckResult(ec.name, ec.plugin, torch_result.ok, torch_result.detail)
+            if ec.plugin == "torch" and result.ok:
+                result = _with_numbers(result, config, ec.model, dict(ec.options), None)
+            results.append(result)
     return results
+
+
+def _with_numbers(result: CheckResult, config: Config, model: str | None, options: dict,
+                  library: Path | None) -> CheckResult:
+    """``result`` (the engine runs) and its numbers against the reference."""
+    numbers = check_quality(result.engine, result.plugin, model, options, config.data.cache_path(), library)
+    return CheckResult(result.engine, result.plugin, numbers.ok, f"{result.detail}; {numbers.detail}",
+                       wrong_numbers=not numbers.ok and not numbers.crashed)
 
 
 def _check_llama_cpp(config: Config, spec: EngineSpec) -> CheckResult:
@@ -69,8 +87,9 @@ def _check_llama_cpp(config: Config, spec: EngineSpec) -> CheckResult:
                                                            options.threads), cache_dir)
     except (NoRunnableVariant, RuntimeError) as exc:
         return CheckResult(spec.name, spec.plugin, False, str(exc))
-    return CheckResult(spec.name, spec.plugin, True,
-                       f"CPU backend {variant_name(library)}, a prefill and decode answered ({time.monotonic() - t0:.1f} s)")
+    ran = CheckResult(spec.name, spec.plugin, True, f"CPU backend {variant_name(library)}, a prefill and decode "
+                                                     f"answered ({time.monotonic() - t0:.1f} s)")
+    return _with_numbers(ran, config, spec.model, dict(spec.options), library)
 
 
 def _check_torch() -> CheckResult:
@@ -86,10 +105,17 @@ def _check_torch() -> CheckResult:
 
 
 def report(results: list[CheckResult]) -> tuple[str, int]:
-    """The lines to print and the exit status: 0 when every engine runs, 1 otherwise."""
+    """The lines to print and the exit status: 0 when every engine runs (and its numbers are within the bounds),
+    1 otherwise."""
     lines = [f"{'ok ' if r.ok else 'FAILED '} {r.engine} ({r.plugin}): {r.detail}" for r in results]
-    failed = [r for r in results if not r.ok]
+    failed = [r for r in results if not r.ok and not r.wrong_numbers]
+    wrong = [r for r in results if r.wrong_numbers]
     if failed:
         lines.append(f"headrace check: {len(failed)} engine(s) cannot run on this machine ({cpu_flags()}); "
                      f"fix: `{FIX_COMMAND}` for llama-cpp engines")
-    return "\n".join(lines), 1 if failed else 0
+    if wrong:
+        lines.append(f"headrace check: {len(wrong)} engine(s) run but compute wrong numbers on this machine "
+                     f"({cpu_flags()}): their next-token distributions are off the float32 reference's on the same "
+                     f"file. Fix: `{FIX_COMMAND}`, or take another CPU variant by hand ({VARIANT_ENV}=<variant>) for "
+                     f"llama-cpp engines; dtype = \"float32\" for torch engines")
+    return "\n".join(lines), 1 if failed or wrong else 0
