@@ -52,7 +52,8 @@ from headrace.batching.observer import NullObserver, SchedulerObserver
 from headrace.batching.programs import ProgramRegistry
 from headrace.batching.residency import AlwaysResident, Residency
 from headrace.batching.run_gate import RunGate
-from headrace.plugins.protocols import KeepsContexts, LLMEngine, PausesDecodes, SamplingParams, TokenDelta
+from headrace.plugins.protocols import (KeepsContexts, LLMEngine, PausesDecodes, PromptLogprobs, SamplingParams,
+                                       TokenDelta)
 
 
 @dataclass
@@ -263,6 +264,19 @@ class LLMScheduler:
         rank = min((self.priority(m, arrival) for m in metas), default=self.priority(None, arrival))
         async with self._admitted(arrival, rank, metas) as rank:
             return await self.engine.next_token_logits(prompts, token_ids, priority=rank)
+
+    async def prompt_logprobs(self, tokens: Sequence[int], *, top: int = 0, full: bool = False,
+                              meta: PrimitiveMeta | None = None) -> PromptLogprobs:
+        """Teacher-forced scoring (``ScoresPrompts``: echo, ``prompt_logprobs``), admitted and ranked like every
+        other request; the engine computes every token, so they all count to the run's service."""
+        arrival = time.monotonic()
+        rank = self.priority(meta, arrival)
+        async with self._admitted(arrival, rank, (meta,)) as rank:
+            scorer: Any = self.engine  # a ScoresPrompts engine: the route checks before it calls
+            scores = await scorer.prompt_logprobs(tokens, top=top, full=full, priority=rank)
+        if meta is not None:
+            self.served.add(meta.run, len(tokens))
+        return scores
 
     async def _timed(self, deltas: AsyncIterator[TokenDelta], arrival: float, prompt_tokens: int,
                      meta: PrimitiveMeta | None = None, cached: int = 0):

@@ -9,8 +9,8 @@ the same class, so the published schema cannot drift from the checks.
 
 Request models are strict (no coercion: ``"1"`` is not an integer, ``true`` is
 not a number) and closed (``extra="forbid"``: an unsupported parameter is
-refused by name). Fields OpenAI's SDKs may send with their "off" value (``echo``,
-``best_of``) are declared with only that value allowed; fields that change nothing
+refused by name). Fields OpenAI's SDKs may send with their "off" value (``best_of``)
+are declared with only that value allowed; fields that change nothing
 here (``service_tier``, ``reasoning_effort``, ...) are accepted and ignored, as vLLM
 ignores them. headrace's own
 routes (runs, collections, sessions, engine settings, probes) have theirs in
@@ -37,6 +37,8 @@ TOKEN_ID_LIMIT = 2**63  # exclusive; the model's vocabulary is checked per engin
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0, lt=TOKEN_ID_LIMIT)]
 MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]
+# /v1/completions: 0 with echo scores the prompt and generates nothing (what lm-eval's loglikelihood may send).
+CompletionMaxTokens = Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)]
 
 
 class Body(BaseModel):
@@ -46,10 +48,12 @@ class Body(BaseModel):
 
 
 # Fields accepted only with the value that means "off" (what OpenAI's SDKs may send by default).
-NEUTRAL = {"echo": False, "best_of": 1}
+NEUTRAL = {"best_of": 1}
 # Choices one request may ask for, over all its prompts (each is a decode the engine batches).
 MAX_CHOICES = 128
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
+PROMPT_LOGPROBS = (f"vLLM's: each prompt token's log-probability given the tokens before it, with the k (0 to "
+                   f"{MAX_TOP_LOGPROBS}) most likely tokens there; not with stream")
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,20}$")]  # a token id as a JSON object's key (logit_bias)
 
@@ -246,6 +250,8 @@ class ChatCompletionRequest(Sampling, NeutralFields, WithResponseFormat, Ignored
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="default: auto with tools, none without")
     parallel_tool_calls: bool | None = Field(None, description="default true: the model may call several tools")
+    prompt_logprobs: TopLogprobs | None = Field(None, description=PROMPT_LOGPROBS + " (in the response's "
+                                                                  "prompt_logprobs)")
 
 
 class CompletionRequest(Sampling, NeutralFields, WithResponseFormat):
@@ -256,11 +262,18 @@ class CompletionRequest(Sampling, NeutralFields, WithResponseFormat):
                          Field(min_length=1, max_length=MAX_CHOICES)]) = Field(
         description="a string, a list of strings, a list of token ids, or a list of token-id lists; "
                     "each prompt gets n choices, numbered prompt * n + sample")
-    max_tokens: MaxTokens | None = Field(None, description=f"default {COMPLETIONS_MAX_TOKENS}")
-    max_completion_tokens: MaxTokens | None = Field(None, description="an alias of max_tokens (it wins over it)")
+    max_tokens: CompletionMaxTokens | None = Field(
+        None, description=f"default {COMPLETIONS_MAX_TOKENS}; 0 only with echo: the prompt is scored, nothing "
+                          "generated")
+    max_completion_tokens: CompletionMaxTokens | None = Field(None, description="an alias of max_tokens (it wins "
+                                                                                "over it)")
     logprobs: TopLogprobs | None = Field(None, description="each output token's log-probability and the k most "
-                                                           "likely tokens at each position")
-    echo: Literal[False] | None = None
+                                                           "likely tokens at each position (with echo, the "
+                                                           "prompt's tokens first; the first one's is null)")
+    echo: bool | None = Field(None, description="the choice's text starts with the prompt (a token-id prompt "
+                                                "decoded), and its logprobs with the prompt's tokens")
+    prompt_logprobs: TopLogprobs | None = Field(None, description=PROMPT_LOGPROBS + " (in each choice's "
+                                                                  "prompt_logprobs)")
     best_of: Annotated[int, Field(ge=1, le=1)] | None = None
 
 
@@ -372,6 +385,18 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's ``Logprob``: one token of a prompt position's ``prompt_logprobs`` entry."""
+
+    logprob: float
+    rank: int = Field(description="how many tokens are at least as likely there, itself included (vLLM's count)")
+    decoded_token: str
+
+
+# One entry per prompt token: null for the first, else the actual token and the k most likely, by token id.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None
@@ -406,6 +431,7 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = Field(None, description="with prompt_logprobs: k (vLLM's)")
 
 
 class CompletionLogprobs(BaseModel):
@@ -421,6 +447,7 @@ class TextChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = Field(description="with logprobs: k")
     finish_reason: Literal["stop", "length"] | None
+    prompt_logprobs: PromptLogprobs | None = Field(None, description="with prompt_logprobs: k")
 
 
 class Completion(BaseModel):

@@ -203,6 +203,9 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    # Its rank in the distribution (1: the most likely; vLLM's), where the engine counted it (teacher-forced
+    # scores do); None: not counted.
+    rank: int | None = None
 
 
 @dataclass(frozen=True)

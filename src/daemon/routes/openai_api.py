@@ -1,4 +1,7 @@
-"""OpenAI-compatible text routes: /v1/models, /v1/models/{model}, /v1/chat/completions, /v1/completions."""
+"""OpenAI-compatible text routes: /v1/models, /v1/models/{model}, /v1/chat/completions, /v1/completions.
+
+Completions' ``echo`` and vLLM's ``prompt_logprobs`` score the prompt first (``headrace.daemon.prompt_logprobs``).
+"""
 
 from __future__ import annotations
 
@@ -15,9 +18,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from headrace.batching.programs import PROGRAM_HEADER, ProgramRegistry, program_of
 from headrace.daemon import bodies as rq
+from headrace.daemon import prompt_logprobs as scoring
 from headrace.daemon import retention, structured
 from headrace.daemon.errors import APIError, bad_request, internal
 from headrace.daemon.logprobs import CompletionLogprobs, TokenStrings, chat_content
+from headrace.daemon.prompt_logprobs import ScoredPrompt, ScoringPlan
 from headrace.daemon.openai_schemas import COMPLETIONS_MAX_TOKENS, MAX_CHOICES, ChatCompletionRequest, CompletionRequest
 from headrace.daemon.services import daemon, owner, services
 from headrace.graph.collector import ChoiceDelta
@@ -111,9 +116,10 @@ async def _llm_request(request: Request, model: type[rq.Model], what: str) -> tu
 async def chat_completions(request: Request) -> Response:
     body, slot = await _llm_request(request, ChatCompletionRequest, "chat completions")
     spec = rq.stream_spec(body)
+    plan = scoring.chat_plan(slot, body, spec)
     chat = await plan_chat(slot, body)
     return await _respond(request, slot, [chat.tokens], chat.params, body.n or 1, spec, chat=True, tools=chat.tools,
-                          program=_program(request, body), pins=chat.pins)
+                          program=_program(request, body), pins=chat.pins, plan=plan)
 
 
 @dataclass(frozen=True)
@@ -155,9 +161,11 @@ async def completions(request: Request) -> Response:
     body, slot = await _llm_request(request, CompletionRequest, "completions")
     prompts = rq.completion_prompts(body)
     spec = rq.stream_spec(body)
+    plan = scoring.completion_plan(slot, body, spec)
     constraint = await rq.off_loop_if_large(structured.schema_chars(body), structured.response_constraint, body)
     params = rq.sampling(body, COMPLETIONS_MAX_TOKENS, constraint)
-    _check_logprobs(slot, params, "logprobs")
+    if plan is None or plan.generate:  # the output's logprobs: the decode reports them
+        _check_logprobs(slot, params, "logprobs")
     check_sampling_vocab(slot, body)
     n = body.n or 1
     if len(prompts) * n > MAX_CHOICES:
@@ -176,7 +184,9 @@ async def completions(request: Request) -> Response:
             check_vocab(slot, tokens, where)
         _check_length(slot, tokens, where)
         token_lists.append(tokens)
-    return await _respond(request, slot, token_lists, params, n, spec, chat=False, program=_program(request, body))
+    echoed = await scoring.prompts_as_sent(slot, token_lists, prompts) if plan is not None else None
+    return await _respond(request, slot, token_lists, params, n, spec, chat=False, program=_program(request, body),
+                          plan=plan, echoed=echoed)
 
 
 def _program(request: Request, body: Any) -> str | None:
@@ -252,28 +262,53 @@ async def collect(request: Request, deltas: AsyncIterator[ChoiceDelta], count: i
 
 async def _respond(request: Request, slot: Any, prompts: list[list[int]], params: SamplingParams, n: int,
                    spec: rq.StreamSpec, chat: bool, tools: structured.ToolPlan | None = None,
-                   program: str | None = None, pins: list[tuple[int, float]] | None = None) -> Response:
+                   program: str | None = None, pins: list[tuple[int, float]] | None = None,
+                   plan: ScoringPlan | None = None, echoed: list[ScoredPrompt] | None = None) -> Response:
+    """Generate and answer; with a ``plan``, the prompts (``echoed``: completions' own) are scored first."""
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
     count = len(prompts) * n
     n_prompt = sum(map(len, prompts))  # each prompt counted once, however many choices fork it (as vLLM counts)
     strings = TokenStrings(slot.engine.tokenizer) if params.logprobs is not None else None
-    deltas = generation(request, slot, prompts, params, n, chat, tools, program, pins)
+    names = strings  # the scored prompt's tokens' strings
+    if plan is not None:
+        echoed = echoed or [ScoredPrompt(p, "") for p in prompts]
+        if plan.scores:
+            names = strings or TokenStrings(slot.engine.tokenizer)
+            if not await scoring.score(request, slot, echoed, plan, program):
+                return Response(status_code=499)  # the client left while its prompts were scored
+    if plan is None or plan.generate:
+        deltas = generation(request, slot, prompts, params, n, chat, tools, program, pins)
+    else:
+        deltas = _nothing()
     if not spec.stream:
         collected = await collect(request, deltas, count)
         if collected is None:
             return Response(status_code=499)  # nginx's "client closed request": nobody reads it
         choices = [_choice(i, c, strings, chat, tools) for i, c in enumerate(collected)]
-        return JSONResponse({
-            "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": slot.name, "choices": choices,
-            "usage": _usage(n_prompt, sum(c.generated for c in collected), sum(c.cached for c in collected)),
-        })
+        out = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+               "model": slot.name, "choices": choices,
+               "usage": _usage(n_prompt, sum(c.generated for c in collected), sum(c.cached for c in collected))}
+        if plan is not None and echoed is not None:
+            if chat and names is not None:  # vLLM's chat puts them on the response, its completions on each choice
+                out["prompt_logprobs"] = scoring.vllm_entries(echoed[0], plan, names)
+            else:
+                for i, (choice, c) in enumerate(zip(choices, collected)):
+                    if not plan.generate:
+                        choice["finish_reason"] = "length"  # max_tokens 0: the prompt is all there is
+                    scoring.completion_choice(choice, echoed[i // n], plan, names, c.logprobs)
+        return JSONResponse(out)
+    echo = (plan, [echoed[i // n] for i in range(count)]) if plan is not None and plan.echo and echoed else None
     return StreamingResponse(
-        _sse(_chunks(rid, created, slot.name, n_prompt, count, deltas, spec, chat, strings, tools)),
+        _sse(_chunks(rid, created, slot.name, n_prompt, count, deltas, spec, chat, strings, tools, echo)),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
+
+
+async def _nothing() -> AsyncIterator[ChoiceDelta]:
+    return
+    yield  # an async generator that ends at once: max_tokens 0 generates nothing
 
 
 def generation(request: Request, slot: Any, prompts: list[list[int]], params: SamplingParams, n: int, chat: bool,
@@ -323,7 +358,9 @@ def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
 
 async def _chunks(rid: str, created: int, model: str, n_prompt: int, count: int, deltas: AsyncIterator[ChoiceDelta],
                   spec: rq.StreamSpec, chat: bool, strings: TokenStrings | None,
-                  tools: structured.ToolPlan | None = None) -> AsyncIterator[dict[str, Any]]:
+                  tools: structured.ToolPlan | None = None,
+                  echo: tuple[ScoringPlan, list[ScoredPrompt]] | None = None) -> AsyncIterator[dict[str, Any]]:
+    """The SSE chunks; ``echo``: each completions choice's prompt (by choice) goes first, in a chunk of its own."""
     base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
             "model": model}
     extra = {"usage": None} if spec.include_usage else {}
@@ -354,6 +391,11 @@ async def _chunks(rid: str, created: int, model: str, n_prompt: int, count: int,
         for index in range(count):
             yield {**base, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}], **extra}
+    elif echo is not None:
+        plan, echoed = echo
+        for index in range(count):
+            yield {**base, "choices": [scoring.echo_chunk(index, echoed[index], plan, offsets[index] if offsets
+                                                          else None)], **extra}
     # Tools: each choice's content as it comes, each call once its block is complete.
     parsers = [structured.ToolCallParser(tools.names) for _ in range(count)] if tools is not None else []
     calls_sent = [0] * count

@@ -52,13 +52,15 @@ class PromptScorer:
     def _add(self, logits: torch.Tensor, targets: list[int]) -> None:
         rows = torch.log_softmax(logits, dim=-1)
         index = torch.tensor(targets)
-        chosen = rows[torch.arange(len(targets)), index].tolist()
+        picked = rows[torch.arange(len(targets)), index]
+        chosen = picked.tolist()
+        ranks = ((rows > picked[:, None]).sum(dim=1) + 1).tolist()  # vLLM's rank: 1 + the tokens more likely
         if self._scoring.top:
             values, ids = torch.topk(rows, self._scoring.top, dim=-1)
             tops = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
         else:
             tops = [()] * len(targets)
-        self._scores += [TokenLogprob(t, lp, top) for t, lp, top in zip(targets, chosen, tops)]
+        self._scores += [TokenLogprob(t, lp, top, rank) for t, lp, top, rank in zip(targets, chosen, tops, ranks)]
         if self._scoring.full:
             self._rows.append(rows)
 
