@@ -236,7 +236,14 @@ class LLMEngine(Engine, Protocol):
     scoring prompts and joining decodes it runs by it, within its token budget.
     """
 
-    def encode(self, text: str) -> TokenIds: ...
+    def encode(self, text: str) -> TokenIds:
+        """A piece of a prompt, no special tokens added (pieces are concatenated into one prompt)."""
+        ...
+
+    def prompt_tokens(self, text: str) -> TokenIds:
+        """A whole prompt as the model's tokenizer makes it (``tokenizer(text)``): its special tokens added, a BOS
+        where the model's tokenizer adds one."""
+        ...
 
     def chat_tokens(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
                     add_generation_prompt: bool = True) -> TokenIds:
@@ -244,7 +251,8 @@ class LLMEngine(Engine, Protocol):
         false: the messages alone).
 
         ``messages`` in Hugging Face's chat format (assistant ``tool_calls``, ``tool`` results included);
-        ``tools``: OpenAI tool objects the prompt offers (``headrace.plugins.engines.chat``)."""
+        ``tools``: OpenAI tool objects the prompt offers (``headrace.plugins.engines.chat``). A model with no
+        chat template raises ``chat.NoChatTemplate`` (a 400 naming the ``chat_template`` option)."""
         ...
 
     def chat_prompt(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None

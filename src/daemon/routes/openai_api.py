@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from contextlib import aclosing
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Iterator
 
 import anyio
 from starlette.requests import Request
@@ -26,6 +26,7 @@ from headrace.daemon.prompt_logprobs import ScoredPrompt, ScoringPlan
 from headrace.daemon.openai_schemas import COMPLETIONS_MAX_TOKENS, MAX_CHOICES, ChatCompletionRequest, CompletionRequest
 from headrace.daemon.services import daemon, owner, services
 from headrace.graph.collector import ChoiceDelta
+from headrace.plugins.engines.chat import NoChatTemplate
 from headrace.plugins.protocols import DEFAULT_MAX_TOKENS, ReportsLogprobs, SamplingParams, TokenDelta, TokenLogprob
 
 
@@ -154,7 +155,17 @@ async def plan_chat(slot: Any, body: ChatCompletionRequest) -> ChatPlan:
 
 def _chat_tokens(engine: Any, messages: list[dict[str, Any]], tools: structured.ToolPlan | None) -> list[int]:
     # Without tools, the call every engine has always taken (a plugin's chat_tokens may predate tools).
-    return engine.chat_tokens(messages, tools.specs) if tools is not None else engine.chat_tokens(messages)
+    with no_template_is_400():
+        return engine.chat_tokens(messages, tools.specs) if tools is not None else engine.chat_tokens(messages)
+
+
+@contextmanager
+def no_template_is_400() -> Iterator[None]:
+    """A chat prompt for a model without a chat template: a 400 naming the engine's ``chat_template`` option."""
+    try:
+        yield
+    except NoChatTemplate as exc:
+        raise bad_request(str(exc), param="messages", code="no_chat_template") from None
 
 
 async def completions(request: Request) -> Response:
@@ -211,7 +222,8 @@ async def _served(deltas: AsyncIterator[ChoiceDelta], registry: ProgramRegistry,
 
 
 def _encode_all(engine: Any, texts: list[str]) -> list[list[int]]:
-    return [engine.encode(text) for text in texts]
+    """Whole prompts, as the model's tokenizer makes them (its BOS, where it adds one)."""
+    return [list(engine.prompt_tokens(text)) for text in texts]
 
 
 @dataclass

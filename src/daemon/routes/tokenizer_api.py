@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 
 from headrace.daemon import bodies as rq
 from headrace.daemon import structured
-from headrace.daemon.routes.openai_api import check_vocab, engine_for
+from headrace.daemon.routes.openai_api import check_vocab, engine_for, no_template_is_400
 from headrace.daemon.openai_schemas import DetokenizeRequest, TokenizeChatRequest, TokenizeRequest
 from headrace.daemon.services import daemon
 
@@ -29,22 +29,18 @@ async def tokenize(request: Request) -> Response:
     if isinstance(body, TokenizeChatRequest):
         messages = structured.chat_messages(body)
         size = sum(len(m.get("content") or "") for m in messages)
-        tokens = await rq.off_loop_if_large(size, engine.chat_tokens, messages, None,
-                                               body.add_generation_prompt)
+        with no_template_is_400():
+            tokens = await rq.off_loop_if_large(size, engine.chat_tokens, messages, None,
+                                                   body.add_generation_prompt)
     elif body.add_special_tokens:
-        tokens = await rq.off_loop_if_large(len(body.prompt), _with_special_tokens, engine, body.prompt)
+        tokens = await rq.off_loop_if_large(len(body.prompt), engine.prompt_tokens, body.prompt)
     else:
         tokens = await rq.off_loop_if_large(len(body.prompt), engine.encode, body.prompt)
-    tokens = list(tokens)
+    tokens = list(tokens)  # a text with add_special_tokens (vLLM's default): as /v1/completions takes it
     out: dict[str, Any] = {"count": len(tokens), "max_model_len": engine.max_context_tokens, "tokens": tokens}
     if body.return_token_strs:
         out["token_strs"] = engine.tokenizer.convert_ids_to_tokens(tokens)
     return JSONResponse(out)
-
-
-def _with_special_tokens(engine: Any, text: str) -> list[int]:
-    """The tokenizer's encoding with its special tokens (BOS and the like), as vLLM's default is."""
-    return list(engine.tokenizer.encode(text, add_special_tokens=True))
 
 
 async def detokenize(request: Request) -> Response:

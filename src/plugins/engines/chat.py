@@ -10,17 +10,53 @@ same format out of the output, and constrains it when a call is required.
 Messages are Hugging Face's chat format (what templates take): ``role`` and ``content``; an
 assistant's ``tool_calls`` as ``[{"type": "function", "function": {"name", "arguments"}}]``
 with ``arguments`` a mapping; a ``tool`` message's ``tool_call_id``.
+
+The template is the model's (its GGUF's or its tokenizer's), or the engine's ``chat_template``
+option (a Jinja file or an inline Jinja string, :func:`read_template`), which the engine sets on
+the tokenizer. A model with neither has no chat format: :class:`NoChatTemplate` says which option
+to set (the routes answer it with a 400). A template writes its own BOS (``{{ bos_token }}``) and
+the ids are the rendered text's, with no special tokens added on top: one BOS, never two.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 
 ChatMessages = Sequence[Mapping[str, Any]]
 ToolSpecs = Sequence[Mapping[str, Any]]  # OpenAI's tool objects: {"type": "function", "function": {...}}
+
+
+class NoChatTemplate(ValueError):
+    """The model has no chat template and none is configured: a chat prompt cannot be made."""
+
+    def __init__(self, engine: str) -> None:
+        super().__init__(f"engine {engine!r} serves a model without a chat template, so it takes no chat messages: "
+                         f"set engines.{engine}.options.chat_template (a Jinja file or an inline Jinja string), "
+                         "or send a plain prompt to /v1/completions")
+        self.engine = engine
+
+
+def read_template(value: Any, key: str) -> str | None:
+    """The ``chat_template`` option's Jinja source: inline (it has Jinja markup, ``{{`` or ``{%``) or a file's;
+    None when unset. Read when the config loads, so a missing file is a config error."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{key}: must be a path to a Jinja file or an inline Jinja string, not {value!r}")
+    if "{{" in value or "{%" in value:
+        return value
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise ValueError(f"{key}: {path} is not a file (an inline template has Jinja markup: {{{{ or {{%)")
+    return path.read_text(encoding="utf-8")
+
+
+def has_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
 
 
 def template_renders_tools(tokenizer: Any) -> bool:
@@ -66,7 +102,8 @@ def _plain(messages: ChatMessages, tools: ToolSpecs | None) -> list[dict[str, An
 def apply_template(tokenizer: Any, messages: ChatMessages, tools: ToolSpecs | None, tokenize: bool,
                    add_generation_prompt: bool = True) -> Any:
     """The chat template applied, ready for the assistant's turn (unless ``add_generation_prompt`` is false);
-    token ids (a list) or the text."""
+    token ids (a list) or the text. ``tokenizer.apply_chat_template`` adds no special tokens to the rendered
+    text, so the template's own BOS is the only one."""
     if template_renders_tools(tokenizer):
         out = tokenizer.apply_chat_template([dict(m) for m in messages], tools=list(tools) if tools else None,
                                             add_generation_prompt=add_generation_prompt, tokenize=tokenize)

@@ -81,6 +81,7 @@ class LlamaCppCore(LLMCore):
         self._tier_budgets = o.kv_host_bytes, o.kv_disk_bytes
         self._tiers: SequenceTiers | None = None  # host memory and disk below the cached prefixes' cells
         super().__init__(spec.name, o.max_context_tokens)
+        self.chat_template = o.chat_template  # the front sets it on the tokenizer once loaded
         self.model_file: Path | None = None  # what llama.cpp loaded (the converted copy)
         self._model: Any = None
         self._ctx: Any = None

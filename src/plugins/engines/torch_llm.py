@@ -29,6 +29,7 @@ from typing import Any, Iterator
 import torch
 
 from headrace.plugins.engines import kv
+from headrace.plugins.engines.chat import read_template
 from headrace.plugins.engines.llm_core import LLMCore, Row, sample_row, sample_rows
 from headrace.plugins.engines.llm_front import LLMFront
 from headrace.plugins.engines.kv_store import mebibytes
@@ -90,6 +91,8 @@ class TorchLLM(LLMFront):
             tier_dir=env.data_dir / "kv" / spec.name,
             tier_budgets=tuple(mebibytes(opts.pop(n, None), f"{key}.options.{n}") for n in ("kv_host_mib", "kv_disk_mib")),
         )
+        # Over the model's chat template: the front sets it on the tokenizer once loaded.
+        core.chat_template = read_template(opts.pop("chat_template", None), f"{key}.options.chat_template")
         if opts:
             raise ValueError(f"{key}.options: unknown option(s) {sorted(opts)}")
         super().__init__(spec.name, core)
