@@ -164,10 +164,10 @@ def test_a_started_daemon_is_sampled_by_its_own_pid(capsys, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # a daemon's start, its warm-up and probe, a 30 s window and the drain
+@pytest.mark.timeout(600)  # a daemon's start, its warm-up and probe, a 60 s window (at 0.8 of the probed capacity: every kind arrives on a busy 2-core machine too) and the drain
 def test_smoke_every_kind_completes_and_the_daemon_is_sampled(tmp_path):
     out = tmp_path / "soak"
-    code = main(["bench", "soak", "--soak-seconds", "30", "--soak-sample-seconds", "5", "--soak-probe", "2",
+    code = main(["bench", "soak", "--soak-seconds", "60", "--soak-sample-seconds", "5", "--soak-probe", "2",
                  "--max-tokens", "8", "--documents", "2", "--doc-tokens", "150", "--drain", "120",
                  "--config", str(ROOT / "configs" / "default.toml"), "--out", str(out)])
     soak = json.loads((out / "results.json").read_text())["soak"]
@@ -196,10 +196,10 @@ def test_smoke_every_kind_completes_and_the_daemon_is_sampled(tmp_path):
     assert samples[0]["arrived"] == 0 and min(s["in_flight"] for s in samples) >= 0
     # The criteria are computed from those samples.
     rss, fds = c["rss_growth"], c["fds_flat"]
-    assert rss["from_t_s"] >= soak["warmup_s"] == 5.0 and rss["to_mib"] == samples[-1]["rss_mib"]
+    assert rss["from_t_s"] >= soak["warmup_s"] == 10.0 and rss["to_mib"] == samples[-1]["rss_mib"]
     assert rss["growth"] == pytest.approx((rss["to_mib"] - rss["from_mib"]) / rss["from_mib"])
     assert (fds["first"], fds["last"]) == (samples[0]["fds"], samples[-1]["fds"])
     assert fds["max"] == max(s["fds"] for s in samples)
     text = (out / "results.txt").read_text()
-    assert f"== soak: {soak['arrivals']} arrivals over 30 s" in text and "verdict: " in text
+    assert f"== soak: {soak['arrivals']} arrivals over 60 s" in text and "verdict: " in text
     assert "lost runs: 0 (limit 0): PASS" in text
