@@ -25,22 +25,20 @@ tok/s of one stream, and whether it holds the bar for a default (top-1 >= 97%, m
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from headrace.bench.quality_engines import DISK_MIB, ENGINES, HOST_MIB, LLAMA_CONTEXTS, EngineConfig, PathScores
+
 QUALITY = "quality"  # the benchmark's name on the ``headrace bench`` command line
-ENGINES = ("llama-cpp", "torch")
 QUANTIZATIONS = ("Q4_0", "none", "Q8_0", "F16")
 DTYPES = ("auto", "float32")
 ANSWER_TOKENS = 32
-HOST_MIB, DISK_MIB = 1024, 16384  # the reuse engine's tiers: host memory for a few prompts, disk for all
-LLAMA_CONTEXTS = 4  # n_seq_max of the engines here (one request at a time): less KV allocated than the config's 32
 
 
 @dataclass
@@ -53,6 +51,7 @@ class QualityOptions:
     paths: list[str] = field(default_factory=list)  # empty: every path
     paths_everywhere: bool = False
     seed: int = 0
+    resume: bool = False  # keep the rows --out's results.json holds for the same prompts and answer length
 
     def check(self) -> None:
         from headrace.quality.paths import PATHS
@@ -89,6 +88,10 @@ def add_arguments(p: Any) -> None:
                    help=f"{QUALITY}: the KV paths scored on the config's own engine (default all: {' '.join(PATHS)})")
     p.add_argument("--quality-paths-everywhere", action="store_true",
                    help=f"{QUALITY}: every KV path on every engine configuration, not only the config's own")
+    p.add_argument("--quality-resume", action="store_true",
+                   help=f"{QUALITY}: keep the rows results.json in --out already holds for the same prompt set and "
+                        "answer length (each path is written there as it ends) and measure only the rest; a "
+                        "phase's paths (cold, fork, pieces / prefix-hit, host, disk) are measured again together")
 
 
 def options_from(args: Any) -> QualityOptions | str:
@@ -97,281 +100,12 @@ def options_from(args: Any) -> QualityOptions | str:
     opts = QualityOptions(engines=list(args.quality_engines), quantize=list(args.quality_quantize),
                           dtypes=list(args.quality_dtypes), prompts=args.quality_prompts, tokens=args.quality_tokens,
                           paths=list(args.quality_paths or PATHS), paths_everywhere=args.quality_paths_everywhere,
-                          seed=args.seed)
+                          seed=args.seed, resume=getattr(args, "quality_resume", False))
     try:
         opts.check()
     except ValueError as exc:
         return str(exc)
     return opts
-
-
-# ----- engine configurations ----------------------------------------------------------------------
-
-
-@dataclass
-class EngineConfig:
-    plugin: str
-    variant: str  # the llama-cpp quantization or the torch dtype
-    spec: Any  # EngineSpec, options as configured plus the variant
-    default: bool  # the config's own LLM engine, as configured
-    note: str = ""  # how the variant was made, where it was not the engine's own option
-
-    @property
-    def label(self) -> str:
-        return f"{self.plugin} {self.variant}"
-
-
-def engine_configs(config_path: Path, opts: QualityOptions, cache_dir: Path) -> tuple[list[EngineConfig], Path]:
-    """The configurations to score and the model file as installed (the reference's)."""
-    from headrace.daemon.config import load_config
-    from headrace.plugins.engines.llama_cpp_options import DEFAULT_MODEL
-    from headrace.plugins.engines.model_paths import resolve_model
-    from headrace.plugins.protocols import EngineSpec
-
-    config = load_config(config_path)
-    own = next((e for e in config.engines if e.plugin in ENGINES), None)
-    model = own.model if own is not None and own.model else DEFAULT_MODEL
-    source = resolve_model(model)
-    threads = (own.options.get("threads") if own is not None else None) or len(os.sched_getaffinity(0))
-    own_variant = None
-    if own is not None:
-        own_variant = str(own.options.get("quantize", _llama_default_quantize())) if own.plugin == "llama-cpp" \
-            else str(own.options.get("dtype", "auto"))
-    out = []
-    for plugin in opts.engines:
-        base = dict(own.options) if own is not None and own.plugin == plugin else {"threads": threads}
-        for variant in (opts.quantize if plugin == "llama-cpp" else opts.dtypes):
-            options, spec_model, note = {**base}, model, ""
-            if plugin == "llama-cpp":
-                options["quantize"] = variant
-                if variant not in ("none", *_quant_types()):
-                    if variant != "F16":
-                        raise ValueError(f"--quality-quantize: unknown type {variant!r}")
-                    # The engine's quantize option has no F16 (yet): the same conversion, made here.
-                    spec_model, options["quantize"] = str(f16_file(source, cache_dir, threads)), "none"
-                    note = "converted here (llama_model_quantize, ftype F16): the engine's quantize has no F16"
-            else:
-                options["dtype"] = variant
-            spec = EngineSpec(name=own.name if own is not None else "llm", plugin=plugin, model=spec_model,
-                              options=options)
-            out.append(EngineConfig(plugin, variant, spec, own is not None and own.plugin == plugin
-                                    and variant == own_variant, note))
-    return out, source
-
-
-def _quant_types() -> dict[str, int]:
-    from headrace.plugins.engines.llama_cpp_files import QUANT_TYPES
-    return QUANT_TYPES
-
-
-def _llama_default_quantize() -> str:
-    from headrace.plugins.engines.llama_cpp_options import DEFAULT_QUANTIZE
-    return DEFAULT_QUANTIZE
-
-
-def f16_file(source: Path, cache_dir: Path, threads: int) -> Path:
-    """``source`` converted to F16 by llama.cpp once (as the engine converts to its types), cached beside them."""
-    import ctypes
-
-    from headrace.plugins.engines.llama_cpp_cpu import ProbeModel
-    from headrace.plugins.engines.llama_cpp_files import llama
-    from headrace.plugins.engines.torch_loading import gguf_cache_key, made_once
-
-    target = cache_dir / "models" / f"{gguf_cache_key(source)}.F16.gguf"
-
-    def convert(partial: Path) -> None:
-        lc = llama(ProbeModel(source, cache_dir, "none", threads))
-        params = lc.llama_model_quantize_default_params()
-        params.ftype, params.nthread, params.allow_requantize = 1, threads, True  # LLAMA_FTYPE_MOSTLY_F16
-        if lc.llama_model_quantize(str(source).encode(), str(partial).encode(), ctypes.byref(params)) != 0:
-            raise RuntimeError(f"llama.cpp could not convert {source} to F16")
-
-    return made_once(target, Path.exists, convert)
-
-
-def make_engine(spec: Any, data_dir: Path, cache_dir: Path, **overrides: Any) -> Any:
-    """The engine of ``spec`` with ``overrides`` on its options (None removes one), in this process."""
-    from headrace.plugins.protocols import EngineEnv, EngineSpec
-
-    options = {k: v for k, v in {**spec.options, **overrides}.items() if v is not None}
-    env = EngineEnv(data_dir=data_dir, cache_dir=cache_dir, lookup=lambda name: None)
-    spec = EngineSpec(name=spec.name, plugin=spec.plugin, model=spec.model, options=options)
-    if spec.plugin == "llama-cpp":
-        from headrace.plugins.engines.llama_cpp import LlamaCppLLM
-        return LlamaCppLLM(spec, env)
-    from headrace.plugins.engines.torch_llm import TorchLLM
-    return TorchLLM(spec, env)
-
-
-def cold_overrides(plugin: str) -> dict[str, Any]:
-    """No prefix cache and no tiers: every prefill computes its whole prompt."""
-    base: dict[str, Any] = {"prefix_cache_tokens": 0, "prefix_cache_pin_tokens": None, "kv_host_mib": None,
-                            "kv_disk_mib": None}
-    if plugin == "llama-cpp":
-        base.update({"prefix_cache_sequences": 0, "n_seq_max": LLAMA_CONTEXTS})
-    return base
-
-
-# ----- the run ------------------------------------------------------------------------------------
-
-
-@dataclass
-class PathScores:
-    """One configuration's one path over the prompt set, as it is scored."""
-
-    scores: list[Any] = field(default_factory=list)  # TokenScores per prompt taken
-    kinds: list[str] = field(default_factory=list)
-    answers: dict[int, list[int]] = field(default_factory=dict)  # prompt index -> the engine's greedy answer
-    not_taken: list[str] = field(default_factory=list)
-    long_tokens: int = 0
-    long_seconds: float = 0.0
-    decode_tokens: int = 0
-    decode_seconds: float = 0.0
-    cached_tokens: int = 0
-
-
-async def serving(engine: Any, scenario: Callable[[], Any]) -> Any:
-    import anyio
-
-    async with anyio.create_task_group() as tg:
-        await tg.start(engine.run)
-        try:
-            return await scenario()
-        finally:
-            tg.cancel_scope.cancel()
-
-
-def _record(acc: PathScores, i: int, prompt: Any, run: Any, ref_rows: Any) -> None:
-    from headrace.quality.metrics import compare
-
-    acc.scores.append(compare(ref_rows, run.rows))
-    acc.kinds.append(prompt.kind)
-    acc.cached_tokens += run.cached
-    if run.greedy is not None:
-        acc.answers[i] = run.greedy
-        acc.decode_tokens += run.decode_tokens
-        acc.decode_seconds += run.decode_s
-    if prompt.kind == "long":
-        acc.long_tokens += run.prompt_tokens
-        acc.long_seconds += run.prefill_s
-
-
-async def _each(prompts: Any, order: list[int], path: str, acc: PathScores, ref_rows: list, call: Callable,
-                log: Callable[[str], None], label: str) -> None:
-    from headrace.quality.paths import PathNotTaken
-
-    t0 = time.perf_counter()
-    for done, i in enumerate(order, 1):
-        prompt = prompts.prompts[i]
-        try:
-            run = await call(prompt)
-        except PathNotTaken as exc:
-            acc.not_taken.append(f"{prompt.id}: {exc}")
-            continue
-        _record(acc, i, prompt, run, ref_rows[i])
-        if done % 25 == 0 or done == len(order):
-            log(f"  {label} {path}: {done}/{len(order)} ({time.perf_counter() - t0:.0f} s)")
-
-
-async def score_config(cfg: EngineConfig, paths: list[str], prompts: Any, answers: list[list[int]], ref_rows: list,
-                       vocab: int, cache_dir: Path, tokens: int, log: Callable[[str], None]) -> dict[str, Any]:
-    """Every path of ``paths`` on ``cfg``: {path: PathScores}, and what the engines said of themselves."""
-    from headrace.quality import paths as kv
-
-    found: dict[str, PathScores] = {}
-    info: dict[str, Any] = {}
-    order = list(range(len(prompts.prompts)))
-    data = Path(tempfile.mkdtemp(prefix="headrace-quality-"))
-    try:
-        engine = make_engine(cfg.spec, data / "cold", cache_dir, **cold_overrides(cfg.plugin))
-
-        async def cold_phase() -> None:
-            _check_engine(engine, prompts, vocab, cfg)
-            info.update(_engine_info(engine))
-            for path in (p for p in (kv.COLD, kv.FORK, kv.PIECES) if p in paths):
-                acc = found[path] = PathScores()
-                calls = {kv.COLD: lambda p: kv.cold(engine, p.tokens, answers[_index(prompts, p)], greedy=tokens),
-                         kv.FORK: lambda p: kv.fork(engine, p.tokens, answers[_index(prompts, p)], p.split,
-                                                    greedy=tokens),
-                         kv.PIECES: lambda p: kv.pieces(engine, p.tokens, answers[_index(prompts, p)], p.pieces(),
-                                                        greedy=tokens)}
-                await _each(prompts, order, path, acc, ref_rows, calls[path], log, cfg.label)
-
-        log(f"{cfg.label}: {', '.join(p for p in paths if p in (kv.COLD, kv.FORK, kv.PIECES))}")
-        await serving(engine, cold_phase)
-        del engine
-        reuse = [p for p in (kv.PREFIX_HIT, kv.HOST, kv.DISK) if p in paths]
-        if reuse:
-            room = kv.cells_room(max(len(p.tokens) for p in prompts.prompts))
-            options = kv.reuse_options(cfg.plugin, room, HOST_MIB, DISK_MIB if kv.DISK in paths else 0)
-            if cfg.plugin == "llama-cpp":
-                options["n_seq_max"] = LLAMA_CONTEXTS
-            engine = make_engine(cfg.spec, data / "reuse", cache_dir, **options)
-
-            async def reuse_phase() -> dict[str, Any]:
-                _check_engine(engine, prompts, vocab, cfg)
-                evict = kv.evictor(engine, room)
-                if kv.PREFIX_HIT in paths:
-                    await _each(prompts, order, kv.PREFIX_HIT, found.setdefault(kv.PREFIX_HIT, PathScores()), ref_rows,
-                                lambda p: kv.prefix_hit(engine, p.tokens, answers[_index(prompts, p)], greedy=tokens),
-                                log, cfg.label)
-                if kv.HOST in paths:
-                    await _each(prompts, order, kv.HOST, found.setdefault(kv.HOST, PathScores()), ref_rows,
-                                lambda p: kv.host(engine, p.tokens, answers[_index(prompts, p)], evict, greedy=tokens),
-                                log, cfg.label)
-                return _tier_stats(engine)
-
-            log(f"{cfg.label}: {', '.join(p for p in reuse if p != kv.DISK)} (prefix cache of {room} tokens, tiers)")
-            info["reuse_stats"] = await serving(engine, reuse_phase)  # stopping writes the cells' prefixes to disk
-            del engine
-            if kv.DISK in paths:
-                restarted = make_engine(cfg.spec, data / "reuse", cache_dir, **{**options, "kv_host_mib": 0})
-                # Shorter first: a prompt that begins a longer one is restored before the longer one's prefix sits
-                # in the cells, where it would be a cells hit rather than a restore.
-                by_length = sorted(order, key=lambda i: (len(prompts.prompts[i].tokens), i))
-
-                async def disk_phase() -> dict[str, Any]:
-                    await _each(prompts, by_length, kv.DISK, found.setdefault(kv.DISK, PathScores()), ref_rows,
-                                lambda p: kv.restored(restarted, p.tokens, answers[_index(prompts, p)], "disk",
-                                                      greedy=tokens), log, cfg.label)
-                    return _tier_stats(restarted)
-
-                log(f"{cfg.label}: disk (an engine started again on the data dir the last one saved)")
-                info["disk_stats"] = await serving(restarted, disk_phase)
-    finally:
-        shutil.rmtree(data, ignore_errors=True)
-    return {"paths": found, "info": info}
-
-
-def _index(prompts: Any, prompt: Any) -> int:
-    return prompts.index[prompt.id]
-
-
-def _check_engine(engine: Any, prompts: Any, vocab: int, cfg: EngineConfig) -> None:
-    from headrace.bench.client import BenchError
-
-    bad = prompts.check_engine(engine)
-    if bad:
-        raise BenchError(f"{cfg.label}: its tokenizer makes other token ids of {len(bad)} prompts "
-                         f"({', '.join(bad[:5])}): it would be scored on prompts it never sees")
-    if engine.vocab_size != vocab:
-        raise BenchError(f"{cfg.label}: logits of {engine.vocab_size} tokens, the reference's {vocab}")
-
-
-def _engine_info(engine: Any) -> dict[str, Any]:
-    core = engine.core
-    info: dict[str, Any] = {}
-    if getattr(core, "model_file", None) is not None:
-        info["model_file"] = str(core.model_file)
-    model = getattr(core, "model", None)
-    if model is not None and hasattr(model, "dtype"):
-        info["dtype"] = str(model.dtype).removeprefix("torch.")
-    return info
-
-
-def _tier_stats(engine: Any) -> dict[str, Any]:
-    return {k: v for k, v in engine.stats().items() if k.startswith(("kv_store_", "prefix_cache_hits",
-                                                                    "prefix_cache_queries"))}
 
 
 def summarise(cfg: EngineConfig, path: str, acc: PathScores, ref_answers: list[list[int]],
@@ -403,14 +137,17 @@ def holds_bar(top1: float, mean_kl: float) -> bool:
 
 
 async def quality_phase(config_path: Path, cache_dir: Path, opts: QualityOptions, log: Callable[[str], None],
-                        checkpoint: Callable[[dict[str, Any]], None] = lambda results: None) -> dict[str, Any]:
+                        checkpoint: Callable[[dict[str, Any]], None] = lambda results: None,
+                        previous: dict[str, Any] | None = None) -> dict[str, Any]:
     """The whole benchmark: the reference, then each configuration (the config's own first); the results as
-    ``results.json`` holds them, also given to ``checkpoint`` after each configuration (a long run keeps what it
-    measured)."""
+    ``results.json`` holds them, also given to ``checkpoint`` as each path ends (a long run keeps what it measured).
+    ``previous``: an earlier run's results, whose rows for the same prompts and answer length are kept (their
+    phases not measured again)."""
     import anyio
 
+    from headrace.bench.quality_engines import engine_configs, score_config
     from headrace.bench.quality_reference import load_reference
-    from headrace.quality.paths import PATHS
+    from headrace.quality.paths import COLD, DISK, FORK, HOST, PATHS, PIECES, PREFIX_HIT
 
     configs, source = engine_configs(config_path, opts, cache_dir)
     configs.sort(key=lambda c: not c.default)  # stable: the rest in the order asked
@@ -429,15 +166,41 @@ async def quality_phase(config_path: Path, cache_dir: Path, opts: QualityOptions
                             "reuse": f"a prefix cache holding one prompt, kv_host_mib {HOST_MIB}, kv_disk_mib "
                                      f"{DISK_MIB}; disk: the same engine started again, kv_host_mib 0"},
         "done": []}
+    kept: dict[tuple[str, str, str], dict[str, Any]] = {}
+    if previous and previous.get("prompt_set", {}).get("digest") == prompts.digest \
+            and previous["prompt_set"].get("answer_tokens") == opts.tokens:
+        kept = {(r["engine"], r["variant"], r["path"]): r for r in previous.get("rows", [])}
+        results["engines"] = dict(previous.get("engines", {}))
+        log(f"resuming: {len(kept)} rows kept from {previous.get('meta', {}).get('time', 'an earlier run')}")
+    order = {(c.plugin, c.variant, p): (i, PATHS.index(p)) for i, c in enumerate(configs) for p in PATHS}
+
+    def put(row: dict[str, Any]) -> None:
+        rows = [r for r in results["rows"] if (r["engine"], r["variant"], r["path"]) !=
+                (row["engine"], row["variant"], row["path"])] + [row]
+        results["rows"] = sorted(rows, key=lambda r: order.get((r["engine"], r["variant"], r["path"]), (99, 99)))
+
     for cfg in configs:
-        paths = [p for p in PATHS if p in opts.paths] if (cfg.default or opts.paths_everywhere) else ["cold"]
-        measured = await score_config(cfg, paths, prompts, answers, ref_rows, ref.vocab, cache_dir, opts.tokens, log)
-        results["engines"][cfg.label] = measured["info"]
-        for path in paths:
-            row = summarise(cfg, path, measured["paths"][path], answers, len(prompts))
-            results["rows"].append(row)
+        wanted = [p for p in PATHS if p in opts.paths] if (cfg.default or opts.paths_everywhere) else [COLD]
+        run: list[str] = []
+        for phase in ((COLD, FORK, PIECES), (PREFIX_HIT, HOST, DISK)):
+            mine = [p for p in wanted if p in phase]
+            if any((cfg.plugin, cfg.variant, p) not in kept for p in mine):
+                run += mine
+            else:
+                for p in mine:
+                    put(kept[(cfg.plugin, cfg.variant, p)])
+
+        def done(path: str, acc: PathScores, info: dict[str, Any], cfg: EngineConfig = cfg) -> None:
+            row = summarise(cfg, path, acc, answers, len(prompts))
+            row["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+            put(row)
+            results["engines"][cfg.label] = {**results["engines"].get(cfg.label, {}), **info}
             log(f"  {cfg.label} {path}: mean KL {row['mean_kl']:.5f}, p99 {row['p99_kl']:.4f}, top-1 "
                 f"{row['top1']:.3f}, identical {row['identical']}, taken {row['taken']}/{row['of']}")
+            checkpoint(results)
+
+        if run:
+            await score_config(cfg, run, prompts, answers, ref_rows, ref.vocab, cache_dir, opts.tokens, log, done)
         results["done"].append(cfg.label)
         checkpoint(results)
     return results
@@ -480,6 +243,8 @@ def command_line(args: Any, opts: QualityOptions) -> str:
         parts.append("--quality-paths-everywhere")
     if opts.seed:
         parts.append(f"--seed {opts.seed}")
+    if opts.resume:
+        parts.append("--quality-resume")
     return " ".join(parts + [f"--out {args.out}"])
 
 
@@ -522,9 +287,15 @@ def run_command(args: Any) -> int:
                            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
         return results
 
+    previous = None
+    if opts.resume:
+        try:
+            previous = json.loads((Path(args.out) / "results.json").read_text())
+        except (OSError, ValueError):
+            previous = None
     try:
         results = anyio.run(quality_phase, args.config, cache_dir, opts, lambda line: print(line, flush=True),
-                            lambda partial: write(stamp(partial), args.out))
+                            lambda partial: write(stamp(partial), args.out), previous)
     except (BenchError, ValueError) as exc:
         print(f"headrace bench: {exc}", file=sys.stderr)
         return 2
@@ -533,6 +304,8 @@ def run_command(args: Any) -> int:
     print(f"wrote {', '.join(str(f) for f in files)}")
     return 0
 
+
+from headrace.bench.quality_engines import cold_overrides, engine_configs, make_engine  # noqa: E402 (re-exported)
 
 __all__ = ["QUALITY", "QualityOptions", "add_arguments", "options_from", "run_command", "quality_phase",
            "engine_configs", "make_engine", "cold_overrides", "holds_bar"]

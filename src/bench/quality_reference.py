@@ -2,9 +2,10 @@
 
 The answers are cached under ``<cache dir>/quality/``, keyed by the model file's content digest, the prompt set's
 hash and the answer length: they cost a greedy decode per prompt (minutes for the whole set on 2 cores). The rows
-(a log-softmax over the vocabulary per answer token, what the KL needs) are recomputed every run, one
-teacher-forced forward pass per prompt: stored, they would be ``prompts x tokens x vocab`` float32 (1.6 GB for the
-whole set at 32 tokens, ``meta["rows_bytes"]``), and they are held in memory for the run instead.
+(a log-softmax over the vocabulary per answer token, what the KL needs: one teacher-forced forward pass per prompt)
+are ``prompts x tokens x vocab`` float32, 1.6 GB for the whole set at 32 tokens (``meta["rows_bytes"]``): they are
+written once to a raw file beside the answers and memory-mapped, so a run's resident memory does not hold them (the
+kernel pages them in and out) and a resumed run does not compute them again.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 
@@ -59,19 +61,37 @@ def load_reference(source: Path, cache_dir: Path, opts: Any, log: Callable[[str]
     eos = ref.eos_token_ids
     meta["answers_with_eos"] = sum(any(t in eos for t in a) for a in answers)
     t0 = time.perf_counter()
-    rows = []
-    for i, (p, answer) in enumerate(zip(prompts, answers), 1):
-        # Row len(prompt) - 1 + j of the whole sequence is the distribution answer[j] was drawn from; clone() so the
-        # (sequence x vocab) tensor the slice came from is freed.
-        rows.append(ref.logprob_rows([*p.tokens, *answer[:-1]])[len(p.tokens) - 1:].clone())
-        if i % 50 == 0 or i == len(prompts):
-            log(f"reference: rows {i}/{len(prompts)} ({time.perf_counter() - t0:.0f} s)")
+    rows = _rows_file(file.with_name(f"rows-{key}.f32"), prompts, answers, ref, log)
     meta["rows_s"] = time.perf_counter() - t0
     meta["rows_bytes"] = sum(r.numel() * r.element_size() for r in rows)
     meta["sample_answer"] = ref.tokenizer.decode(answers[0])
     vocab = ref.vocab_size
     del ref  # half a GB of float32 weights, not needed past here
     return ReferenceData(prompts, answers, rows, vocab, meta)
+
+
+def _rows_file(file: Path, prompts: Any, answers: list[list[int]], ref: Any,
+               log: Callable[[str], None]) -> list[torch.Tensor]:
+    """Each prompt's (tokens, vocab) rows as views of ``file``, computed into it first where it is absent."""
+    shape = (len(prompts), len(answers[0]), ref.vocab_size)
+    if not file.exists() or file.stat().st_size != int(np.prod(shape)) * 4:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        partial = file.with_name(f"{file.name}.{os.getpid()}.partial")
+        out = np.memmap(partial, mode="w+", dtype=np.float32, shape=shape)
+        t0 = time.perf_counter()
+        for i, (p, answer) in enumerate(zip(prompts, answers), 1):
+            # Row len(prompt) - 1 + j of the whole sequence is the distribution answer[j] was drawn from.
+            out[i - 1] = ref.logprob_rows([*p.tokens, *answer[:-1]])[len(p.tokens) - 1:].numpy()
+            if i % 50 == 0 or i == len(prompts):
+                log(f"reference: rows {i}/{len(prompts)} ({time.perf_counter() - t0:.0f} s)")
+        out.flush()
+        del out
+        partial.rename(file)  # whole or absent, as the answers
+    else:
+        log(f"reference: rows from {file}")
+    # Copy-on-write: the views are writable (torch wants that) and nothing written reaches the file.
+    mapped = np.memmap(file, mode="c", dtype=np.float32, shape=shape)
+    return [torch.from_numpy(mapped[i]) for i in range(shape[0])]
 
 
 def _cached(file: Path, prompts: Any, tokens: int) -> list[list[int]] | None:

@@ -73,3 +73,22 @@ def test_a_smoke_run_scores_both_engines_on_every_path(tmp_path):
     assert "CPU:" in table and "avx" in table and "| mean KL |" in table and "Command: `headrace bench quality" in table
     for name in ("cold prefill", "prefix-cache hit", "fork", "host memory", "disk", "numeric floor"):
         assert name in table
+
+
+@pytest.mark.slow
+def test_a_resumed_run_keeps_what_was_measured_and_measures_the_rest(tmp_path):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/setup builds it)")
+    out = tmp_path / "quality"
+    common = ("bench", "quality", "--quality-prompts", "2", "--quality-tokens", "3", "--quality-engines", "llama-cpp",
+              "--quality-paths", "cold", "fork", "--out", str(out))
+    first = in_process(main, *common, "--quality-quantize", "none")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    before = {r["variant"]: r for r in json.loads((out / "results.json").read_text())["rows"] if r["path"] == "cold"}
+    second = in_process(main, *common, "--quality-quantize", "none", "Q8_0", "--quality-resume")
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "resuming: 2 rows kept" in second.stdout and "reference: rows from" in second.stdout
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert [(r["variant"], r["path"]) for r in rows] == [("none", "cold"), ("none", "fork"), ("Q8_0", "cold")]
+    # The kept row is the first run's, as measured then; only Q8_0 ran now.
+    assert rows[0] == before["none"]
+    assert "llama-cpp Q8_0: cold" in second.stdout and "llama-cpp none: cold" not in second.stdout
