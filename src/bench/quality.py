@@ -51,6 +51,7 @@ class QualityOptions:
     paths: list[str] = field(default_factory=list)  # empty: every path
     paths_everywhere: bool = False
     seed: int = 0
+    prompt_set: str = "main"  # or "held-out": prompts no choice was made on (headrace.quality.held_out)
     resume: bool = False  # keep the rows --out's results.json holds for the same prompts and answer length
 
     def check(self) -> None:
@@ -63,6 +64,10 @@ class QualityOptions:
                 raise ValueError(f"{name}: unknown {bad}; choose from {', '.join(allowed)}")
         if not self.engines:
             raise ValueError("--quality-engines: at least one engine")
+        from headrace.bench.quality_prompts import PROMPT_SETS
+
+        if self.prompt_set not in PROMPT_SETS:
+            raise ValueError(f"--quality-set: unknown {self.prompt_set!r}; choose from {', '.join(PROMPT_SETS)}")
         if self.prompts < 0 or self.tokens < 1:
             raise ValueError("--quality-prompts must be >= 0 (0: all) and --quality-tokens >= 1")
 
@@ -88,6 +93,9 @@ def add_arguments(p: Any) -> None:
                    help=f"{QUALITY}: the KV paths scored on the config's own engine (default all: {' '.join(PATHS)})")
     p.add_argument("--quality-paths-everywhere", action="store_true",
                    help=f"{QUALITY}: every KV path on every engine configuration, not only the config's own")
+    p.add_argument("--quality-set", default=d.prompt_set, metavar="SET",
+                   help=f"{QUALITY}: the prompt set: main (252 prompts, what the default was chosen on) or held-out "
+                        "(50 other chat prompts and another corpus's workflow prompts: a check of the choice)")
     p.add_argument("--quality-resume", action="store_true",
                    help=f"{QUALITY}: keep the rows results.json in --out already holds for the same prompt set and "
                         "answer length (each path is written there as it ends) and measure only the rest; a "
@@ -100,7 +108,7 @@ def options_from(args: Any) -> QualityOptions | str:
     opts = QualityOptions(engines=list(args.quality_engines), quantize=list(args.quality_quantize),
                           dtypes=list(args.quality_dtypes), prompts=args.quality_prompts, tokens=args.quality_tokens,
                           paths=list(args.quality_paths or PATHS), paths_everywhere=args.quality_paths_everywhere,
-                          seed=args.seed, resume=getattr(args, "quality_resume", False))
+                          seed=args.seed, prompt_set=getattr(args, "quality_set", "main"), resume=getattr(args, "quality_resume", False))
     try:
         opts.check()
     except ValueError as exc:
@@ -111,11 +119,12 @@ def options_from(args: Any) -> QualityOptions | str:
 def summarise(cfg: EngineConfig, path: str, acc: PathScores, ref_answers: list[list[int]],
               total: int) -> dict[str, Any]:
     """One table row: the path's quality and speed on this configuration."""
-    from headrace.quality.metrics import identical_fraction, summarize
+    from headrace.quality.metrics import identical_fraction, matching_prefix, summarize
 
     stats = summarize(acc.scores)
     idx = sorted(acc.answers)
     identical = identical_fraction([ref_answers[i] for i in idx], [acc.answers[i] for i in idx]) if idx else None
+    leads = [matching_prefix(ref_answers[i], acc.answers[i]) for i in idx]
     by_kind = {}
     for kind in dict.fromkeys(acc.kinds):
         s = summarize(sc for sc, k in zip(acc.scores, acc.kinds) if k == kind)
@@ -123,6 +132,9 @@ def summarise(cfg: EngineConfig, path: str, acc: PathScores, ref_answers: list[l
     return {"engine": cfg.plugin, "variant": cfg.variant, "default": cfg.default, "path": path, "note": cfg.note,
             "taken": len(acc.scores), "of": total, "not_taken": acc.not_taken[:10], **stats.as_dict(),
             "identical": identical, "answers_compared": len(idx),
+            # What a user sees of a greedy answer: its first token, and how far it follows the reference's.
+            "first_token": sum(n > 0 for n in leads) / len(leads) if leads else None,
+            "mean_lead": sum(leads) / len(leads) if leads else None,
             "prefill_tok_s": acc.long_tokens / acc.long_seconds if acc.long_seconds else None,
             "decode_tok_s": acc.decode_tokens / acc.decode_seconds if acc.decode_seconds else None,
             "cached_tokens": acc.cached_tokens, "holds_bar": holds_bar(stats.top1, stats.mean_kl),
@@ -155,7 +167,7 @@ async def quality_phase(config_path: Path, cache_dir: Path, opts: QualityOptions
     prompts, answers, ref_rows = ref.prompts, ref.answers, ref.rows
     results: dict[str, Any] = {
         "rows": [], "engines": {}, "reference": ref.meta,
-        "prompt_set": {"digest": prompts.digest, "prompts": len(prompts), "kinds": prompts.kinds(),
+        "prompt_set": {"name": opts.prompt_set, "digest": prompts.digest, "prompts": len(prompts), "kinds": prompts.kinds(),
                        "prompt_tokens": sum(len(p.tokens) for p in prompts),
                        "longest": max(len(p.tokens) for p in prompts), "answer_tokens": opts.tokens},
         "options": dataclasses.asdict(opts),
@@ -243,6 +255,8 @@ def command_line(args: Any, opts: QualityOptions) -> str:
         parts.append("--quality-paths-everywhere")
     if opts.seed:
         parts.append(f"--seed {opts.seed}")
+    if opts.prompt_set != "main":
+        parts.append(f"--quality-set {opts.prompt_set}")
     if opts.resume:
         parts.append("--quality-resume")
     return " ".join(parts + [f"--out {args.out}"])

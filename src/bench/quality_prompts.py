@@ -78,9 +78,19 @@ def workflow_sources(tokenizer: Any, seed: int = 0) -> list[ChatSource | TextSou
     return out
 
 
-def quality_prompt_set(tokenizer: Any, seed: int = 0) -> PromptSet:
-    """The whole fixed set (252 prompts): the chat prompts, then the workflow prompts."""
+PROMPT_SETS = ("main", "held-out")
+HELD_OUT_SEED = 1000  # the held-out set's corpus: other documents and questions than any main set's seed makes
+
+
+def quality_prompt_set(tokenizer: Any, seed: int = 0, name: str = "main") -> PromptSet:
+    """``main``, the whole fixed set (252 prompts): the chat prompts, then the workflow prompts. ``held-out``
+    (``headrace.quality.held_out``): 50 other chat prompts and the workflow prompts of another corpus."""
+    if name == "held-out":
+        from headrace.quality.held_out import held_out_sources
+        return build_prompt_set(tokenizer, workflow_sources(tokenizer, HELD_OUT_SEED + seed), held_out_sources())
+    if name != "main":
+        raise ValueError(f"--quality-set: {name!r} is none of {', '.join(PROMPT_SETS)}")
     return build_prompt_set(tokenizer, workflow_sources(tokenizer, seed))
 
 
-__all__ = ["workflow_sources", "quality_prompt_set"]
+__all__ = ["PROMPT_SETS", "workflow_sources", "quality_prompt_set"]

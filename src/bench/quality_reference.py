@@ -37,7 +37,7 @@ def load_reference(source: Path, cache_dir: Path, opts: Any, log: Callable[[str]
 
     log(f"reference: transformers float32 on {source.name} (as installed) ...")
     ref = Reference.load(source)
-    full = quality_prompt_set(ref.tokenizer, opts.seed)
+    full = quality_prompt_set(ref.tokenizer, opts.seed, getattr(opts, "prompt_set", "main"))
     prompts = full.subset(opts.prompts) if opts.prompts else full
     log(f"reference: loaded in {ref.load_seconds:.1f} s; {len(prompts)} prompts (set {prompts.digest}, "
         f"{sum(len(p.tokens) for p in prompts)} tokens, kinds {prompts.kinds()})")

@@ -75,7 +75,7 @@ def _kl(value: Any) -> str:
 
 
 def table(results: dict[str, Any]) -> str:
-    lines = ["| engine | weights / dtype | KV path | mean KL | p99 KL | top-1 | identical answers | prefill tok/s "
+    lines = ["| engine | weights / dtype | KV path | mean KL | p99 KL | top-1 | identical answers (first token) | prefill tok/s "
              "(long prompts) | decode tok/s (1 stream) | holds the bar |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["rows"]:
@@ -89,6 +89,8 @@ def table(results: dict[str, Any]) -> str:
         if r["taken"] < r["of"]:
             path += f" (taken {r['taken']}/{r['of']})"
         identical = "-" if r["identical"] is None else f"{r['identical']:.0%}"
+        if r.get("first_token") is not None:
+            identical += f" ({r['first_token']:.0%})"
         lines.append(f"| {r['engine']} | {variant} | {path} | {_kl(r['mean_kl'])} | {_kl(r['p99_kl'])}"
                      f" | {_num(r['top1'], '.1%')} | {identical} | {_num(r['prefill_tok_s'], ',.0f')} | "
                      f"{_num(r['decode_tok_s'], '.1f')} | {'yes' if r['holds_bar'] else 'no'} |")
@@ -107,6 +109,7 @@ def text_report(results: dict[str, Any]) -> str:
             f"{'from the cache' if ref.get('answers_cached') else 'computed in this run'}; rows "
             f"{ref.get('rows_s', 0):.0f} s). {ps['prompts']} prompts (set `{ps['digest']}`: "
             + ", ".join(f"{k} {v}" for k, v in ps["kinds"].items())
+            + (f"; the {ps['name']} set" if ps.get("name", "main") != "main" else "")
             + f"; {ps['prompt_tokens']:,} prompt tokens, the longest {ps['longest']}), {ps['answer_tokens']}-token "
             "greedy answers, scored teacher-forced. Bar for a default: top-1 >= 97% and mean KL <= 0.02 nats.", ""]
     configs = results.get("configs", [])

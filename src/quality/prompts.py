@@ -253,12 +253,13 @@ def _conversation(turns: tuple[str, ...]) -> ChatSource:
     return ChatSource("multi_turn", tuple({"role": r, "content": c} for r, c in zip(roles, turns)))
 
 
-def build_prompt_set(tokenizer: Any, extra: Iterable[ChatSource | TextSource] = ()) -> PromptSet:
-    """The built-in chat prompts and ``extra`` (the bench's RAG and long prompts) as token ids of ``tokenizer``
-    (a Hugging Face tokenizer with the model's chat template)."""
+def build_prompt_set(tokenizer: Any, extra: Iterable[ChatSource | TextSource] = (),
+                     chats: Iterable[ChatSource] | None = None) -> PromptSet:
+    """The chat prompts (``chats``, default the built-in ones) and ``extra`` (the bench's RAG and long prompts) as
+    token ids of ``tokenizer`` (a Hugging Face tokenizer with the model's chat template)."""
     prompts: list[QualityPrompt] = []
     counts: dict[str, int] = {}
-    for source in [*chat_sources(), *extra]:
+    for source in [*(chat_sources() if chats is None else chats), *extra]:
         n = counts[source.kind] = counts.get(source.kind, 0) + 1
         pid = f"{source.kind}-{n:03d}"
         if isinstance(source, ChatSource):

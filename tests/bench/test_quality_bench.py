@@ -28,6 +28,23 @@ def test_the_prompt_set_takes_every_kind_in_turn_and_names_itself_by_its_tokens(
         assert 0 < a < b < len(p.tokens) and p.split not in (a, b)
 
 
+def test_the_held_out_set_shares_no_prompt_with_the_main_set():
+    from headrace.bench.quality_prompts import quality_prompt_set
+    from headrace.plugins.engines.llama_cpp_options import DEFAULT_MODEL
+    from headrace.plugins.engines.model_paths import resolve_model
+    from headrace.quality.reference import Reference
+
+    tokenizer = Reference.load(resolve_model(DEFAULT_MODEL)).tokenizer
+    main_set, held_out = quality_prompt_set(tokenizer), quality_prompt_set(tokenizer, name="held-out")
+    assert len(held_out) == 50 + 90 and set(held_out.kinds()) == set(KINDS)
+    seen = {p.tokens for p in main_set}
+    assert not [p.id for p in held_out if p.tokens in seen]
+    # Not even a user message in common: a question asked again under another frame is not held out.
+    def users(s):
+        return {m["content"] for p in s if p.messages for m in p.messages if m["role"] == "user"}
+    assert not users(main_set) & users(held_out)
+
+
 def test_the_flags_are_checked_and_the_bar_is_the_issues():
     def args(**kw):
         base = dict(quality_engines=["llama-cpp"], quality_quantize=["none"], quality_dtypes=["float32"],
@@ -38,6 +55,8 @@ def test_the_flags_are_checked_and_the_bar_is_the_issues():
     assert "unknown" in options_from(args(quality_engines=["vllm"]))
     assert "unknown" in options_from(args(quality_paths=["cold", "warp"]))
     assert "--quality-tokens" in options_from(args(quality_tokens=0))
+    assert "--quality-set" in options_from(args(quality_set="train"))
+    assert options_from(args(quality_set="held-out")).prompt_set == "held-out"
     assert QualityOptions().tokens == 32
     assert holds_bar(0.97, 0.02) and not holds_bar(0.969, 0.001) and not holds_bar(0.99, 0.021)
 
