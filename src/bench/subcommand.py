@@ -14,6 +14,8 @@ from headrace.bench.mixed import MIXED_BENCH
 from headrace.bench.mixed import SHAPES as MIX_SHAPES
 from headrace.bench.quality import QUALITY
 from headrace.bench.quality import add_arguments as add_quality_arguments
+from headrace.bench.rag_qa import RAG_QA
+from headrace.bench.rag_qa import add_arguments as add_rag_qa_arguments
 from headrace.bench.rag_repeat import RAG_REPEAT
 from headrace.bench.rag_repeat import add_arguments as add_rag_repeat_arguments
 from headrace.bench.soak import SOAK
@@ -35,7 +37,9 @@ def add_parser(sub: Any) -> None:
                         f"runs alone), {RAG_REPEAT} (RAG over a collection whose popular chunks recur, a daemon per "
                         "KV-cache mode and llama-server: --rag-...; runs alone), "
                         f"{QUALITY} (every LLM engine, quantization and KV path against a float32 reference on the "
-                        "same weights, speed beside quality, engines in this process: --quality-...; runs alone)")
+                        "same weights, speed beside quality, engines in this process: --quality-...; runs alone), "
+                        f"{RAG_QA} (what a RAG prompt's layout costs in answers: extractive questions scored by "
+                        "exact match and token F1, the engine in this process: --qa-...; runs alone)")
     p.add_argument("--modes", nargs="+", help="modes for the single-query phase (default: the workload's baseline, "
                    "sequential, headrace); server modes: sequential, +<pass>..., headrace, headrace-fifo, "
                    "headrace-topology, headrace-objective, headrace-deadline, headrace-las (headrace under that LLM "
@@ -138,6 +142,7 @@ def add_parser(sub: Any) -> None:
                    help="arrivals at once in the soak's capacity probe (default 4; three times as many in all)")
     add_rag_repeat_arguments(p)
     add_quality_arguments(p)
+    add_rag_qa_arguments(p)
     p.add_argument("--documents", type=int, default=4, help="corpus documents (default 4)")
     p.add_argument("--doc-tokens", type=int, default=2000, help="minimum tokens per document (default 2000)")
     p.add_argument("--seed", type=int, default=0)
@@ -167,15 +172,19 @@ def run(args: argparse.Namespace) -> int:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     unknown = [w for w in [*args.workloads, *(args.ladder or ()), *(args.load_workloads or ())]
-               if w not in WORKLOADS and w not in (AGENTS, MIXED_BENCH, SOAK, RAG_REPEAT, QUALITY)]
+               if w not in WORKLOADS and w not in (AGENTS, MIXED_BENCH, SOAK, RAG_REPEAT, QUALITY, RAG_QA)]
     if unknown:
         print(f"headrace bench: unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}, {AGENTS}, "
-              f"{MIXED_BENCH}, {SOAK}, {RAG_REPEAT}, {QUALITY}", file=sys.stderr)
+              f"{MIXED_BENCH}, {SOAK}, {RAG_REPEAT}, {QUALITY}, {RAG_QA}", file=sys.stderr)
         return 2
     if QUALITY in args.workloads:  # its engines in this process, its own result files
         from headrace.bench.quality import run_command as run_quality
 
         return run_quality(args)
+    if RAG_QA in args.workloads:  # its engine in this process, its own result files
+        from headrace.bench.rag_qa import run_command as run_rag_qa
+
+        return run_rag_qa(args)
     if RAG_REPEAT in args.workloads:  # its own daemons, one per mode, and its own result files
         from headrace.bench.rag_repeat import run_command
 

@@ -1,0 +1,263 @@
+"""``headrace bench rag-qa``: what a retrieval prompt's layout costs in answers, scored on a task.
+
+Extractive questions over standard-library docstrings (``headrace.quality.qa``: "What does module.name return?",
+the gold answer a span of its docstring), each asked with three retrieved chunks as ``naive_rag``'s one-shot
+synthesis renders them (the workflows' chunking, template and chat frame): the chunk holding the answer and two
+from other modules, the answer's chunk at a seeded position. Each mode renders or serves the same question its own
+way; every answer is the engine's greedy decode (at most ``--qa-tokens``, ending at EOS), its first line scored by
+exact match and token F1 against the gold span. Paired by question, so a mode's F1 is compared with
+``question-first``'s (the workflows' default) with a bootstrap interval on the difference.
+
+Modes:
+
+- ``question-first``: the template as the workflows render it by default (the question before the contexts);
+- ``context-first``: the contexts before the question (``context_first = true``): a chunk then starts the
+  prompt after the fixed instruction, so its KV is an exact prefix later prompts reuse;
+- ``canonical``: ``context-first`` with the chunks in a canonical order (sorted by their text's hash) rather than
+  the retriever's rank: the same chunks then make the same prefix whatever their rank (RAGBoost's lossless
+  reuse).
+
+Runs the config's LLM engine in this process, its prefix cache off: every prompt is prefilled whole, so the
+answers differ by layout alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+RAG_QA = "rag-qa"  # the benchmark's name on the ``headrace bench`` command line
+MODES = ("question-first", "context-first", "canonical")
+# Pure-Python modules beside the corpus's whose docstrings give more "Return X." questions (those that have any).
+EXTRA_MODULES = ("posixpath", "ipaddress", "secrets", "platform", "sysconfig", "traceback", "locale", "codecs",
+                 "urllib.request", "os", "importlib.util", "importlib.metadata", "re", "site", "ast", "itertools",
+                 "collections")
+CONTEXTS = 3  # naive_rag's top-k
+BOOTSTRAP = 2000
+
+
+@dataclass
+class QAOptions:
+    modes: list[str] = field(default_factory=lambda: list(MODES))
+    questions: int = 0  # 0: all
+    tokens: int = 32
+
+    def check(self) -> None:
+        bad = [m for m in self.modes if m not in MODES]
+        if bad or not self.modes:
+            raise ValueError(f"--qa-modes: unknown {bad or 'none'}; choose from {', '.join(MODES)}")
+        if self.questions < 0 or self.tokens < 1:
+            raise ValueError("--qa-questions must be >= 0 (0: all) and --qa-tokens >= 1")
+
+
+def add_arguments(p: Any) -> None:
+    d = QAOptions()
+    p.add_argument("--qa-modes", nargs="+", default=d.modes, metavar="MODE",
+                   help=f"{RAG_QA}: the prompt layouts scored (default {' '.join(MODES)})")
+    p.add_argument("--qa-questions", type=int, default=d.questions, metavar="N",
+                   help=f"{RAG_QA}: questions asked (default 0: all)")
+    p.add_argument("--qa-tokens", type=int, default=d.tokens, metavar="N",
+                   help=f"{RAG_QA}: the longest answer decoded (default {d.tokens})")
+
+
+@dataclass(frozen=True)
+class QAPrompt:
+    item: Any  # QAItem
+    contexts: tuple[str, ...]  # the retrieved chunks in the retriever's order, the answer's among them
+
+
+def qa_prompts(seed: int = 0) -> list[QAPrompt]:
+    """Every question with its three chunks, fixed by ``seed``."""
+    from headrace.bench.corpus import MODULES, _sections
+    from headrace.bench.quality_prompts import CHUNK_OVERLAP, CHUNK_WORDS
+    from headrace.graph.ops import chunk_text
+    from headrace.quality.qa import returns_items
+
+    rng = random.Random(seed)
+    chunks: dict[str, list[str]] = {}
+    items = []
+    for module in dict.fromkeys([*MODULES, *EXTRA_MODULES]):
+        sections = _sections(module)
+        chunks[module] = chunk_text("\n\n".join(s for _, s in sections), CHUNK_WORDS, CHUNK_OVERLAP)
+        items += [(module, it) for it in returns_items(sections)]
+    out = []
+    for module, item in items:
+        home = next((c for c in chunks[module] if item.section[:200] in c and item.gold in c), None)
+        if home is None:  # the docstring straddles two windows: no one chunk answers it
+            continue
+        others = [c for m, cs in chunks.items() if m != module for c in cs]
+        contexts = rng.sample(others, CONTEXTS - 1)
+        contexts.insert(rng.randrange(CONTEXTS), home)
+        out.append(QAPrompt(item, tuple(contexts)))
+    return out
+
+
+def render(prompt: QAPrompt, mode: str, frame: tuple[str, str]) -> str:
+    from headrace.graph.prompts import PromptTemplate
+    from headrace.graph.workflows.common import ONE_SHOT, one_shot_context_first
+
+    contexts = list(prompt.contexts)
+    if mode == "canonical":
+        contexts.sort(key=lambda c: hashlib.sha256(c.encode()).hexdigest())
+    template = ONE_SHOT if mode == "question-first" else one_shot_context_first.prompt
+    head, tail = frame
+    return head + PromptTemplate(template).render({"question": prompt.item.question, "contexts": contexts}) + tail
+
+
+async def answer(engine: Any, tokens: list[int], max_tokens: int) -> tuple[str, float]:
+    from contextlib import aclosing
+
+    from headrace.plugins.protocols import SamplingParams
+
+    ctx = engine.new_context_id()
+    t0 = time.perf_counter()
+    try:
+        await engine.prefill(ctx, tokens, None)
+        text = []
+        async with aclosing(engine.decode(ctx, SamplingParams(max_tokens=max_tokens, temperature=0))) as stream:
+            async for delta in stream:
+                text.append(delta.text)
+        return "".join(text), time.perf_counter() - t0
+    finally:
+        await engine.free(ctx)
+
+
+def paired_interval(a: list[float], b: list[float], seed: int = 0) -> tuple[float, float, float]:
+    """mean(b - a) and its 95% bootstrap interval over the pairs."""
+    diffs = [y - x for x, y in zip(a, b)]
+    rng = random.Random(seed)
+    n = len(diffs)
+    means = sorted(sum(diffs[rng.randrange(n)] for _ in range(n)) / n for _ in range(BOOTSTRAP))
+    return sum(diffs) / n, means[int(0.025 * BOOTSTRAP)], means[int(0.975 * BOOTSTRAP) - 1]
+
+
+def own_engine(config_path: Path, cache_dir: Path) -> Any:
+    """The config's LLM engine (llama-cpp or torch) as configured, as the quality benchmark makes it."""
+    from headrace.bench.quality import QualityOptions
+    from headrace.bench.quality_engines import ENGINES, engine_configs
+    from headrace.daemon.config import load_config
+    from headrace.plugins.engines.llama_cpp_options import DEFAULT_QUANTIZE
+
+    own = next((e for e in load_config(config_path).engines if e.plugin in ENGINES), None)
+    plugin = own.plugin if own is not None else "llama-cpp"
+    options = own.options if own is not None else {}
+    variant = str(options.get("quantize", DEFAULT_QUANTIZE) if plugin == "llama-cpp" else options.get("dtype", "auto"))
+    return engine_configs(config_path, QualityOptions(engines=[plugin], quantize=[variant], dtypes=[variant]),
+                          cache_dir)[0][0]
+
+
+async def qa_phase(config_path: Path, cache_dir: Path, opts: QAOptions, seed: int,
+                   log: Callable[[str], None]) -> dict[str, Any]:
+    from headrace.bench.quality_engines import cold_overrides, make_engine, serving
+    from headrace.graph.prompts import chat_frame
+    from headrace.quality.qa import answer_text, exact_match, mean, token_f1
+
+    cfg = own_engine(config_path, cache_dir)
+    prompts = qa_prompts(seed)
+    if opts.questions:
+        prompts = prompts[: opts.questions]
+    data = Path(os.environ.get("TMPDIR", "/tmp")) / f"headrace-rag-qa-{os.getpid()}"
+    engine = make_engine(cfg.spec, data, cache_dir, **cold_overrides(cfg.plugin))
+    rows: dict[str, list[dict[str, Any]]] = {m: [] for m in opts.modes}
+
+    async def scenario() -> None:
+        frame = chat_frame(engine, None)
+        t0 = time.perf_counter()
+        for i, p in enumerate(prompts, 1):
+            for mode in opts.modes:
+                tokens = list(engine.prompt_tokens(render(p, mode, frame)))
+                text, seconds = await answer(engine, tokens, opts.tokens)
+                said = answer_text(text)
+                rows[mode].append({"topic": p.item.topic, "answer": said, "em": exact_match(said, p.item.gold),
+                                   "f1": token_f1(said, p.item.gold), "prompt_tokens": len(tokens), "s": seconds})
+            if i % 10 == 0 or i == len(prompts):
+                log(f"  {i}/{len(prompts)} questions ({time.perf_counter() - t0:.0f} s)")
+
+    log(f"{cfg.label}: {len(prompts)} questions x {len(opts.modes)} modes, prefix cache off")
+    try:
+        await serving(engine, scenario)
+    finally:
+        shutil.rmtree(data, ignore_errors=True)
+    base = opts.modes[0]
+    summary = []
+    for mode in opts.modes:
+        f1 = [r["f1"] for r in rows[mode]]
+        row = {"mode": mode, "questions": len(f1), "em": mean([r["em"] for r in rows[mode]]), "f1": mean(f1),
+               "prompt_tokens": mean([r["prompt_tokens"] for r in rows[mode]])}
+        if mode != base:
+            d, lo, hi = paired_interval([r["f1"] for r in rows[base]], f1, seed)
+            row.update({"f1_vs": base, "f1_diff": d, "f1_diff_lo": lo, "f1_diff_hi": hi,
+                        "same_answer": mean([float(a["answer"] == b["answer"]) for a, b in zip(rows[base], rows[mode])])})
+        summary.append(row)
+    return {"engine": cfg.label, "summary": summary, "rows": rows,
+            "gold": [{"topic": p.item.topic, "question": p.item.question, "gold": p.item.gold} for p in prompts]}
+
+
+def text_report(results: dict[str, Any]) -> str:
+    from headrace.bench.quality_report import cpu_line
+
+    meta = results["meta"]
+    lines = [f"# headrace bench rag-qa, {meta['time'].replace('T', ' ')}", "",
+             f"CPU: {cpu_line(meta['cpu'])}; other processes used {meta['cpu_cores'].get('other_processes', 0):.2f} "
+             "cores on average meanwhile.", f"Command: `{meta['command']}`", "",
+             f"Engine: {results['engine']}, prefix cache off; {results['summary'][0]['questions']} questions, "
+             "3 chunks each (naive_rag's one-shot synthesis), greedy, the answer's first line scored.", "",
+             "| mode | EM | token F1 | F1 vs the first mode (95% CI) | same answer | prompt tokens |",
+             "|---|---|---|---|---|---|"]
+    for r in results["summary"]:
+        vs = (f"{100 * r['f1_diff']:+.1f} ({100 * r['f1_diff_lo']:+.1f} to {100 * r['f1_diff_hi']:+.1f})"
+              if "f1_diff" in r else "-")
+        same = f"{r['same_answer']:.0%}" if "same_answer" in r else "-"
+        lines.append(f"| {r['mode']} | {100 * r['em']:.1f} | {100 * r['f1']:.1f} | {vs} | {same} | "
+                     f"{r['prompt_tokens']:.0f} |")
+    return "\n".join(lines)
+
+
+def run_command(args: Any) -> int:
+    import anyio
+
+    from headrace.bench.cpu import CPUWatch
+    from headrace.bench.quality_report import describe_cpu
+    from headrace.bench.subcommand import machine
+    from headrace.daemon.config import load_config
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    others = [w for w in args.workloads if w != RAG_QA]
+    if others or args.url:
+        print(f"headrace bench: {RAG_QA} runs alone, its engine in this process: drop "
+              f"{' '.join(others) or '--url'}", file=sys.stderr)
+        return 2
+    opts = QAOptions(list(args.qa_modes), args.qa_questions, args.qa_tokens)
+    try:
+        opts.check()
+    except ValueError as exc:
+        print(f"headrace bench: {exc}", file=sys.stderr)
+        return 2
+    cpu = CPUWatch()
+    started = time.strftime("%Y-%m-%dT%H:%M:%S")
+    t0 = time.perf_counter()
+    results = anyio.run(qa_phase, args.config, load_config(args.config).data.cache_path(), opts, args.seed,
+                        lambda line: print(line, flush=True))
+    command = (f"headrace bench {RAG_QA} --qa-modes {' '.join(opts.modes)} --qa-tokens {opts.tokens}"
+               + (f" --qa-questions {opts.questions}" if opts.questions else "")
+               + (f" --seed {args.seed}" if args.seed else "") + f" --out {args.out}")
+    results["meta"] = {"machine": machine(), "cpu": describe_cpu(), "cpu_cores": cpu.cores(), "time": started,
+                       "elapsed_s": time.perf_counter() - t0, "command": command}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    text = text_report(results)
+    (out / "results.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+__all__ = ["RAG_QA", "MODES", "QAOptions", "add_arguments", "qa_prompts", "render", "qa_phase", "run_command"]

@@ -1,0 +1,57 @@
+"""``headrace bench rag-qa``: the question set over the workflows' chunks, and a smoke run on the real model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import in_process
+from headrace.bench.rag_qa import CONTEXTS, paired_interval, qa_prompts, render
+from headrace.cli import main
+
+
+def test_each_question_has_its_answer_in_one_of_its_chunks_at_a_seeded_place():
+    prompts = qa_prompts()
+    assert len(prompts) >= 100
+    places = set()
+    for p in prompts:
+        assert len(p.contexts) == CONTEXTS
+        holding = [i for i, c in enumerate(p.contexts) if p.item.gold in c and p.item.topic in c]
+        assert holding, p.item.topic
+        places.add(holding[0])
+    assert places == set(range(CONTEXTS))  # the answer is not always first
+    assert [p.contexts for p in qa_prompts()] == [p.contexts for p in prompts]  # fixed by the seed
+    assert [p.contexts for p in qa_prompts(1)] != [p.contexts for p in prompts]
+
+
+def test_the_layouts_differ_only_in_order():
+    p = qa_prompts()[0]
+    frame = ("<head>", "<tail>")
+    first, context_first, canonical = (render(p, m, frame) for m in ("question-first", "context-first", "canonical"))
+    assert first.index(p.item.question) < first.index(p.contexts[0])
+    assert context_first.index(p.item.question) > max(context_first.index(c) for c in p.contexts)
+    assert sorted(first.split()) == sorted(context_first.split()) == sorted(canonical.split())
+    assert all(t.startswith("<head>") and t.endswith("<tail>") for t in (first, context_first, canonical))
+
+
+def test_the_paired_interval_brackets_the_mean_difference():
+    d, lo, hi = paired_interval([0.0, 0.5, 1.0, 0.2], [0.5, 0.5, 1.0, 0.6])
+    assert d == pytest.approx(0.225) and lo <= d <= hi
+    same = paired_interval([0.3] * 5, [0.3] * 5)
+    assert same == (0.0, 0.0, 0.0)
+
+
+@pytest.mark.slow
+def test_a_smoke_run_scores_every_mode(tmp_path):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/setup builds it)")
+    out = tmp_path / "qa"
+    result = in_process(main, "bench", "rag-qa", "--qa-questions", "1", "--qa-tokens", "6", "--out", str(out))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert [r["mode"] for r in results["summary"]] == ["question-first", "context-first", "canonical"]
+    for mode, rows in results["rows"].items():
+        assert len(rows) == 1 and all(0 <= r["f1"] <= 1 and r["prompt_tokens"] > 500 for r in rows), mode
+    assert "f1_diff" in results["summary"][1] and "CPU:" in (out / "results.md").read_text()
+    bad = in_process(main, "bench", "rag-qa", "--qa-modes", "sideways", "--out", str(out))
+    assert bad.returncode == 2 and "--qa-modes" in bad.stderr
