@@ -17,7 +17,10 @@ The engine batches every admitted request per iteration; this scheduler
   switched on a live daemon applies to the requests that come after);
 - sends a named program's decodes ``keep_context`` to an engine that can keep a whole
   context in its prefix cache (``KeepsContexts``): only such a request's next turn repeats
-  its output, so only it pays the copy.
+  its output, so only it pays the copy;
+- sends each prefill, generate and scoring call its ``PrimitiveMeta.cache_partition`` (the API key's
+  and ``cache_salt``'s digest) to an engine that ``IsolatesCaches``, so it reuses only KV its own
+  partition cached (issue 50); an engine that cannot partition is sent none and warned of once.
 
 A context keeps the meta of the primitive using it (its prefill, then its decode).
 
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import time
 from collections import Counter
 from contextlib import asynccontextmanager
@@ -52,8 +56,10 @@ from headrace.batching.observer import NullObserver, SchedulerObserver
 from headrace.batching.programs import ProgramRegistry
 from headrace.batching.residency import AlwaysResident, Residency
 from headrace.batching.run_gate import RunGate
-from headrace.plugins.protocols import (KeepsContexts, LLMEngine, PausesDecodes, PromptLogprobs, SamplingParams,
-                                       TokenDelta)
+from headrace.plugins.protocols import (IsolatesCaches, KeepsContexts, LLMEngine, PausesDecodes, PromptLogprobs,
+                                       SamplingParams, TokenDelta)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -130,6 +136,7 @@ class LLMScheduler:
         self._requests_by_run: Counter[str | None] = Counter()
         # Tokens each run was served here so far (bounded; a run idle for ten minutes is forgotten).
         self.served = ProgramRegistry()
+        self._warned_shared = False  # a partition came for an engine that cannot keep its caches apart
 
     @property
     def running(self) -> int:
@@ -158,6 +165,20 @@ class LLMScheduler:
         if getattr(self.policy, "preempts", False) and isinstance(self.engine, PausesDecodes) \
                 and self.engine.pauses_decodes:
             return {"preemptive": True}
+        return {}
+
+    def _partition(self, meta: PrimitiveMeta | None) -> dict[str, str]:
+        """The engine call's ``cache_partition`` keyword: the request's partition, to an engine that isolates its
+        caches; none for the shared partition (the call every engine has always taken)."""
+        partition = meta.cache_partition if meta is not None else ""
+        if not partition:
+            return {}
+        if isinstance(self.engine, IsolatesCaches) and self.engine.isolates_caches:
+            return {"cache_partition": partition}
+        if not self._warned_shared:
+            self._warned_shared = True
+            log.warning("engine %s cannot keep cached KV apart by API key or cache_salt: its requests share "
+                        "its caches", self.name)
         return {}
 
     def _decode_keywords(self, meta: PrimitiveMeta | None) -> dict[str, bool]:
@@ -209,7 +230,8 @@ class LLMScheduler:
         arrival = time.monotonic()
         rank = self.priority(meta, arrival)
         async with self._admitted(arrival, rank, (meta,)) as rank:
-            cached = await self.engine.prefill(ctx, tokens, parent, priority=rank, **self._preemption())
+            cached = await self.engine.prefill(ctx, tokens, parent, priority=rank, **self._preemption(),
+                                               **self._partition(meta))
             # Recorded before the engine is let go: a live context keeps it loaded until freed,
             # and keeps its run in the run gate (its decode must not wait behind other runs).
             run = meta.run if meta is not None else None
@@ -250,7 +272,8 @@ class LLMScheduler:
         arrival = time.monotonic()
         rank = self.priority(meta, arrival)
         async with self._admitted(arrival, rank, (meta,)) as rank:
-            deltas = self.engine.generate(tokens, params, priority=rank, **self._decode_keywords(meta))
+            deltas = self.engine.generate(tokens, params, priority=rank, **self._decode_keywords(meta),
+                                          **self._partition(meta))
             async for delta in self._timed(deltas, arrival, len(tokens), meta):
                 yield delta
 
@@ -273,7 +296,7 @@ class LLMScheduler:
         rank = self.priority(meta, arrival)
         async with self._admitted(arrival, rank, (meta,)) as rank:
             scorer: Any = self.engine  # a ScoresPrompts engine: the route checks before it calls
-            scores = await scorer.prompt_logprobs(tokens, top=top, full=full, priority=rank)
+            scores = await scorer.prompt_logprobs(tokens, top=top, full=full, priority=rank, **self._partition(meta))
         if meta is not None:
             self.served.add(meta.run, len(tokens))
         return scores

@@ -45,6 +45,10 @@ class PrimitiveMeta:
     # Tokens the engine computed for the program's earlier requests (before this run): prompt tokens less
     # prefix-cache hits, plus generated. Its attained service, which ``las`` ranks by (least first). 0 for a program's first request and for a workflow run.
     attained_tokens: int = 0
+    # Which cached KV the request may reuse and adds to (issue 50): an opaque digest of its API key (where keys
+    # are kept apart) and its ``cache_salt``; "" the shared partition. The LLM scheduler hands it to an engine
+    # that ``IsolatesCaches``.
+    cache_partition: str = ""
 
     @property
     def program_id(self) -> str:

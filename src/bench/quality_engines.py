@@ -55,6 +55,8 @@ def engine_configs(config_path: Path, opts: Any, cache_dir: Path) -> tuple[list[
     out = []
     for plugin in opts.engines:
         base = dict(own.options) if own is not None and own.plugin == plugin else {"threads": threads}
+        if own is not None and "chat_template" in own.options:  # the model's template, whichever engine runs it
+            base["chat_template"] = own.options["chat_template"]
         for variant in (opts.quantize if plugin == "llama-cpp" else opts.dtypes):
             options, spec_model, note = {**base}, model, ""
             if plugin == "llama-cpp":

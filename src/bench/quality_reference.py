@@ -30,13 +30,16 @@ class ReferenceData:
     meta: dict[str, Any]
 
 
-def load_reference(source: Path, cache_dir: Path, opts: Any, log: Callable[[str], None]) -> ReferenceData:
+def load_reference(source: Path, cache_dir: Path, opts: Any, log: Callable[[str], None],
+                   chat_template: str | None = None) -> ReferenceData:
     from headrace.bench.quality_prompts import quality_prompt_set
     from headrace.plugins.engines.torch_loading import gguf_cache_key
     from headrace.quality.reference import Reference
 
     log(f"reference: transformers float32 on {source.name} (as installed) ...")
     ref = Reference.load(source)
+    if chat_template is not None:  # the engine's chat_template option over the model's (or its lack of one)
+        ref.tokenizer.chat_template = chat_template
     full = quality_prompt_set(ref.tokenizer, opts.seed, getattr(opts, "prompt_set", "main"))
     prompts = full.subset(opts.prompts) if opts.prompts else full
     log(f"reference: loaded in {ref.load_seconds:.1f} s; {len(prompts)} prompts (set {prompts.digest}, "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 from contextlib import asynccontextmanager
 import anyio
@@ -19,6 +18,7 @@ from headrace.daemon.config import Config
 from headrace.daemon.errors import APIError, api_error_handler, internal_error_handler
 from headrace.daemon.lifecycle import DrainMiddleware, Lifecycle
 from headrace.daemon.openapi import openapi_json
+from headrace.daemon.ownership import principal
 from headrace.daemon.responses_store import ResponsesStore
 from headrace.daemon.docs import docs_asset, docs_page
 from headrace.daemon.routes import API_ROUTES
@@ -26,16 +26,12 @@ from headrace.daemon.services import Services, daemon, services
 from headrace.plugins.manager import Registry
 
 
-def principal(api_key: str) -> str:
-    """Who holds ``api_key``, as runs record it: a digest, so the key itself is never stored."""
-    return hashlib.sha256(api_key.encode()).hexdigest()[:16]
-
-
 class APIKeyMiddleware:
     """Bearer check on /v1/*; plain ASGI so streaming responses pass through untouched.
 
     Any configured key is accepted; the request's ``state["principal"]`` then names its key
-    (runs belong to it). Without keys there is no auth and the principal is None for all.
+    (what it creates belongs to it: ``headrace.daemon.ownership``). Without keys there is no auth
+    and the principal is None for all.
     """
 
     def __init__(self, app: ASGIApp, api_keys: list[str]) -> None:

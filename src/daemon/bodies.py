@@ -128,8 +128,13 @@ def _error(exc: ValidationError) -> APIError:
                            param=param, code="unsupported_parameter")
     missing = all(e["type"] == "missing" for e in same)
     messages = list(dict.fromkeys(e["msg"] for e in same))
+    code = "missing_required_parameter" if missing else FIELD_CODES.get(param, "invalid_value")
     return bad_request(f"'{param}': {' or '.join(messages)}" if param else "; ".join(messages), param=param or None,
-                       code="missing_required_parameter" if missing else "invalid_value")
+                       code=code)
+
+
+# Fields whose every problem has a code of its own (a client tells them from any other bad value).
+FIELD_CODES = {"cache_salt": "invalid_cache_salt"}
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,9 @@ import anyio
 from filelock import FileLock, Timeout
 
 from headrace.daemon.config import ConfigError
+from headrace.daemon.ownership import may_read
 from headrace.graph.collection_refs import CollectionInfo, table_name
+from headrace.private_files import FILE_MODE, private_dir
 
 FILE_NAME = "collections.json"
 VERSION = 1
@@ -44,6 +46,7 @@ class Collection:
     created: int = field(default_factory=lambda: int(time.time()))
     documents: dict[str, int] = field(default_factory=dict)  # document id -> its number of chunks
     ann_index: bool = False  # its table has an ANN index (built once past collections.ann_index_rows)
+    owner: str | None = None  # the API key's principal that made it; None: public (headrace.daemon.ownership)
 
     @property
     def table(self) -> str:
@@ -76,7 +79,7 @@ class CollectionRegistry:
     def __init__(self, data_dir: Path) -> None:
         self.path = data_dir / FILE_NAME
         self._lock = anyio.Lock()
-        self._file_lock = FileLock(str(self.path) + ".lock")  # the other daemons on this data dir
+        self._file_lock = FileLock(str(self.path) + ".lock", mode=FILE_MODE)  # the other daemons on this data dir
         self._seen: tuple[int, int, int] | None = None  # (inode, mtime_ns, size) of the file as last read or written
         self.collections: dict[str, Collection] = {}
         self.refresh()
@@ -111,7 +114,7 @@ class CollectionRegistry:
         """Held around every change: this daemon's tasks one at a time, other daemons' through the lock file;
         the change then starts from the file's latest state."""
         async with self._lock:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            private_dir(self.path.parent)
             while True:  # polled, not a blocking acquire on a thread, so a cancelled wait ends at once
                 try:
                     self._file_lock.acquire(blocking=False)
@@ -132,10 +135,11 @@ class CollectionRegistry:
         self.refresh()
         return sorted(self.collections.values(), key=lambda c: c.name)
 
-    def lookup(self, name: str) -> CollectionInfo | None:
-        """For the workflow service: a run on ``name`` is checked against this."""
+    def lookup(self, name: str, who: str | None) -> CollectionInfo | None:
+        """For the workflow service: a run on ``name`` is checked against this; another key's collection
+        is as absent as a missing one."""
         collection = self.get(name)
-        return collection.info() if collection is not None else None
+        return collection.info() if collection is not None and may_read(collection.owner, who, public=True) else None
 
     async def save(self) -> None:
         data = {"version": VERSION, "collections": {name: asdict(c) for name, c in self.collections.items()}}
@@ -144,7 +148,7 @@ class CollectionRegistry:
 
 def _write_atomically(path: Path, text: str) -> tuple[int, int, int]:
     """Write ``text`` over ``path`` durably; returns the new file's (inode, mtime_ns, size)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:

@@ -75,6 +75,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, Any]:
                       help="hf:<org>/<repo>[@<revision>][:<quant>] or hf:<org>/<repo>[@<revision>]/<file>.gguf "
                            "(default: every hf: model of --config)")
     _add_config(pull)
+    unit = sub.add_parser("systemd-unit", help="print the hardened systemd service unit (configs/headrace.service is "
+                                               "its default)")
+    unit.add_argument("--user", help="run as this dedicated system user (default: a dynamic one, DynamicUser=yes)")
+    unit.add_argument("--exec", dest="exec_start", default="headrace",
+                      help="the headrace executable, a full path outside /home (default: headrace, on PATH)")
+    unit.add_argument("--config", default="/etc/headrace/headrace.toml", help="the config the service reads")
     sub.add_parser("plugins", help="list the loaded plugins and what each registers")
     sub.add_parser("version", help="print the version")
     return parser, sub
@@ -93,6 +99,8 @@ def dispatch(args: argparse.Namespace) -> int:
             return 0
         if args.command == "plugins":
             return _plugins()
+        if args.command == "systemd-unit":
+            return _systemd_unit(args)
         if args.command in ("run", "profile"):
             return _local(args)
         if args.command == "ingest":
@@ -217,6 +225,16 @@ def _fetch_hub_models(config: Any) -> None:
     except (ValueError, FileNotFoundError) as exc:  # a bad hf: name, or a model missing offline: one line, exit 2
         raise ConfigError(str(exc)) from None
     hub_models.offline_by_default()
+
+
+def _systemd_unit(args: argparse.Namespace) -> int:
+    from headrace.daemon.systemd import unit
+
+    try:
+        sys.stdout.write(unit(args.user, args.exec_start, args.config))
+    except ValueError as exc:
+        raise ConfigError("systemd-unit", str(exc)) from None
+    return 0
 
 
 def _plugins() -> int:

@@ -21,6 +21,7 @@ from headrace.daemon.preload import Preloader
 from headrace.graph.service import WorkflowService
 from headrace.graph.sessions import SessionManager
 from headrace.plugins.manager import Registry, collect
+from headrace.private_files import private_data_dir
 
 
 @dataclass
@@ -54,6 +55,9 @@ class Daemon:
 
 
 def compose(config: Config, registry: Registry | None = None) -> Daemon:
+    # First, before anything writes: the data dir 0700 and every file made from now on 0600
+    # (the umask is the one switch that reaches LanceDB's and SQLite's own writers too).
+    private_data_dir(config.data.data_path())
     registry = registry or collect()
     metrics = Metrics()
     pool = EnginePool(config, registry, metrics)

@@ -77,9 +77,13 @@ class ServerConfig:
     # OpenAI SDK: 5 s), so the client closes first: a server closing at the same moment races a client
     # reusing the connection, whose request then fails as a connection error.
     keep_alive_seconds: int = 65
-    # More accepted keys, beside api_key (one per client, say). A run belongs to the key
-    # that created it: another key cannot see or cancel it.
+    # More accepted keys, beside api_key (one per client, say). What a key creates (runs, sessions,
+    # stored responses, collections) is its own: another key finds it absent (headrace.daemon.ownership).
     api_keys: list[str] = field(default_factory=list)
+    # With several keys, a key's requests reuse only the cached KV (prefix cache, retained contexts, KV tiers)
+    # its own requests left (issue 50): a cache hit tells no key what another sent. True: every key shares
+    # them, as one key or none always does (one tenant whose clients each have a key).
+    share_cache_across_keys: bool = False
     max_rerank_documents: int = 1000  # documents one /v1/rerank request may score; more is a 400
     # Starts every run and session id this daemon mints. Several daemons behind one router
     # (headrace-ray) each get their own, so the router tells from an id which daemon owns it.
@@ -108,6 +112,10 @@ class ServerConfig:
     def keys(self) -> list[str]:
         """Every accepted API key (api_key, then api_keys), each once; empty: no auth."""
         return list(dict.fromkeys(k for k in (self.api_key, *self.api_keys) if k))
+
+    def caches_per_key(self) -> bool:
+        """Whether each key's requests get cached KV of their own: several keys, not shared by choice."""
+        return len(self.keys()) > 1 and not self.share_cache_across_keys
 
 
 def _xdg(var: str, fallback: str, env: Mapping[str, str]) -> Path:

@@ -109,6 +109,8 @@ def _ensure_collection(client: httpx.Client, base: str, collection: str, setting
         r = client.post("/v1/collections", json={"name": collection, **settings})
         if r.status_code == 409:  # another client created it meanwhile
             r = client.get(f"/v1/collections/{name}")
+            if r.status_code == 404:  # names are one namespace across keys (docs/deploy.md#what-each-api-key-owns)
+                raise IngestError(f"collection {collection!r}: the name is taken by another API key's collection")
     if r.status_code != 200:
         raise IngestError(f"collection {collection!r}: {_error(r)}")
 

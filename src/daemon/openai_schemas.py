@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from headrace.plugins.protocols import MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN
 
@@ -39,6 +39,25 @@ TokenId = Annotated[int, Field(ge=0, lt=TOKEN_ID_LIMIT)]
 MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]
 # /v1/completions: 0 with echo scores the prompt and generates nothing (what lm-eval's loglikelihood may send).
 CompletionMaxTokens = Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)]
+
+
+MAX_CACHE_SALT = 256  # characters of a cache_salt
+
+
+def _cache_salt(salt: str) -> str:
+    # vLLM's CVE-2026-105756 was a crash on a bad salt: every bad one is a 400 here (bodies names its code).
+    if not salt:
+        raise ValueError("must be a non-empty string")
+    if len(salt) > MAX_CACHE_SALT:
+        raise ValueError(f"must be at most {MAX_CACHE_SALT} characters, not {len(salt)}")
+    if not salt.isprintable():
+        raise ValueError("must hold printable characters only (no control characters, tabs or line breaks)")
+    return salt
+
+
+CacheSalt = Annotated[str, AfterValidator(_cache_salt), Field(
+    description="vLLM's cache_salt: only requests with the same salt (and, where the daemon keeps API keys apart, "
+                f"the same key) reuse each other's cached KV. 1 to {MAX_CACHE_SALT} printable characters")]
 
 
 class Body(BaseModel):
@@ -78,6 +97,7 @@ class Sampling(Body):
         None, description="the program (an agent's or a conversation's turns) the request joins: the `las` LLM "
                           "policy ranks it by the tokens that program was served so far, and a turn that ends in "
                           "tool calls keeps its context's KV pinned for the program's next turn")
+    cache_salt: CacheSalt | None = None
     # OpenAI's penalties and logit_bias, and vLLM's extensions (its SamplingParams' names and ranges).
     presence_penalty: Penalty | None = Field(None, description="subtracted once from the logit of every token "
                                                                "generated so far; default 0")

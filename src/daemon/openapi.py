@@ -129,14 +129,14 @@ def document(workflows: Mapping[str, Workflow]) -> dict[str, Any]:
         "/v1/rerank": {"post": _op("rerank documents against a query", {"200": _json(_ref(o.RerankResponse))},
                                    _ref(o.RerankRequest))},
         "/v1/collections": {
-            "get": _op("the persistent collections, with document and chunk counts",
+            "get": _op("the caller's collections and the public ones, with document and chunk counts",
                        {"200": _json(_ref(h.CollectionList))}),
-            "post": _op("create a collection (409 if the name is taken)", {"200": _json(_ref(h.CollectionCard))},
+            "post": _op("create a collection owned by the caller's API key (409 if the name is taken)", {"200": _json(_ref(h.CollectionCard))},
                         _ref(h.CreateCollectionRequest)),
         },
         "/v1/collections/{collection}": {
             "get": _op("a collection", {"200": _json(_ref(h.CollectionCard))}, params=[COLLECTION]),
-            "delete": _op("delete a collection and its chunks", {"200": _json(_ref(h.Deleted))},
+            "delete": _op("delete a collection and its chunks (403 on a public one while keys are configured)", {"200": _json(_ref(h.Deleted))},
                           params=[COLLECTION]),
         },
         "/v1/collections/{collection}/documents": {"post": _op(

@@ -99,12 +99,12 @@ def _decode_all(engine: Any, prompts: list[list[int]]) -> list[str]:
 
 
 async def score(request: Request, slot: Any, prompts: list[ScoredPrompt], plan: ScoringPlan,
-                program: str | None) -> bool:
+                program: str | None, partition: str = "") -> bool:
     """Score ``prompts`` in place, as one run through the engine's scheduler, all at once (the engine batches
     them); False when the client disconnected first (the scoring is cancelled, its engine work freed)."""
     registry = services(request).programs
     meta = PrimitiveMeta(run=daemon(request).workflows.id_prefix + new_run_id(), program=program,
-                         attained_tokens=registry.attained(program))
+                         attained_tokens=registry.attained(program), cache_partition=partition)
     failed: list[BaseException] = []
     gone = False
 

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Discriminator, Field, Tag, create_model
 
 from headrace.daemon.headrace_schemas import Query
-from headrace.daemon.openai_schemas import FUNCTION_NAME, Body, MaxTokens, NonEmptyStr, Sampling
+from headrace.daemon.openai_schemas import FUNCTION_NAME, Body, CacheSalt, MaxTokens, NonEmptyStr, Sampling
 
 MAX_TOOLS = 128
 MAX_METADATA = 16  # OpenAI's: at most 16 pairs, keys up to 64 characters, values up to 512
@@ -180,6 +180,7 @@ class ResponseRequest(PeerSampling):
     user: str | None = Field(None, description="names the program when prompt_cache_key does not")
     prompt_cache_key: str | None = Field(None, description="the program a first turn joins (a continued turn "
                                                            "joins its predecessor's)")
+    cache_salt: CacheSalt | None = None  # this request's own: a continued turn does not inherit its predecessor's
     include: list[Literal["reasoning.encrypted_content"]] | None = Field(None, description="accepted: there is no "
                                                                                            "reasoning content")
     # Accepted, changing nothing here (as vLLM accepts them).

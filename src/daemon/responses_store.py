@@ -10,14 +10,15 @@ go on while another daemon writes.
 Each row holds the response as answered, the input items of its turn, and the conversation
 before them (``context``: the items every earlier turn of its chain sent and answered), so a
 continued response rebuilds its conversation from its predecessor alone, whatever became of
-older turns. A row belongs to the API key that made it (its principal; '' without keys): another
-key's response is as unknown as a missing one. Rows older than ``max_age_seconds`` are not read,
+older turns. A row records the API key that made it (its principal; '' without keys); the routes
+answer another key's response as a missing one (``headrace.daemon.ownership``). Rows older than ``max_age_seconds`` are not read,
 and are deleted at the next write.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import time
 from contextlib import closing
@@ -28,6 +29,7 @@ from typing import Any, Callable
 import anyio
 
 from headrace.daemon.config import ConfigError
+from headrace.private_files import FILE_MODE, private_dir
 
 FILE_NAME = "responses.sqlite3"
 BUSY_SECONDS = 10.0  # how long a write waits for another daemon's transaction on the same file
@@ -63,11 +65,13 @@ class ResponsesStore:
         self.path = data_dir / FILE_NAME
         self.max_age_seconds, self._clock = max_age_seconds, clock
         try:
-            data_dir.mkdir(parents=True, exist_ok=True)
+            private_dir(data_dir)
+            # Made 0600 before SQLite opens it: SQLite gives its -wal and -shm files the database file's mode.
+            os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT, FILE_MODE))
             with closing(self._connect()) as db, db:
                 db.execute("PRAGMA journal_mode=WAL")
                 db.executescript(SCHEMA)
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, OSError) as exc:
             # Refuse to start rather than serve a store we cannot read (as the collections registry does).
             raise ConfigError("data.dir", f"{self.path} is not a usable responses store: {exc}") from None
 
@@ -88,22 +92,23 @@ class ResponsesStore:
             db.execute("INSERT INTO responses (id, owner, created_at, program, record) VALUES (?, ?, ?, ?, ?)",
                        (stored.id, stored.owner or "", stored.created_at, stored.program, record))
 
-    async def get(self, response_id: str, owner: str | None) -> StoredResponse | None:
-        """The response ``owner`` stored under ``response_id``; None when missing, expired or another key's."""
-        return await anyio.to_thread.run_sync(self._get, response_id, owner or "")
+    async def get(self, response_id: str) -> StoredResponse | None:
+        """The response stored under ``response_id``, whoever's; None when missing or expired."""
+        return await anyio.to_thread.run_sync(self._get, response_id)
 
-    def _get(self, response_id: str, owner: str) -> StoredResponse | None:
+    def _get(self, response_id: str) -> StoredResponse | None:
         with closing(self._connect()) as db:
-            row = db.execute("SELECT created_at, program, record FROM responses WHERE id = ? AND owner = ? "
-                             "AND created_at >= ?", (response_id, owner, self._cutoff())).fetchone()
+            row = db.execute("SELECT owner, created_at, program, record FROM responses WHERE id = ? "
+                             "AND created_at >= ?", (response_id, self._cutoff())).fetchone()
         if row is None:
             return None
-        record = json.loads(row[2])
-        return StoredResponse(response_id, owner or None, row[0], row[1], record["response"], record["input_items"],
+        record = json.loads(row[3])
+        return StoredResponse(response_id, row[0] or None, row[1], row[2], record["response"], record["input_items"],
                               record["context"])
 
     async def delete(self, response_id: str, owner: str | None) -> bool:
-        """Delete ``owner``'s response; False when there was none to delete."""
+        """Delete ``owner``'s response; False when there was none to delete (the owner is checked again
+        here, in the same statement, so a row is never deleted under another key's name)."""
         return await anyio.to_thread.run_sync(self._delete, response_id, owner or "")
 
     def _delete(self, response_id: str, owner: str) -> bool:

@@ -76,8 +76,9 @@ class Turn:
 
 async def pinned_after(deltas: AsyncIterator[ChoiceDelta], engine: Any, prompt: list[int],
                        tools: structured.ToolPlan | None, program: str | None, registry: ProgramRegistry,
-                       prefixes: list[tuple[int, float]]) -> AsyncIterator[ChoiceDelta]:
-    """``deltas``; once they all came (not when the client left), the turn's pins."""
+                       prefixes: list[tuple[int, float]], partition: str = "") -> AsyncIterator[ChoiceDelta]:
+    """``deltas``; once they all came (not when the client left), the turn's pins, in the request's cache
+    ``partition`` (where its prompt was cached)."""
     turn = Turn(tools)
     async with aclosing(deltas):  # closed early (the client left), the run below is cancelled
         async for c in deltas:
@@ -87,8 +88,10 @@ async def pinned_after(deltas: AsyncIterator[ChoiceDelta], engine: Any, prompt: 
             yield c
     if not isinstance(engine, PinsPrefixes):
         return
+    # The shared partition: the call every engine has always taken.
+    where = {"cache_partition": partition} if partition and getattr(engine, "isolates_caches", False) else {}
     for n, ttl in prefixes:
-        await _best_effort(lambda n=n, ttl=ttl: engine.pin_prefix(prompt[:n], ttl))
+        await _best_effort(lambda n=n, ttl=ttl: engine.pin_prefix(prompt[:n], ttl, **where))
     if program is None:
         return
     generated = turn.tool_call_ids()
@@ -96,7 +99,7 @@ async def pinned_after(deltas: AsyncIterator[ChoiceDelta], engine: Any, prompt: 
         next_use = registry.wait_on_tool(program)
         # Refused for the budget, the entry still carries the program's predicted return: unpinned later all the same.
         if await _best_effort(lambda: engine.pin_prefix(prompt + generated, None, owner=program,
-                                                        next_use=next_use)) is not None:
+                                                        next_use=next_use, **where)) is not None:
             registry.retained.add(program)
     elif program in registry.retained:
         registry.retained.discard(program)

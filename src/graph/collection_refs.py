@@ -30,8 +30,9 @@ class CollectionInfo:
     chunks: int = 0
 
 
-# name -> the collection, or None when there is none by that name
-CollectionLookup = Callable[[str], CollectionInfo | None]
+# (name, who asks: an API key's principal or None) -> the collection, or None when there is none
+# by that name that they may read (another key's is as absent as a missing one)
+CollectionLookup = Callable[[str, str | None], CollectionInfo | None]
 
 
 class UnknownCollection(LookupError):

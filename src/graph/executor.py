@@ -114,6 +114,8 @@ class Run:
     owner: str | None = None  # the principal (API key digest) that created it; None: no auth
     program: str | None = None  # the program it belongs to across runs (an OpenAI request naming one)
     attained_tokens: int = 0  # tokens that program's earlier requests were served (``las`` ranks by it)
+    # The cached KV its LLM calls may share (``PrimitiveMeta.cache_partition``): its key's, its salt's; "" shared.
+    cache_partition: str = ""
     growth: Growth | None = None  # set: a growing run, whose node sets arrive while it runs
 
 
@@ -175,7 +177,8 @@ class Executor:
                         alone=EngineTurns() if run.isolate else None, arrival=run.arrival,
                         deadline=None if run.slo_seconds is None else run.arrival + run.slo_seconds,
                         objectives=deduced, task_groups=groups, remaining=self.remaining.of(run.workflow),
-                        program=run.program, attained_tokens=run.attained_tokens)
+                        program=run.program, attained_tokens=run.attained_tokens,
+                        cache_partition=run.cache_partition)
         run.status, run.started = "running", time.monotonic()
         run.events.publish({"event": "run.started", "run": run.id, "workflow": run.workflow})
         if self.calls is not None:

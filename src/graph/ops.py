@@ -52,6 +52,7 @@ class OpContext:
     remaining: Mapping[str, float] = field(default_factory=dict)  # node id -> least seconds from its start to the run's end
     program: str | None = None  # the program the run belongs to across runs; None: the run is its program
     attained_tokens: int = 0  # that program's service before this run
+    cache_partition: str = ""  # the cached KV the run's LLM calls may share (``PrimitiveMeta.cache_partition``)
 
     def meta(self, node: Node, key: tuple = ()) -> PrimitiveMeta:
         """What the engine's scheduler and its batch policy see: the primitive, not an anonymous request."""
@@ -59,13 +60,14 @@ class OpContext:
             run=self.run_id, node=node.id, key=key, depth=node.depth, task_group=self.task_groups.get(node.id),
             objective=self.objectives.get(node.id, "latency"), prefix_hash=node.prefix_hash,
             arrival=self.arrival, deadline=self.deadline, policy=self.policy, remaining=self.remaining.get(node.id),
-            program=self.program, attained_tokens=self.attained_tokens,
+            program=self.program, attained_tokens=self.attained_tokens, cache_partition=self.cache_partition,
         )
 
     def run_meta(self) -> PrimitiveMeta:
         """For a request the run makes outside any primitive (dropping its own table at its end)."""
         return PrimitiveMeta(run=self.run_id, arrival=self.arrival, deadline=self.deadline, policy=self.policy,
-                             program=self.program, attained_tokens=self.attained_tokens)
+                             program=self.program, attained_tokens=self.attained_tokens,
+                             cache_partition=self.cache_partition)
 
 
 def chunk_text(docs: Any, size: int, overlap: int) -> list[str]:

@@ -120,11 +120,15 @@ class WorkflowService:
     def describe(self) -> list[dict[str, Any]]:
         return [w.schema() for w in self.workflows.values()]
 
-    def prepare(self, name: str, inputs: Any, config: Any) -> Run:
-        """Validate and build the run's e-graph; raises WorkflowInputError naming a bad field."""
-        return self._register(self._plan(name, inputs, config))
+    def prepare(self, name: str, inputs: Any, config: Any, owner: str | None = None) -> Run:
+        """Validate and build the run's e-graph; raises WorkflowInputError naming a bad field.
 
-    async def prepare_off_loop(self, name: str, inputs: Any, config: Any) -> Run:
+        ``owner``: who asks (an API key's principal, None without keys); the run is theirs, and a
+        collection it names must be one they may read.
+        """
+        return self._register(self._plan(name, inputs, config, owner), owner)
+
+    async def prepare_off_loop(self, name: str, inputs: Any, config: Any, owner: str | None = None) -> Run:
         """``prepare`` with the validation and the build on a worker thread, one at a time.
 
         Tokenizing a long question or chunking megabytes of documents takes seconds of CPU;
@@ -132,8 +136,8 @@ class WorkflowService:
         """
         if self._plan_limiter is None:
             self._plan_limiter = anyio.CapacityLimiter(1)
-        plan = await anyio.to_thread.run_sync(self._plan, name, inputs, config, limiter=self._plan_limiter)
-        return self._register(plan)
+        plan = await anyio.to_thread.run_sync(self._plan, name, inputs, config, owner, limiter=self._plan_limiter)
+        return self._register(plan, owner)
 
     async def _optimize_off_loop(self, pgraph: Graph, env: PassEnv, passes: Iterable[str] | None) -> Optimized:
         """A traced run's node set through the passes, on the planning thread (the e-graph cache is shared)."""
@@ -141,13 +145,13 @@ class WorkflowService:
             self._plan_limiter = anyio.CapacityLimiter(1)
         return await anyio.to_thread.run_sync(self.optimizer.optimize, pgraph, env, passes, limiter=self._plan_limiter)
 
-    def _plan(self, name: str, inputs: Any, config: Any) -> _Plan:
+    def _plan(self, name: str, inputs: Any, config: Any, owner: str | None = None) -> _Plan:
         workflow = self.workflows.get(name)
         if workflow is None:
             raise UnknownWorkflow(name)
         inputs, config = workflow.validate(inputs, config)
         chosen = self._check_engines(config.get("engines", {}))
-        engines = {**self._engines_by_kind(), **chosen, **self._collection_engines(workflow, inputs, chosen)}
+        engines = {**self._engines_by_kind(), **chosen, **self._collection_engines(workflow, inputs, chosen, owner)}
         for kind in workflow.kinds:
             if kind not in engines:
                 raise WorkflowInputError(f"config.engines.{kind}", f"no {kind} engine is configured or ready")
@@ -180,7 +184,8 @@ class WorkflowService:
                 raise WorkflowInputError(f"config.engines.{kind}", f"{name!r} is an engine of kind {engine.kind!r}, not {kind!r}")
         return dict(chosen)
 
-    def _collection_engines(self, workflow: Workflow, inputs: dict[str, Any], chosen: Mapping[str, str]) -> dict[str, str]:
+    def _collection_engines(self, workflow: Workflow, inputs: dict[str, Any], chosen: Mapping[str, str],
+                            owner: str | None) -> dict[str, str]:
         """A run on a persistent collection: it must exist and hold chunks, and its question is
         embedded (and searched) by the engines that indexed it, or the vectors would not compare."""
         if "collection" not in workflow.inputs or "collection" not in inputs:
@@ -189,7 +194,7 @@ class WorkflowService:
         problem = collection_refs.check_name(name)
         if problem:
             raise WorkflowInputError("inputs.collection", problem)
-        info = self._collections(name) if self._collections is not None else None
+        info = self._collections(name, owner) if self._collections is not None else None
         if info is None:
             raise UnknownCollection(name)
         if info.chunks == 0:
@@ -224,8 +229,8 @@ class WorkflowService:
                     raise WorkflowInputError(f"inputs.{key}", f"is {n} tokens; with an answer of {answer} tokens it "
                                              f"does not fit the context of {llm!r} ({limit} tokens)")
 
-    def _register(self, plan: _Plan) -> Run:
-        run = Run(workflow=plan.workflow.name, graph=plan.optimized.graph, inputs=plan.inputs,
+    def _register(self, plan: _Plan, owner: str | None = None) -> Run:
+        run = Run(workflow=plan.workflow.name, graph=plan.optimized.graph, inputs=plan.inputs, owner=owner,
                   outputs=plan.workflow.outputs, applied=plan.optimized.applied, policy=plan.policy,
                   isolate=plan.isolate, slo_seconds=plan.slo_seconds, id=self.id_prefix + new_run_id())
         run.events = RunEvents(self.event_log)
@@ -269,8 +274,8 @@ class WorkflowService:
             yield choice.delta
 
     async def generate_choices(self, engine: str, prompts: Sequence[list[int]], params: SamplingParams,
-                               n: int = 1, program: str | None = None,
-                               attained_tokens: int = 0) -> AsyncIterator[ChoiceDelta]:
+                               n: int = 1, program: str | None = None, attained_tokens: int = 0,
+                               cache_partition: str = "") -> AsyncIterator[ChoiceDelta]:
         """``n`` choices per prompt as one run of prefill and decode primitives, their deltas streamed back.
 
         Choice ``i * n + j`` is prompt ``i``'s ``j``-th sample (vLLM's and OpenAI's numbering). With
@@ -279,12 +284,13 @@ class WorkflowService:
         Plain OpenAI requests take this path so they share the executor, the schedulers and
         cancellation with workflows. Closing the iterator cancels the run and frees its contexts.
         ``program``: the program the request joins (None: a program of one call), whose earlier requests
-        were served ``attained_tokens``; both reach the LLM scheduler in ``PrimitiveMeta``.
+        were served ``attained_tokens``; both reach the LLM scheduler in ``PrimitiveMeta``, as does
+        ``cache_partition`` (the cached KV the request may reuse: ``PrimitiveMeta.cache_partition``).
         """
         built = request_graph(engine, prompts, params, n)
         graph, choice_of = built.graph, built.choice_of
         run = Run(workflow="request", graph=graph, inputs={}, outputs=(), id=self.id_prefix + new_run_id(),
-                  program=program, attained_tokens=attained_tokens)
+                  program=program, attained_tokens=attained_tokens, cache_partition=cache_partition)
         output = ChoiceCollector()
 
         async def forward(node: Node, key: tuple, delta: TokenDelta) -> None:

@@ -350,6 +350,18 @@ class KeepsContexts(Protocol):
 
 
 @runtime_checkable
+class IsolatesCaches(Protocol):
+    """An LLM engine whose cached KV (prefix cache, retained contexts, KV tiers, on disk too) is partitioned, when
+    ``isolates_caches`` is true (issue 50, vLLM's ``cache_salt``): its ``prefill``, ``generate``,
+    ``prompt_logprobs`` and ``pin_prefix`` also take a keyword-only ``cache_partition`` string ("" the shared
+    partition, what a call without it gets), and a request reuses, waits for and pins only KV that requests of
+    its own partition left: across partitions its prompt counts no cached tokens and no tier hit. The LLM
+    scheduler sends it from ``PrimitiveMeta.cache_partition``, and only when not empty."""
+
+    isolates_caches: bool
+
+
+@runtime_checkable
 class ScheduledScoring(Protocol):
     """An LLM's scheduler, as an engine that scores with that LLM sees it."""
 

@@ -13,6 +13,7 @@ decode: what ``generate`` does). The rows compared with a reference's say what t
   summation order and KV copies, so the **numeric floor** every reuse is judged against;
 - ``prefix-hit``: the same prompt prefilled twice: the second finds its block-aligned prefix in the engine's prefix
   cache and fills only the tail (the cached count is checked);
+- ``branch_hit`` (not in ``PATHS``): the prompt's head found as a prefix of a longer cached prompt;
 - ``host`` and ``disk``: the prompt's prefix restored from a KV tier (``kv_store``): ``host`` after an evictor
   prompt pushed it from the cells to host memory; ``disk`` on an engine restarted on the data dir a previous one
   saved it in (``restored``). The tier's hit count in ``engine.stats()`` is checked.
@@ -148,6 +149,25 @@ async def prefix_hit(engine: Any, prompt: Sequence[int], answer: Sequence[int], 
     return await _finish(engine, ctx, len(prompt), cached, seconds, answer, greedy)
 
 
+async def branch_hit(engine: Any, prompt: Sequence[int], answer: Sequence[int], head: int, other: Sequence[int], *,
+                     greedy: int = 0, block: int = BLOCK) -> PathRun:
+    """The prompt's first ``head`` tokens then ``other`` prefilled (and cached), then the prompt: its block-aligned
+    head is a hit on a *prefix* of that longer entry (one system prompt or document before different questions)
+    and the rest is computed. The engine's cache should hold nothing else of the prompt. On a sliding-window model
+    the longer entry's window layers may have dropped what the head's continuation attends
+    (``plugins/engines/llama_cpp_swa``): the engine must compute it whole (``PathNotTaken`` here) or be right."""
+    if not block <= head < len(prompt):
+        raise ValueError(f"a shared head must be a block or more and inside the prompt, not {head}")
+    longer, _, _ = await _fill(engine, list(prompt[:head]) + list(other))
+    await engine.free(longer)
+    ctx, cached, seconds = await _fill(engine, prompt)
+    if cached != head // block * block:
+        await engine.free(ctx)
+        raise PathNotTaken(f"a prompt sharing its first {head} tokens with a longer cached one found {cached} "
+                           f"cached, not {head // block * block}")
+    return await _finish(engine, ctx, len(prompt), cached, seconds, answer, greedy)
+
+
 async def restored(engine: Any, prompt: Sequence[int], answer: Sequence[int], tier: str, *, greedy: int = 0,
                    block: int = BLOCK) -> PathRun:
     """The prompt prefilled where a KV tier (``host`` or ``disk``) holds its prefix and the cells do not: it must be
@@ -193,11 +213,15 @@ def evictor(engine: Any, room: int) -> list[int]:
     block with any real prompt: prefilled, it takes a cache of ``room`` tokens for itself. Restored from the
     tiers after its first prefill, it costs little the next times."""
     words = " ".join(f"evict{i}" for i in range(room))
-    tokens = engine.chat_tokens([{"role": "system", "content": f"Evictor. {words}"}])
+    # A user turn after it: some templates (Gemma 3's) fold a system message into the first user turn and drop it
+    # when there is none.
+    tokens = engine.chat_tokens([{"role": "system", "content": f"Evictor. {words}"},
+                                 {"role": "user", "content": "Evict."}])
     if len(tokens) < room + 1:
         raise ValueError(f"an evictor of {room + 1} tokens needs more words")
     return list(tokens[: room + 1])
 
 
 __all__ = ["PATHS", "COLD", "FORK", "PIECES", "PREFIX_HIT", "HOST", "DISK", "PathNotTaken", "PathRun", "cold", "fork",
-           "pieces", "prefix_hit", "restored", "host", "block_prefix", "cells_room", "reuse_options", "evictor"]
+           "pieces", "prefix_hit", "branch_hit", "restored", "host", "block_prefix", "cells_room", "reuse_options",
+           "evictor"]

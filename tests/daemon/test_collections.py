@@ -23,7 +23,7 @@ from anyio.from_thread import start_blocking_portal
 from starlette.testclient import TestClient
 
 from conftest import ROOT, free_port, in_process
-from headrace.daemon.app import create_app
+from headrace.daemon.app import create_app, principal
 from headrace.daemon.collection_registry import Collection, CollectionRegistry
 from headrace.daemon.config import ConfigError, load_config
 
@@ -96,11 +96,12 @@ class Daemon:
 
     def run_keeping(self, workflow: str, inputs: dict, config: dict, keep: tuple[str, ...]):
         """A run through the daemon's own workflow service that also returns variables ``keep``
-        (the retrieved context), which a run's record over HTTP does not carry."""
+        (the retrieved context), which a run's record over HTTP does not carry. It runs as KEY's, as a
+        request with HEADERS would: the collections are KEY's."""
         svc = self.app.state.services.daemon.workflows
 
         async def go():
-            run = await svc.prepare_off_loop(workflow, inputs, config)
+            run = await svc.prepare_off_loop(workflow, inputs, config, principal(KEY))
             run.outputs = (*run.outputs, *keep)
             await svc.execute(run)
             return run

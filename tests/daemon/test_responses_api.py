@@ -229,10 +229,10 @@ def test_stored_responses_survive_a_restart_and_expire(server, tmp_path):
         items = restarted.get(f"/v1/responses/{r['id']}/input_items?order=asc&limit=1", headers=HEADERS).json()
         assert items["data"][0]["content"][0]["text"] == "Hello" and items["has_more"] is False
     # Past max_age_seconds it is gone (read as the daemon would a minute later).
-    who = principal(API_KEY)
-    assert anyio.run(ResponsesStore(data, max_age_seconds=60).get, r["id"], who) is not None
+    kept = anyio.run(ResponsesStore(data, max_age_seconds=60).get, r["id"])
+    assert kept is not None and kept.owner == principal(API_KEY)
     later = ResponsesStore(data, max_age_seconds=60, clock=lambda: time.time() + 61)
-    assert anyio.run(later.get, r["id"], who) is None
+    assert anyio.run(later.get, r["id"]) is None
 
 
 def test_a_bad_responses_setting_is_a_named_config_error(tmp_path):

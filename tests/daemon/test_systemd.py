@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import pytest
@@ -163,3 +167,64 @@ def test_model_loading_logs_one_line_per_engine_and_no_library_noise(tmp_path):
         assert len(re.findall(rf"loaded {engine} in \d+\.\d s( \(.* by (its tensors|RSS growth)\))?$", log, re.M)) == 1, log
     assert not PROGRESS_BAR.search(log), log
     assert not WARNING_LINE.search(log), log
+
+
+# ----- the unit ----------------------------------------------------------------------------------
+
+HARDENING = {"NoNewPrivileges": "yes", "ProtectSystem": "strict", "ProtectHome": "yes", "PrivateTmp": "yes",
+             "UMask": "0077", "StateDirectory": "headrace", "CacheDirectory": "headrace",
+             "StateDirectoryMode": "0700", "RestrictSUIDSGID": "yes"}
+
+
+def unit_settings(text: str) -> dict[str, list[str]]:
+    settings: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if "=" in line and not line.startswith(("#", "[")):
+            key, _, value = line.partition("=")
+            settings.setdefault(key, []).append(value)
+    return settings
+
+
+def test_the_shipped_unit_is_the_one_headrace_writes():
+    from headrace.daemon import systemd
+
+    assert (ROOT / "configs" / "headrace.service").read_text() == systemd.unit()
+
+
+@pytest.mark.parametrize("user", [None, "headrace"])
+def test_the_unit_is_hardened_and_runs_as_a_dedicated_user(user):
+    from headrace.daemon import systemd
+
+    settings = unit_settings(systemd.unit(user, "/opt/headrace/bin/headrace", "/etc/headrace/h.toml"))
+    assert {k: settings.get(k) for k in HARDENING} == {k: [v] for k, v in HARDENING.items()}
+    if user is None:
+        assert settings["DynamicUser"] == ["yes"] and "User" not in settings
+    else:
+        assert settings["User"] == settings["Group"] == [user] and "DynamicUser" not in settings
+    assert settings["ExecStart"] == ["/opt/headrace/bin/headrace serve --config /etc/headrace/h.toml"]
+    # ProtectSystem=strict leaves only these writable: the data and cache dirs must be them.
+    assert settings["Environment"][:2] == ["HEADRACE_DATA_DIR=%S/headrace", "HEADRACE_DATA_CACHE_DIR=%C/headrace"]
+
+
+@pytest.mark.parametrize("bad", [{"user": "Root User"}, {"user": "x;rm"}, {"exec_start": "/opt/my headrace"},
+                                 {"config": "/etc/%h.toml"}, {"exec_start": ""}])
+def test_a_unit_of_a_bad_user_or_path_is_refused(bad):
+    from headrace.daemon import systemd
+
+    with pytest.raises(ValueError):
+        systemd.unit(**bad)
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None,
+                    reason="systemd-analyze is not installed (Debian: apt-get install systemd)")
+@pytest.mark.parametrize("user", [None, "headrace"])
+def test_systemd_analyze_verifies_the_unit(tmp_path, user):
+    from headrace.daemon import systemd
+
+    headrace = Path(sys.executable).parent / "headrace"  # verify checks that ExecStart's binary is executable
+    unit = tmp_path / "headrace.service"
+    unit.write_text(systemd.unit(user, str(headrace)))
+    r = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60)
+    # An unknown or misspelt key is only a warning (exit 0): any line about our file fails too.
+    about_ours = [line for line in (r.stdout + r.stderr).splitlines() if unit.name in line]
+    assert r.returncode == 0 and not about_ours, r.stdout + r.stderr

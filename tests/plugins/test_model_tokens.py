@@ -106,7 +106,7 @@ def test_gemma_chat_prompts_have_one_bos_and_no_template_is_named():
 
 
 def _config(tmp: Path) -> Path:
-    """configs/gemma3.toml's engine (its template made absolute), the same model with no template, and SmolLM2."""
+    """configs/gemma3.toml's engines (its template made absolute: Gemma, SmolLM2...), and Gemma with no template."""
     text = (ROOT / "configs" / "gemma3.toml").read_text()
     assert 'chat_template = "configs/templates/gemma3.jinja"' in text
     text = text.replace('"configs/templates/gemma3.jinja"', json.dumps(str(TEMPLATE)))
@@ -122,19 +122,8 @@ threads = 2
 n_seq_max = 2
 prefix_cache_sequences = 1
 max_batch_tokens = 512
-
-[[engines]]
-name = "smollm2"
-plugin = "llama-cpp"
-model = "{DEFAULT_MODEL}"
-
-[engines.options]
-quantize = "none"
-threads = 2
-n_seq_max = 2
-prefix_cache_sequences = 1
-max_batch_tokens = 512
 """
+    assert f'model = "{DEFAULT_MODEL}"' in text  # SmolLM2, the reranker's LLM: the config's "smollm2"
     path = tmp / "gemma3.toml"
     path.write_text(text)
     return path
@@ -204,3 +193,57 @@ def test_gemma_chat_needs_a_template(daemon):
     # /v1/completions needs no template.
     out = _post(daemon, "/v1/completions", {"model": "gemma3-bare", "prompt": CAPITAL, "max_tokens": 2})
     assert out.status_code == 200, out.text
+
+
+# ----- Gemma served end to end (issue 48 part 4) ---------------------------------------------------
+
+END_OF_TURN = 106  # <end_of_turn>: the template's turn end; the GGUF's EOS is <eos> (1) only
+
+
+def test_gemma_ends_a_chat_answer_at_its_templates_end_of_turn(daemon):
+    # The shipped GGUF is the base model (it does not end its turns by itself): the bias makes <end_of_turn> its
+    # first token. With the template it ends the answer (as llama.cpp's end-of-generation tokens and the instruct
+    # model's generation config say); on the same model with no template it is just a token.
+    bias = {"logit_bias": {str(END_OF_TURN): 100}, "max_tokens": 4, "temperature": 0}
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    out = _post(daemon, "/v1/chat/completions", {"model": "gemma3-270m", "messages": messages, **bias})
+    assert out.status_code == 200, out.text
+    choice = out.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"] == "", choice
+    out = _post(daemon, "/v1/completions", {"model": "gemma3-bare", "prompt": CAPITAL, **bias})
+    assert out.status_code == 200, out.text
+    assert out.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_gemma_streams_a_chat_answer(daemon):
+    body = {"model": "gemma3-270m", "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 6,
+            "temperature": 0, "stream": True}
+    chunks = []
+    with httpx.stream("POST", f"{daemon.base_url}/v1/chat/completions", json=body, timeout=300) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert len(chunks) >= 3 and text.strip(), chunks
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" or any(
+        c["choices"] and c["choices"][0].get("finish_reason") for c in chunks)
+
+
+@pytest.mark.parametrize("workflow", ["naive_rag", "advanced_rag"])
+def test_gemma_answers_the_rag_workflows(daemon, workflow):
+    """configs/gemma3.toml: Gemma synthesises (the first LLM), all-MiniLM embeds, LanceDB searches, SmolLM2's
+    reranker scores (advanced_rag)."""
+    docs = ["A headrace is the channel that carries water to a mill wheel.",
+            "The tailrace carries the water away from the wheel, back to the river."]
+    body = {"inputs": {"question": "What does a headrace carry?", "documents": docs},
+            "config": {"max_tokens": 12, **({"n_queries": 2} if workflow == "advanced_rag" else {})}}
+    out = _post(daemon, f"/v1/workflows/{workflow}/runs", body)
+    assert out.status_code == 200, out.text
+    run = out.json()
+    assert run["status"] == "succeeded" and run["result"]["answer"].strip(), run
+    nodes = httpx.get(f"{daemon.base_url}/v1/runs/{run['id']}", timeout=30).json()["nodes"]
+    engines = {n["engine"] for n in nodes}
+    assert "gemma3-270m" in engines and "all-minilm-l6-v2" in engines and "lancedb" in engines, engines
+    if workflow == "advanced_rag":
+        assert "smollm2-rerank" in engines, engines

@@ -26,6 +26,7 @@ from headrace.daemon import bodies as rq
 from headrace.daemon.collection_registry import Collection, CollectionRegistry, chunk_ids
 from headrace.daemon.errors import APIError, bad_request
 from headrace.daemon.headrace_schemas import AddDocumentsRequest, CreateCollectionRequest
+from headrace.daemon.ownership import caller, read_only, readable
 from headrace.daemon.services import daemon
 from headrace.daemon.slots import EngineSlot
 from headrace.graph.ops import chunk_text
@@ -33,11 +34,16 @@ from headrace.graph.ops import chunk_text
 log = logging.getLogger(__name__)
 
 
-def _collection(request: Request) -> Collection:
+def _collection(request: Request, change: bool = False) -> Collection:
+    """The collection in the path, if the caller may read it (another key's is 404, as a missing one);
+    ``change``: and change it (a public one, made without a key, is read-only while keys are configured)."""
     name = request.path_params["collection"]
-    collection = daemon(request).collections.get(name)
+    collection = readable(request, daemon(request).collections.get(name))
     if collection is None:
         raise APIError(404, f"no collection named {name!r}", param="collection", code="collection_not_found")
+    if change and read_only(request, collection):
+        raise APIError(403, f"collection {name!r} is public (made without an API key): every key reads and "
+                            "searches it, none changes it", param="collection", code="collection_read_only")
     return collection
 
 
@@ -62,7 +68,7 @@ def _default_engine(request: Request, kind: str, param: str) -> str:
 
 
 async def list_collections(request: Request) -> Response:
-    collections = daemon(request).collections.all()
+    collections = [c for c in daemon(request).collections.all() if readable(request, c) is not None]
     return JSONResponse({"object": "list", "data": [c.card() for c in collections]})
 
 
@@ -81,10 +87,10 @@ async def create_collection(request: Request) -> Response:
     store_slot = _slot(request, store, "vector_store", "vector_store")
     registry = daemon(request).collections
     async with registry.lock():
-        if body.name in registry.collections:
+        if body.name in registry.collections:  # names are one namespace across keys (docs/deploy.md)
             raise APIError(409, f"a collection named {body.name!r} already exists", param="name",
                            code="collection_exists")
-        collection = Collection(body.name, embed, store, body.chunk_size, body.chunk_overlap)
+        collection = Collection(body.name, embed, store, body.chunk_size, body.chunk_overlap, owner=caller(request))
         with anyio.CancelScope(shield=True):
             # A table left by a delete that crashed before its drop would hand its old rows
             # to the new collection: drop it first (dropping no table is no error).
@@ -101,7 +107,7 @@ async def create_collection(request: Request) -> Response:
 async def delete_collection(request: Request) -> Response:
     registry = daemon(request).collections
     async with registry.lock():
-        collection = _collection(request)
+        collection = _collection(request, change=True)
         with anyio.CancelScope(shield=True):
             # The registry first: a crash before the drop leaves only an orphan table, which
             # the next create of this name drops.
@@ -121,7 +127,7 @@ async def delete_collection(request: Request) -> Response:
 
 
 async def add_documents(request: Request) -> Response:
-    collection = _collection(request)
+    collection = _collection(request, change=True)
     raw = await rq.read_json(request, daemon(request).config.server.max_body_bytes)
     body = rq.validate(AddDocumentsRequest, raw)
     ids: list[str] = []
@@ -166,7 +172,7 @@ async def delete_document(request: Request) -> Response:
     registry = daemon(request).collections
     doc_id = request.path_params["document_id"]
     async with registry.lock():
-        collection = _collection(request)
+        collection = _collection(request, change=True)
         n = collection.documents.get(doc_id)
         if n is None:
             raise APIError(404, f"collection {collection.name!r} has no document {doc_id!r}", param="document_id",

@@ -20,6 +20,7 @@ from headrace.batching.programs import PROGRAM_HEADER, ProgramRegistry, program_
 from headrace.daemon import bodies as rq
 from headrace.daemon import prompt_logprobs as scoring
 from headrace.daemon import retention, structured
+from headrace.daemon.cache_partition import cache_partition
 from headrace.daemon.errors import APIError, bad_request, internal
 from headrace.daemon.logprobs import CompletionLogprobs, TokenStrings, chat_content
 from headrace.daemon.prompt_logprobs import ScoredPrompt, ScoringPlan
@@ -118,9 +119,10 @@ async def chat_completions(request: Request) -> Response:
     body, slot = await _llm_request(request, ChatCompletionRequest, "chat completions")
     spec = rq.stream_spec(body)
     plan = scoring.chat_plan(slot, body, spec)
+    partition = cache_partition(request, body.cache_salt, slot.engine)
     chat = await plan_chat(slot, body)
     return await _respond(request, slot, [chat.tokens], chat.params, body.n or 1, spec, chat=True, tools=chat.tools,
-                          program=_program(request, body), pins=chat.pins, plan=plan)
+                          program=_program(request, body), pins=chat.pins, plan=plan, partition=partition)
 
 
 @dataclass(frozen=True)
@@ -170,6 +172,7 @@ def no_template_is_400() -> Iterator[None]:
 
 async def completions(request: Request) -> Response:
     body, slot = await _llm_request(request, CompletionRequest, "completions")
+    partition = cache_partition(request, body.cache_salt, slot.engine)
     prompts = rq.completion_prompts(body)
     spec = rq.stream_spec(body)
     plan = scoring.completion_plan(slot, body, spec)
@@ -197,7 +200,7 @@ async def completions(request: Request) -> Response:
         token_lists.append(tokens)
     echoed = await scoring.prompts_as_sent(slot, token_lists, prompts) if plan is not None else None
     return await _respond(request, slot, token_lists, params, n, spec, chat=False, program=_program(request, body),
-                          plan=plan, echoed=echoed)
+                          plan=plan, echoed=echoed, partition=partition)
 
 
 def _program(request: Request, body: Any) -> str | None:
@@ -275,8 +278,10 @@ async def collect(request: Request, deltas: AsyncIterator[ChoiceDelta], count: i
 async def _respond(request: Request, slot: Any, prompts: list[list[int]], params: SamplingParams, n: int,
                    spec: rq.StreamSpec, chat: bool, tools: structured.ToolPlan | None = None,
                    program: str | None = None, pins: list[tuple[int, float]] | None = None,
-                   plan: ScoringPlan | None = None, echoed: list[ScoredPrompt] | None = None) -> Response:
-    """Generate and answer; with a ``plan``, the prompts (``echoed``: completions' own) are scored first."""
+                   plan: ScoringPlan | None = None, echoed: list[ScoredPrompt] | None = None,
+                   partition: str = "") -> Response:
+    """Generate and answer; with a ``plan``, the prompts (``echoed``: completions' own) are scored first.
+    ``partition``: the cached KV the request may reuse (``cache_partition``)."""
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
     count = len(prompts) * n
@@ -287,10 +292,10 @@ async def _respond(request: Request, slot: Any, prompts: list[list[int]], params
         echoed = echoed or [ScoredPrompt(p, "") for p in prompts]
         if plan.scores:
             names = strings or TokenStrings(slot.engine.tokenizer)
-            if not await scoring.score(request, slot, echoed, plan, program):
+            if not await scoring.score(request, slot, echoed, plan, program, partition):
                 return Response(status_code=499)  # the client left while its prompts were scored
     if plan is None or plan.generate:
-        deltas = generation(request, slot, prompts, params, n, chat, tools, program, pins)
+        deltas = generation(request, slot, prompts, params, n, chat, tools, program, pins, partition)
     else:
         deltas = _nothing()
     if not spec.stream:
@@ -325,22 +330,24 @@ async def _nothing() -> AsyncIterator[ChoiceDelta]:
 
 def generation(request: Request, slot: Any, prompts: list[list[int]], params: SamplingParams, n: int, chat: bool,
                tools: structured.ToolPlan | None = None, program: str | None = None,
-               pins: list[tuple[int, float]] | None = None) -> AsyncIterator[ChoiceDelta]:
-    """The deltas of ``prompts`` generated as one request: counted to ``program``, a chat turn's pins made after."""
+               pins: list[tuple[int, float]] | None = None, partition: str = "") -> AsyncIterator[ChoiceDelta]:
+    """The deltas of ``prompts`` generated as one request: counted to ``program``, a chat turn's pins made after;
+    it reuses only the cached KV of its ``partition`` (``cache_partition``)."""
     n_prompt = sum(map(len, prompts))
     # A one-request run through the graph executor: the same batching path as workflows. A named program
     # brings the tokens its earlier requests were served (``las`` ranks by them) and adds this one's.
     registry = services(request).programs
     if program is None:
-        deltas = daemon(request).workflows.generate_choices(slot.name, prompts, params, n)
+        deltas = daemon(request).workflows.generate_choices(slot.name, prompts, params, n, cache_partition=partition)
     else:
         registry.back(program)
         deltas = _served(daemon(request).workflows.generate_choices(
-            slot.name, prompts, params, n, program=program, attained_tokens=registry.attained(program)),
-            registry, program, n_prompt)
+            slot.name, prompts, params, n, program=program, attained_tokens=registry.attained(program),
+            cache_partition=partition), registry, program, n_prompt)
     retained = program if slot.retention else None  # switched off: the program's turns are served as LRU finds them
     if chat and (pins or retained is not None):  # a chat turn's pins (headrace.daemon.retention)
-        deltas = retention.pinned_after(deltas, slot.engine, prompts[0], tools, retained, registry, pins or [])
+        deltas = retention.pinned_after(deltas, slot.engine, prompts[0], tools, retained, registry, pins or [],
+                                        partition)
     return deltas
 
 

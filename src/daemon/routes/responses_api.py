@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from headrace.batching.programs import PROGRAM_HEADER, program_of
 from headrace.daemon import bodies as rq
+from headrace.daemon.cache_partition import cache_partition
 from headrace.daemon.errors import APIError, bad_request, internal
 from headrace.daemon.openai_schemas import ChatCompletionRequest
 from headrace.daemon.responses_schemas import (PEER_SAMPLING, FunctionCallItem, FunctionCallOutputItem,
@@ -35,7 +36,8 @@ from headrace.daemon.responses_schemas import (PEER_SAMPLING, FunctionCallItem, 
 from headrace.daemon.responses_store import ResponsesStore, StoredResponse
 from headrace.daemon.routes.openai_api import collect, engine_for, generation, plan_chat
 from headrace.daemon.routes.responses_output import Output
-from headrace.daemon.services import daemon, owner, services
+from headrace.daemon.ownership import caller, mine
+from headrace.daemon.services import daemon, services
 from headrace.graph.collector import ChoiceDelta
 
 
@@ -209,10 +211,11 @@ async def create_response(request: Request) -> Response:
     if body.stream_options is not None and not body.stream:
         raise bad_request("'stream_options' is only allowed when 'stream' is true", param="stream_options")
     slot = engine_for(request, body.model, "llm", "responses")
-    who = owner(request)
+    partition = cache_partition(request, body.cache_salt, slot.engine)
+    who = caller(request)
     previous = None
     if body.previous_response_id is not None:
-        previous = await _store(request).get(body.previous_response_id, who)
+        previous = mine(request, await _store(request).get(body.previous_response_id))
         if previous is None:
             raise _not_found(body.previous_response_id, "previous_response_id")
     items = input_items(body)
@@ -228,7 +231,8 @@ async def create_response(request: Request) -> Response:
         body.prompt_cache_key, body.user, request.headers.get(PROGRAM_HEADER), who)
     if program is None and store:
         program = f"{who}/response:{rid}" if who is not None else f"response:{rid}"
-    deltas = generation(request, slot, [chat.tokens], chat.params, 1, True, chat.tools, program, chat.pins)
+    deltas = generation(request, slot, [chat.tokens], chat.params, 1, True, chat.tools, program, chat.pins,
+                        partition)
     turn = Turn(_store(request) if store else None, StoredResponse(rid, who, created, program or "", {}, items,
                                                                    context))
     if not body.stream:
@@ -297,7 +301,7 @@ async def _sse(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
 
 async def get_response(request: Request) -> Response:
     response_id = request.path_params["response_id"]
-    stored = await _store(request).get(response_id, owner(request))
+    stored = mine(request, await _store(request).get(response_id))
     if stored is None:
         raise _not_found(response_id)
     return JSONResponse(stored.response)
@@ -305,7 +309,8 @@ async def get_response(request: Request) -> Response:
 
 async def delete_response(request: Request) -> Response:
     response_id = request.path_params["response_id"]
-    if not await _store(request).delete(response_id, owner(request)):
+    stored = mine(request, await _store(request).get(response_id))
+    if stored is None or not await _store(request).delete(response_id, stored.owner):
         raise _not_found(response_id)
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
@@ -314,7 +319,7 @@ async def list_input_items(request: Request) -> Response:
     """A stored response's input items (this turn's, as OpenAI lists them), a page at a time."""
     response_id = request.path_params["response_id"]
     query = rq.validate(InputItemsQuery, dict(request.query_params))
-    stored = await _store(request).get(response_id, owner(request))
+    stored = mine(request, await _store(request).get(response_id))
     if stored is None:
         raise _not_found(response_id)
     items = stored.input_items if query.order == "asc" else stored.input_items[::-1]

@@ -16,7 +16,9 @@ from headrace.daemon import bodies as rq
 from headrace.daemon.errors import APIError
 from headrace.daemon.headrace_schemas import (CreateSessionRequest, CreateVariableRequest, OutputSampling,
                                               SemanticCallRequest, SetVariableRequest, VariableQuery)
-from headrace.daemon.services import daemon, owner
+from headrace.daemon.cache_partition import cache_partition
+from headrace.daemon.ownership import caller, mine
+from headrace.daemon.services import daemon
 from headrace.graph.sessions import Call, Session, SessionClosed, SessionError
 from headrace.plugins.protocols import SamplingParams
 
@@ -26,7 +28,7 @@ FAILED_DEPENDENCY = 424  # the variable's producer failed
 
 def _session(request: Request) -> Session:
     session_id = request.path_params["session_id"]
-    session = daemon(request).sessions.get(session_id, owner(request))
+    session = mine(request, daemon(request).sessions.get(session_id))
     if session is None:
         raise APIError(404, f"no session {session_id!r}", param="session_id", code="session_not_found")
     return session
@@ -64,7 +66,9 @@ async def create_session(request: Request) -> Response:
     raw = {} if empty else await rq.read_json(request, daemon(request).config.server.max_body_bytes)
     rq.validate(CreateSessionRequest, raw)
     manager = daemon(request).sessions
-    session = manager.create(owner(request))
+    session = manager.create(caller(request))
+    # Before its run executes (started soon, after this handler's next await): its calls' cached KV is its key's.
+    session.run.cache_partition = cache_partition(request)
     return JSONResponse(session_json(session, manager.idle_seconds))
 
 

@@ -13,7 +13,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from headrace.daemon import bodies as rq
 from headrace.daemon.errors import APIError, bad_request
 from headrace.daemon.headrace_schemas import RunEventsQuery, RunListQuery, RunRequest
-from headrace.daemon.services import daemon, owner
+from headrace.daemon.cache_partition import cache_partition
+from headrace.daemon.ownership import caller, mine, owns
+from headrace.daemon.services import daemon
 from headrace.graph.collection_refs import UnknownCollection
 from headrace.graph.events import EventReader, RunEvent
 from headrace.graph.executor import Run
@@ -46,8 +48,8 @@ def _jsonable(value: Any) -> Any:
 
 def _run(request: Request) -> Run:
     """The run named in the path; another key's run is 404, as a missing one, so ids reveal nothing."""
-    run = daemon(request).workflows.runs.get(request.path_params["run_id"])
-    if run is None or run.owner != owner(request):
+    run = mine(request, daemon(request).workflows.runs.get(request.path_params["run_id"]))
+    if run is None:
         raise APIError(404, f"no run {request.path_params['run_id']!r}", param="run_id", code="run_not_found")
     return run
 
@@ -63,14 +65,14 @@ async def create_run(request: Request) -> Response:
     stream, background = bool(body.stream), bool(body.background)
     try:
         # Off the event loop: a megabyte question is tokenized, and documents chunked, while building.
-        run = await service.prepare_off_loop(request.path_params["name"], body.inputs, body.config)
+        run = await service.prepare_off_loop(request.path_params["name"], body.inputs, body.config, caller(request))
     except UnknownWorkflow as exc:
         raise APIError(404, str(exc), param="name", code="workflow_not_found") from None
     except UnknownCollection as exc:
         raise APIError(404, str(exc), param="inputs.collection", code="collection_not_found") from None
     except WorkflowInputError as exc:
         raise bad_request(str(exc), param=exc.field) from None
-    run.owner = owner(request)
+    run.cache_partition = cache_partition(request)  # its LLM calls share cached KV only with its key's requests
     events = run.events.follow() if stream else None  # held from now: no event is missed before the first read
     service.start(run)
     if background and not stream:
@@ -139,8 +141,8 @@ async def run_events(request: Request) -> Response:
 async def list_runs(request: Request) -> Response:
     """The caller's own runs (those its API key created), a page at a time, as OpenAI lists."""
     query = rq.validate(RunListQuery, dict(request.query_params))
-    caller = owner(request)
-    runs = [run for run in list(daemon(request).workflows.runs.values()) if run.owner == caller]  # oldest first
+    who = caller(request)
+    runs = [run for run in list(daemon(request).workflows.runs.values()) if owns(run.owner, who)]  # oldest first
     if query.order == "desc":
         runs.reverse()
     if query.after is not None:

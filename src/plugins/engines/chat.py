@@ -55,6 +55,27 @@ def read_template(value: Any, key: str) -> str | None:
     return path.read_text(encoding="utf-8")
 
 
+# The tokens that close a turn in the chat formats in use (from llama.cpp's end-of-generation list).
+TURN_ENDS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|end|>", "<|eom_id|>", "<|END_OF_TURN_TOKEN|>")
+
+
+def turn_end_ids(tokenizer: Any) -> set[int]:
+    """The special tokens that end a turn in the tokenizer's chat template: an answer ends there whatever the
+    model's EOS is (Gemma 3's GGUF and generation config name only ``<eos>``; its turns end with
+    ``<end_of_turn>``, as llama.cpp's end-of-generation tokens and the instruct model's own config say)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str):
+        return set()
+    ids = set()
+    for marker in TURN_ENDS:
+        if marker in template:
+            token = tokenizer.convert_tokens_to_ids(marker)
+            if isinstance(token, int) and token != tokenizer.unk_token_id \
+                    and tokenizer.convert_ids_to_tokens(token) == marker:
+                ids.add(token)
+    return ids
+
+
 def has_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 

@@ -18,6 +18,10 @@ engine restores it and trims the rest).
 
 Keys are chained BLAKE2b digests of token blocks (stable across processes, unlike ``hash``), so
 one digest names a whole prefix, as in ``prefix_cache``; a match also compares the tokens.
+
+Every entry belongs to a partition (``prefix_cache``: the requests that may reuse it, "" the shared one),
+which seeds its first digest and is written in its file's header: after a restart an entry still answers
+only its own partition's lookups.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ import numpy as np
 import psutil
 import xxhash
 
+from headrace.private_files import open_private, private_dir
+
 log = logging.getLogger(__name__)
 
 MAGIC = b"HRKVSTO1"  # the file format; another value is a foreign file
@@ -59,7 +65,7 @@ def default_host_bytes() -> int:
 
 
 def default_disk_bytes(directory: Path) -> int:
-    directory.mkdir(parents=True, exist_ok=True)
+    private_dir(directory)
     return int(min(DISK_MAX, DISK_SHARE * psutil.disk_usage(str(directory)).free))
 
 
@@ -73,10 +79,12 @@ def mebibytes(value: Any, key: str) -> int | None:
     return value << 20
 
 
-def block_digests(tokens: Sequence[int], block: int) -> list[bytes]:
-    """The chained digest of every whole block of ``tokens``: entry ``i`` names ``tokens[: (i + 1) * block]``."""
+def block_digests(tokens: Sequence[int], block: int, partition: str = "") -> list[bytes]:
+    """The chained digest of every whole block of ``tokens``: entry ``i`` names ``tokens[: (i + 1) * block]`` in
+    ``partition``."""
     ids = np.asarray(tokens[: len(tokens) // block * block], dtype=np.int64).tobytes()
-    out, h, width = [], b"", block * 8
+    h = hashlib.blake2b(b"partition\0" + partition.encode(), digest_size=16).digest() if partition else b""
+    out, width = [], block * 8
     for start in range(0, len(ids), width):
         h = hashlib.blake2b(h + ids[start : start + width], digest_size=16).digest()
         out.append(h)
@@ -102,6 +110,7 @@ class StoredPrefix:
     path: Path | None = None  # its file, once written
     queued: bool = False  # waiting for the disk writer
     last_used: float = 0.0
+    partition: str = ""  # the requests it may answer (module docstring)
 
 
 @dataclass(frozen=True)
@@ -144,7 +153,7 @@ class KVStore:
         self._writes: queue.Queue[StoredPrefix | None] = queue.Queue(_WRITE_QUEUE)
         self._writer: threading.Thread | None = None
         if self.disk_dir is not None and self.disk_bytes > 0:
-            self.disk_dir.mkdir(parents=True, exist_ok=True)
+            private_dir(self.disk_dir)  # 0700, its files 0600: they encode users' prompts
             self._scan()
             self._writer = threading.Thread(target=self._write_loop, name="kv-store-writer", daemon=True)
             self._writer.start()
@@ -158,14 +167,15 @@ class KVStore:
 
     # ----- lookups -------------------------------------------------------------------------
 
-    def match(self, tokens: Sequence[int], max_tokens: int) -> StoreHit | None:
-        """The longest block-aligned prefix of ``tokens`` (at most ``max_tokens``) an entry holds. Counts nothing."""
-        digests = block_digests(tokens[: max(0, max_tokens)], self.block)
+    def match(self, tokens: Sequence[int], max_tokens: int, partition: str = "") -> StoreHit | None:
+        """The longest block-aligned prefix of ``tokens`` (at most ``max_tokens``) an entry of ``partition`` holds.
+        Counts nothing."""
+        digests = block_digests(tokens[: max(0, max_tokens)], self.block, partition)
         with self._lock:
             for i in range(len(digests) - 1, -1, -1):
                 entry = self._index.get(digests[i])
                 n = (i + 1) * self.block
-                if entry is not None and entry.tokens[:n] == list(tokens[:n]):
+                if entry is not None and entry.partition == partition and entry.tokens[:n] == list(tokens[:n]):
                     return StoreHit(entry, n, "host" if entry.payload is not None else "disk")
         return None
 
@@ -198,22 +208,23 @@ class KVStore:
 
     # ----- puts ----------------------------------------------------------------------------
 
-    def holds(self, tokens: Sequence[int]) -> bool:
-        hit = self.match(tokens, len(tokens))
+    def holds(self, tokens: Sequence[int], partition: str = "") -> bool:
+        hit = self.match(tokens, len(tokens), partition)
         return hit is not None and hit.tokens == len(tokens)
 
-    def put(self, tokens: Sequence[int], payload: bytearray) -> None:
-        """Keep ``payload``, the KV of ``tokens`` (block-aligned), in host memory and (queued) on disk."""
+    def put(self, tokens: Sequence[int], payload: bytearray, partition: str = "") -> None:
+        """Keep ``payload``, the KV of ``tokens`` (block-aligned) in ``partition``, in host memory and (queued) on
+        disk."""
         tokens = list(tokens)
         if not tokens or len(tokens) % self.block:
             return
         if len(payload) > max(self.host_bytes, self.disk_bytes if self.on_disk else 0):
             return
-        digests = block_digests(tokens, self.block)
-        entry = StoredPrefix(digests[-1], tokens, len(payload), digests=digests)
+        digests = block_digests(tokens, self.block, partition)
+        entry = StoredPrefix(digests[-1], tokens, len(payload), digests=digests, partition=partition)
         with self._lock:
             held = self._index.get(entry.key)
-            if held is not None and held.tokens[: len(tokens)] == tokens:
+            if held is not None and held.partition == partition and held.tokens[: len(tokens)] == tokens:
                 return  # an entry already answers for all of it (the lookup ``holds`` makes, digests reused)
             self._add(entry)
             if self.host_bytes >= entry.size:
@@ -233,7 +244,8 @@ class KVStore:
 
     def _add(self, entry: StoredPrefix) -> None:
         # An entry whose tokens begin the new one answers nothing the new one does not: it goes.
-        for old in [e for e in self._entries.values() if e.tokens == entry.tokens[: len(e.tokens)]]:
+        for old in [e for e in self._entries.values()
+                    if e.partition == entry.partition and e.tokens == entry.tokens[: len(e.tokens)]]:
             self._remove(old, delete_file=True)
         self._entries[entry.key] = entry
         self._refresh(entry)
@@ -296,11 +308,11 @@ class KVStore:
             if entry.key not in self._entries:
                 return  # superseded before its turn
         ids = np.asarray(entry.tokens, dtype=np.int64)
-        header = json.dumps({"namespace": self.namespace, "tokens": len(ids), "payload": len(payload),
-                             "checksum": checksum(ids, payload)}).encode()
+        header = json.dumps({"namespace": self.namespace, "partition": entry.partition, "tokens": len(ids),
+                             "payload": len(payload), "checksum": checksum(ids, payload)}).encode()
         path = self._file_for(entry.key)
         partial = path.with_suffix(".partial")
-        with open(partial, "wb") as f:
+        with open_private(partial) as f:
             f.write(MAGIC + _LENGTH.pack(len(header)) + header)
             f.write(ids.tobytes())
             f.write(payload)
@@ -364,6 +376,10 @@ class KVStore:
                     if header["namespace"] != self.namespace:
                         self._drop_file(path, "written for another model or KV layout")
                         continue
+                    partition = header.get("partition", "")  # absent: written before partitions, the shared one
+                    if not isinstance(partition, str):
+                        self._drop_file(path, "its partition is not a string")
+                        continue
                     ids = np.frombuffer(f.read(8 * header["tokens"]), dtype=np.int64)
                 expected = start + 8 * header["tokens"] + header["payload"]
                 if len(ids) != header["tokens"] or path.stat().st_size != expected:
@@ -373,11 +389,12 @@ class KVStore:
                 self._drop_file(path, f"unreadable: {exc}")
                 continue
             tokens = ids.tolist()
-            digests = block_digests(tokens, self.block)
+            digests = block_digests(tokens, self.block, partition)
             if not digests or len(tokens) % self.block or path.name != f"{digests[-1].hex()}{SUFFIX}":
                 self._drop_file(path, "its name does not match its tokens")
                 continue
-            entry = StoredPrefix(digests[-1], tokens, header["payload"], digests=digests, path=path)
+            entry = StoredPrefix(digests[-1], tokens, header["payload"], digests=digests, path=path,
+                                 partition=partition)
             self._add(entry)
             self.disk_used += entry.size
         self._fit_disk()
@@ -389,7 +406,8 @@ class KVStore:
         try:
             with open(path, "rb") as f:
                 parsed = self._header(f)
-                ok = parsed is not None and parsed[0]["namespace"] == self.namespace
+                ok = (parsed is not None and parsed[0]["namespace"] == self.namespace
+                      and parsed[0].get("partition", "") == entry.partition)
                 if ok:
                     header, _ = parsed
                     ids = np.frombuffer(f.read(8 * header["tokens"]), dtype=np.int64)
@@ -471,13 +489,14 @@ class EngineTiers:
 
     store: KVStore
 
-    def save(self, kv: Any, tokens: Sequence[int]) -> None:
+    def save(self, kv: Any, tokens: Sequence[int], partition: str = "") -> None:
         raise NotImplementedError
 
     def offload(self, entry: Any, reason: str) -> None:
-        """``PrefixCache.on_leave``: the entry goes to the tiers, unless a longer one holding it came."""
+        """``PrefixCache.on_leave``: the entry goes to the tiers (in its partition), unless a longer one holding
+        it came."""
         if reason != "superseded":
-            self.save(entry.kv, entry.tokens)
+            self.save(entry.kv, entry.tokens, entry.partition)
 
     def close(self, cache: Any) -> None:
         """The cache's prefixes (a ``PrefixCache`` or None) go to the tiers (and disk, for the next start); the

@@ -27,6 +27,7 @@ import torch
 from headrace.plugins.engines.handoff import HandoffStats, arrow_vectors, float32_rows, numpy_rows
 from headrace.plugins.hookspecs import hookimpl
 from headrace.plugins.protocols import EngineEnv, EngineSpec, SearchHit
+from headrace.private_files import private_dir
 
 # LanceDB's own rule for table names, checked up front for a clearer message.
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -68,7 +69,7 @@ class LanceDBStore:
     def _connect(self) -> Any:
         import lancedb
 
-        self.path.mkdir(parents=True, exist_ok=True)
+        private_dir(self.path)  # its files are 0600 by the daemon's umask (headrace.private_files)
         return lancedb.connect(str(self.path))
 
     async def _call(self, fn: Any, *args: Any, observe: tuple[str, int] | None = None) -> Any:

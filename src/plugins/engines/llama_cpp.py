@@ -39,6 +39,7 @@ from headrace.plugins.engines.llama_cpp_batch import (DecodeFailed, Fill, Part, 
 from headrace.plugins.engines.llama_cpp_files import (ProbeModel, llama, load_tokenizer, model_footprint_bytes,
                                                       quantized_model)
 from headrace.plugins.engines.llama_cpp_options import SCORE_SEQUENCES, parse_options
+from headrace.plugins.engines.llama_cpp_swa import full_window, window_holds, window_of
 from headrace.plugins.engines.llm_core import LLMCore, Row, logprobs_row, sample_rows_numpy
 from headrace.plugins.engines.llm_front import LLMFront
 from headrace.plugins.engines.llm_messages import Decode, EngineError, Logits, Outbox, Prefill
@@ -65,12 +66,14 @@ class _Sequence:
     filling: bool = True  # its prefill has not finished
     decoding: bool = False
     tokens: TokenIds = field(default_factory=list)  # its prompt (a fork: the parent's, then its own)
+    partition: str = ""  # its prefill's cache partition: what it is cached under (``Prefill.partition``)
 
 
 class LlamaCppCore(LLMCore):
     pauses_decodes = True
     scores_prompts = True
     keeps_contexts = True
+    isolates_caches = True
 
     def __init__(self, spec: EngineSpec, env: EngineEnv) -> None:
         o = parse_options(spec)
@@ -80,6 +83,7 @@ class LlamaCppCore(LLMCore):
         self._context_wait, self._quant, self._n_sequences = o.context_wait, o.quantize, o.sequences
         self._tier_budgets = o.kv_host_bytes, o.kv_disk_bytes
         self._tiers: SequenceTiers | None = None  # host memory and disk below the cached prefixes' cells
+        self._swa_option, self.window, self.swa_full = o.swa_full, 0, True  # llama_cpp_swa: set by load()
         super().__init__(spec.name, o.max_context_tokens)
         self.chat_template = o.chat_template  # the front sets it on the tokenizer once loaded
         self.model_file: Path | None = None  # what llama.cpp loaded (the converted copy)
@@ -125,6 +129,7 @@ class LlamaCppCore(LLMCore):
         self._model = model
         self._vocab = lc.llama_model_get_vocab(model)
         self._n_vocab = self.vocab_size = lc.llama_vocab_n_tokens(self._vocab)  # the logits' width: the model's
+        self.window = window_of(model)
         # The same end-of-turn tokens as the torch engine: the tokenizer's and the GGUF's EOS.
         eos = (self.tokenizer.eos_token_id, lc.llama_vocab_eos(self._vocab))
         self.eos = {t for t in eos if t is not None and t >= 0}
@@ -163,6 +168,8 @@ class LlamaCppCore(LLMCore):
         params.n_batch = params.n_ubatch = self.max_batch_tokens
         params.n_seq_max = self._n_sequences
         params.kv_unified = self._kv_unified
+        params.swa_full = self.swa_full = full_window(self._swa_option, self.window, self.prefix_cache_tokens > 0,
+                                                      self.name)
         params.n_threads = params.n_threads_batch = self._threads
         params.no_perf = True
         ctx = lc.llama_init_from_model(self._model, params)
@@ -179,6 +186,8 @@ class LlamaCppCore(LLMCore):
             self._tiers = open_tiers(self.model_file, 1 if self._kv_unified else self._n_sequences, BLOCK,
                                      self._env.data_dir / "kv" / self.name, *self._tier_budgets, ctx, self._mem,
                                      self.name)
+            if self._tiers is not None:
+                self._tiers.usable = self._window_holds
             self.set_prefix_caching(True)
 
     def _close(self) -> None:
@@ -255,12 +264,14 @@ class LlamaCppCore(LLMCore):
         cache = self.prefix_cache
         if cache is None or job.parent is not None or job.scoring is not None:
             return False
+        # Only a fill of its own partition: waiting on another's would time what that one is filling.
         filling = [self._contexts[f.prefill.ctx].tokens for f in self._prefills
-                   if f.prefill is not None and f.prefill.ctx in self._contexts]
+                   if f.prefill is not None and f.prefill.ctx in self._contexts
+                   and f.prefill.partition == job.partition]
         if not filling:
             return False
         shared = max(common_length(tokens, job.tokens, len(job.tokens) - 1) for tokens in filling)
-        hit = cache.match(job.tokens, len(job.tokens) - 1)
+        hit = cache.match(job.tokens, len(job.tokens) - 1, job.partition)
         return shared // cache.block * cache.block >= (hit[1] if hit else 0) + 2 * cache.block
 
     def wake_after(self) -> float | None:
@@ -295,10 +306,12 @@ class LlamaCppCore(LLMCore):
         fresh = parent is None and job.scoring is None
         hit = None
         if fresh and self.prefix_cache is not None:
-            hit = self.prefix_cache.match(job.tokens, len(job.tokens) - 1)
+            hit = self.prefix_cache.match(job.tokens, len(job.tokens) - 1, job.partition)
+            if hit is not None and not self._window_holds(hit[0].kv, hit[1]):
+                hit = None  # its window layers lost what the prompt's next tokens attend: a miss (llama_cpp_swa)
         seq = self._free_seqs.pop()
         # Or a longer prefix from the tiers below the cells, restored rather than prefilled.
-        skip = self._tiers.restore(job.tokens, len(job.tokens) - 1, hit[1] if hit else 0, seq) \
+        skip = self._tiers.restore(job.tokens, len(job.tokens) - 1, hit[1] if hit else 0, seq, job.partition) \
             if fresh and self._tiers is not None and self.prefix_cache is not None else 0
         if fresh and self.prefix_cache is not None:  # hits: what the cells or a tier served (as torch counts)
             self.prefix_cache.use(hit[0] if hit and not skip else None, len(job.tokens), skip or (hit[1] if hit else 0))
@@ -308,7 +321,7 @@ class LlamaCppCore(LLMCore):
             entry, skip = hit
             self._copy_sequence(entry.kv, seq, skip)  # positions [0, skip)
         prompt = (parent.tokens if parent is not None else []) + list(job.tokens)
-        self._contexts[job.ctx] = _Sequence(seq=seq, length=base + skip, tokens=prompt)
+        self._contexts[job.ctx] = _Sequence(seq=seq, length=base + skip, tokens=prompt, partition=job.partition)
         scorer = None
         if job.scoring is not None:
             scorer = PromptScorer(job.tokens, job.scoring, parent.next_logits if parent is not None else None)
@@ -339,6 +352,9 @@ class LlamaCppCore(LLMCore):
                 free = True
         if free:
             self.release(ctx)
+
+    def _window_holds(self, seq: int, n: int) -> bool:
+        return window_holds(self._mem, seq, n, self.window)
 
     def _copy_sequence(self, src: int, dst: int, n: int | None = None) -> None:
         """``dst`` holds ``src``'s positions [0, n) (all of them without ``n``); ``dst`` is empty. Across
@@ -375,7 +391,7 @@ class LlamaCppCore(LLMCore):
             # Only a named program's row pays the KV copy: its next turn repeats it all (retention).
             if r.keep_context and self.prefix_cache is not None and self._pins.pin_tokens > 0:
                 held = seq.tokens + r.detok.ids[: r.length - len(seq.tokens)]  # the last token sampled is not in the KV
-                self.prefix_cache.insert(held, lambda n, src=seq.seq: self._cache_copy(src, n))
+                self.prefix_cache.insert(held, lambda n, src=seq.seq: self._cache_copy(src, n), seq.partition)
         super().row_finished(r)
 
     def stats(self) -> dict[str, int]:
@@ -515,7 +531,8 @@ class LlamaCppCore(LLMCore):
                 self._prefills.remove(fill)
                 seq.filling, seq.next_logits = False, logits[-1].copy()  # not a view that pins the batch's
                 if self.prefix_cache is not None:
-                    self.prefix_cache.insert(seq.tokens, lambda n, src=seq.seq: self._cache_copy(src, n))
+                    self.prefix_cache.insert(seq.tokens, lambda n, src=seq.seq: self._cache_copy(src, n),
+                                             seq.partition)
                 out.reply(fill.prefill.reply, fill.cached if fill.scorer is None else fill.scorer.result())
         else:
             self._scoring.filled(fill, torch.from_numpy(logits), out)

@@ -51,6 +51,10 @@ class LlamaCppOptions:
     kv_disk_bytes: int | None = None
     # The chat template's Jinja source over the model's (None: the model's own, if it has one).
     chat_template: str | None = None
+    # A sliding-window model's window layers: True, every position kept (what a reuse of an older prefix needs);
+    # False, the window only (less memory; a reuse the window no longer covers is refused); None: "auto", True
+    # while the prefix cache is on (``llama_cpp_swa``).
+    swa_full: bool | None = None
 
     @property
     def sequences(self) -> int:
@@ -84,6 +88,9 @@ def parse_options(spec: EngineSpec) -> LlamaCppOptions:
     max_context_tokens = positive(opts.pop("max_context_tokens", 2048), f"{key}.max_context_tokens")
     kv_host_bytes, kv_disk_bytes = (mebibytes(opts.pop(name, None), f"{key}.{name}") for name in ("kv_host_mib", "kv_disk_mib"))
     chat_template = read_template(opts.pop("chat_template", None), f"{key}.chat_template")
+    swa_full = opts.pop("swa_full", "auto")
+    if not isinstance(swa_full, bool) and swa_full != "auto":
+        raise ValueError(f"{key}.swa_full: must be true, false or \"auto\", not {swa_full!r}")
     if opts:
         raise ValueError(f"{key}: unknown option(s) {sorted(opts)}")
     if quantize != "none" and quantize not in QUANT_TYPES:
@@ -99,7 +106,7 @@ def parse_options(spec: EngineSpec) -> LlamaCppOptions:
                      f"{key}.n_ctx")
     return LlamaCppOptions(path, threads, kv_unified, max_contexts, max_batch_tokens, cache_tokens, cache_sequences,
                            pins, float(wait), float(max_pause), quantize, max_context_tokens, n_ctx,
-                           kv_host_bytes, kv_disk_bytes, chat_template)
+                           kv_host_bytes, kv_disk_bytes, chat_template, None if swa_full == "auto" else swa_full)
 
 
 def positive(value: Any, key: str) -> int:

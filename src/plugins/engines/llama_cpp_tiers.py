@@ -15,7 +15,7 @@ import ctypes
 import logging
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from headrace.plugins.engines.kv_store import EngineTiers, KVStore, open_store
 from headrace.plugins.engines.llama_cpp_files import llama
@@ -45,10 +45,12 @@ class SequenceTiers(EngineTiers):
 
     def __init__(self, store: KVStore, ctx: Any, mem: Any, name: str) -> None:
         self.store, self._ctx, self._mem, self._name = store, ctx, mem, name
+        # Whether a restored sequence serves a continuation at a position (a sliding window's cells: llama_cpp_swa).
+        self.usable: Callable[[int, int], bool] = lambda seq, n: True
 
-    def save(self, seq: int, tokens: Sequence[int]) -> None:
-        """Keep sequence ``seq``'s KV, which holds exactly ``tokens`` (block-aligned), in the tiers."""
-        if self.store.holds(tokens):
+    def save(self, seq: int, tokens: Sequence[int], partition: str = "") -> None:
+        """Keep sequence ``seq``'s KV, which holds exactly ``tokens`` (block-aligned), in the tiers' ``partition``."""
+        if self.store.holds(tokens, partition):
             return
         lc = llama()
         size = lc.llama_state_seq_get_size_ext(self._ctx, seq, 0)
@@ -57,13 +59,13 @@ class SequenceTiers(EngineTiers):
         if written != size:
             log.warning("engine %s: saving a sequence's KV wrote %d of %d bytes; not kept", self._name, written, size)
             return
-        self.store.put(tokens, data)
+        self.store.put(tokens, data, partition)
 
-    def restore(self, tokens: Sequence[int], max_tokens: int, found: int, seq: int) -> int:
+    def restore(self, tokens: Sequence[int], max_tokens: int, found: int, seq: int, partition: str = "") -> int:
         """Restore into the empty sequence ``seq`` the longest prefix of ``tokens`` (at most ``max_tokens``) the
-        tiers hold, if it is longer than the ``found`` tokens the cells hold; how many tokens it holds now (0:
-        none restored, ``seq`` still empty)."""
-        hit = self.store.match(tokens, max_tokens)
+        tiers hold in ``partition``, if it is longer than the ``found`` tokens the cells hold; how many tokens it
+        holds now (0: none restored, ``seq`` still empty)."""
+        hit = self.store.match(tokens, max_tokens, partition)
         if hit is None or hit.tokens <= found:
             return 0
         start = time.perf_counter()
@@ -79,5 +81,8 @@ class SequenceTiers(EngineTiers):
             lc.llama_memory_seq_rm(self._mem, seq, -1, -1)
             return 0
         lc.llama_memory_seq_rm(self._mem, seq, hit.tokens, -1)  # the entry may hold more than this prompt shares
+        if not self.usable(seq, hit.tokens):
+            lc.llama_memory_seq_rm(self._mem, seq, -1, -1)  # its window fell short of the prefix: prefill instead
+            return 0
         self.store.used(hit, time.perf_counter() - start)
         return hit.tokens

@@ -94,6 +94,10 @@ class LLMCore(ABC):
     keeps_contexts = False
     # True: the core honours ``Prefill.scoring`` (teacher-forced scores, ``ScoresPrompts``).
     scores_prompts = False
+    # True: the core keeps cached KV apart by ``Prefill.partition`` and ``Pin.partition`` (``IsolatesCaches``): a
+    # prefill reuses, waits for and adds to only its own partition's. A core whose engine keeps a cache of its
+    # own that it cannot partition says False, and the daemon refuses a salted request to it.
+    isolates_caches = False
     # A core with a prefix cache sets both in its __init__: its budget in tokens (0: none) and its pins' policy.
     prefix_cache_tokens = 0
     _pins: PinPolicy | None = None
@@ -210,7 +214,7 @@ class LLMCore(ABC):
             cache.unpin(cmd.owner)
             return 0
         ttl = cmd.ttl if cmd.ttl is not None else cache.policy.retention_ttl(len(cmd.tokens), self.tokens_per_second)
-        return cache.pin(cmd.tokens, ttl, owner=cmd.owner, next_use=cmd.next_use)
+        return cache.pin(cmd.tokens, ttl, owner=cmd.owner, next_use=cmd.next_use, partition=cmd.partition)
 
     # ----- given to every core -------------------------------------------------------------
 

@@ -31,7 +31,9 @@ preempts) may also pause a lower-ranked preemptive decode, where the core can
 switch to the worker as a command); one whose ``prefix_cache`` is a ``PrefixCache``
 gets pins (``pin_prefix``, the ``Pin`` command) from the base class. A decode sent
 ``keep_context`` (a named program's turn) lets a core that ``keeps_contexts`` cache
-its whole context once it ends (``KeepsContexts``).
+its whole context once it ends (``KeepsContexts``). A request's ``cache_partition`` (``IsolatesCaches``)
+rides on its ``Prefill`` (and a pin's on its ``Pin``): a core that ``isolates_caches`` reuses cached KV only
+within it.
 """
 
 from __future__ import annotations
@@ -68,6 +70,15 @@ def check_token_ids(tokens: Sequence[int], vocab_size: int, engine: str) -> None
         if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
             raise EngineError(f"token id {token!r} is not in the vocabulary of engine {engine!r} "
                               f"(0 to {vocab_size - 1})")
+
+
+MAX_PARTITION = 256  # characters of a cache partition (the daemon sends a 32-character digest)
+
+
+def check_partition(partition: Any) -> None:
+    """Refuse a cache partition that is not a short string before it reaches a core's cache keys."""
+    if not isinstance(partition, str) or len(partition) > MAX_PARTITION:
+        raise EngineError(f"cache_partition must be a string of at most {MAX_PARTITION} characters")
 
 
 def check_priority(priority: Any) -> None:
@@ -177,10 +188,12 @@ class LLMFront:
             raise chat.NoChatTemplate(self.name)
 
     def _set_chat_template(self) -> None:
-        """The ``chat_template`` option (the core's, as its engine parsed it) over the model's, once it is loaded."""
+        """The ``chat_template`` option (the core's, as its engine parsed it) over the model's, once it is loaded;
+        the template's turn end (``chat.turn_end_ids``) ends a decode as the EOS does."""
         template = getattr(self.core, "chat_template", None)
         if template is not None:
             self.core.tokenizer.chat_template = template
+        self.core.eos |= chat.turn_end_ids(self.core.tokenizer)  # before any request: the worker reads it
 
     # ----- requests --------------------------------------------------------------------------
 
@@ -188,28 +201,31 @@ class LLMFront:
         return f"{self.name}-ctx-{next(self._ctx_ids)}"
 
     async def prefill(self, ctx: ContextId, tokens: Sequence[int], parent: ContextId | None = None, *,
-                      priority: int = 0, preemptive: bool = False) -> int | None:
-        cached = await self._open(Prefill, ctx, tokens, parent, priority, preemptive)
+                      priority: int = 0, preemptive: bool = False, cache_partition: str = "") -> int | None:
+        cached = await self._open(Prefill, ctx, tokens, parent, priority, preemptive, partition=cache_partition)
         return cached if isinstance(cached, int) else None
 
     async def prompt_logprobs(self, tokens: Sequence[int], *, parent: ContextId | None = None, top: int = 0,
-                              full: bool = False, priority: int = 0) -> PromptLogprobs:
+                              full: bool = False, priority: int = 0, cache_partition: str = "") -> PromptLogprobs:
         if not self.scores_prompts:
             raise EngineError(f"engine {self.name!r} does not score prompts (no prompt logprobs)")
         if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
             raise EngineError(f"top must be an integer in [0, {MAX_TOP_LOGPROBS}]")
         ctx = self.new_context_id()
         try:
-            return await self._open(Prefill, ctx, tokens, parent, priority, scoring=PromptScoring(top, bool(full)))
+            return await self._open(Prefill, ctx, tokens, parent, priority, scoring=PromptScoring(top, bool(full)),
+                                    partition=cache_partition)
         finally:
             await self.free(ctx)
 
     async def _open(self, command: type[Prefill], ctx: ContextId, tokens: Sequence[int], parent: ContextId | None,
-                    priority: int, preemptive: bool = False, scoring: PromptScoring | None = None) -> Any:
+                    priority: int, preemptive: bool = False, scoring: PromptScoring | None = None,
+                    partition: str = "") -> Any:
         """Queue the context's prefill and wait for it; the core's reply: the prompt tokens its prefix cache held
         (None: the core does not say), or a scored prefill's ``PromptLogprobs``."""
         self._require_running()
         check_priority(priority)
+        check_partition(partition)
         if ctx in self._live:
             raise EngineError(f"context {ctx!r} already exists")
         if parent is not None and parent not in self._live:
@@ -220,7 +236,7 @@ class LLMFront:
         reply = Reply()
         self._live.add(ctx)
         prefill = command(ctx, list(tokens), parent, reply, priority, preemptive=bool(preemptive))
-        prefill.scoring = scoring
+        prefill.scoring, prefill.partition = scoring, partition
         self._commands.put(prefill)
         try:
             return await self._wait(reply)
@@ -242,11 +258,12 @@ class LLMFront:
             self._commands.put(Stop(ctx, free=True))
 
     async def generate(self, tokens: Sequence[int], params: SamplingParams, *,
-                       priority: int = 0, preemptive: bool = False,
-                       keep_context: bool = False) -> AsyncIterator[TokenDelta]:
+                       priority: int = 0, preemptive: bool = False, keep_context: bool = False,
+                       cache_partition: str = "") -> AsyncIterator[TokenDelta]:
         self._check_sampling(params)  # before the prefill: refused, nothing is left held
         ctx = self.new_context_id()
-        cached = await self._open(self.generate_prefill, ctx, tokens, None, priority, preemptive)
+        cached = await self._open(self.generate_prefill, ctx, tokens, None, priority, preemptive,
+                                  partition=cache_partition)
         cached = cached if isinstance(cached, int) else None
         try:
             async for delta in self._decode(ctx, params, free_after=True, priority=priority, preemptive=preemptive,
@@ -298,6 +315,11 @@ class LLMFront:
         return self.core.keeps_contexts
 
     @property
+    def isolates_caches(self) -> bool:
+        """``IsolatesCaches``: whether the core keeps cached KV apart by ``cache_partition``."""
+        return self.core.isolates_caches
+
+    @property
     def reloadable(self) -> bool:
         """``Reloadable``: whether the core drops its model when ``run`` ends and loads it again on the next."""
         return self.core.reloadable
@@ -326,11 +348,12 @@ class LLMFront:
         await self._wait(reply)
 
     async def pin_prefix(self, tokens: Sequence[int], ttl: float | None, *, owner: str | None = None,
-                         next_use: float | None = None) -> int:
+                         next_use: float | None = None, cache_partition: str = "") -> int:
         """``PinsPrefixes``: a ``Pin`` command, answered after the iteration in progress."""
         self._require_running()
+        check_partition(cache_partition)
         reply = Reply()
-        self._commands.put(Pin(list(tokens), ttl, owner, next_use, reply))
+        self._commands.put(Pin(list(tokens), ttl, owner, next_use, reply, partition=cache_partition))
         return await self._wait(reply)
 
     async def unpin_prefix(self, owner: str) -> None:

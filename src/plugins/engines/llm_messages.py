@@ -108,6 +108,8 @@ class Prefill:
     # Teacher-forced: logits at every position, and the reply is a ``PromptLogprobs`` (its prompt is computed
     # whole: no prefix-cache hit or tier restore, whose positions would have no logits).
     scoring: PromptScoring | None = None
+    # The cached KV it may reuse and adds to (``IsolatesCaches``): only that of prefills of the same partition.
+    partition: str = ""
 
 
 @dataclass
@@ -161,6 +163,7 @@ class Pin:
     owner: str | None
     next_use: float | None  # seconds until the owner is predicted back; None: unknown
     reply: Reply  # resolved with the tokens pinned (0: nothing cached, or the budget is full)
+    partition: str = ""  # the cache partition the entry is looked up in (``Prefill.partition``)
 
 
 @dataclass

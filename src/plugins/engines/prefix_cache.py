@@ -34,6 +34,11 @@ Pins and eviction by next use (issue 28, after Continuum and KVFlow):
   is plain LRU.
 - An unpinned entry whose tokens begin a newly inserted one is dropped (superseded): every lookup it
   would answer, the new one answers.
+
+Partitions (issue 50, vLLM's ``cache_salt``): every entry belongs to one, a string the request names (its
+API key's and salt's digest; "" the shared one); a lookup, insert or pin reaches only its own. The
+partition seeds the first block's hash, as vLLM hashes the salt into its first block, so the same tokens
+of two partitions are two entries (each charged for its blocks) and never answer for each other.
 """
 
 from __future__ import annotations
@@ -50,9 +55,10 @@ BLOCK = 16  # tokens a block: a cached prefix is a whole number of them
 DEFAULT_TOKENS_PER_SECOND = 1000.0
 
 
-def block_hashes(tokens: Sequence[int], block: int) -> list[int]:
-    """The chained hash of every whole block of ``tokens``: entry ``i`` names ``tokens[: (i + 1) * block]``."""
-    out, h = [], 0
+def block_hashes(tokens: Sequence[int], block: int, partition: str = "") -> list[int]:
+    """The chained hash of every whole block of ``tokens``: entry ``i`` names ``tokens[: (i + 1) * block]``
+    in ``partition``."""
+    out, h = [], hash(("partition", partition)) if partition else 0
     for end in range(block, len(tokens) + 1, block):
         h = hash((h, tuple(tokens[end - block : end])))
         out.append(h)
@@ -76,6 +82,7 @@ class CachedPrefix(Generic[KV]):
     last_used: float = 0.0  # the cache's clock
     pins: dict[str, float] = field(default_factory=dict)  # pin key -> when it expires
     owner: str | None = None  # the program that retained it: its predicted return ranks the entry's eviction
+    partition: str = ""  # the requests that may reuse it (module docstring)
 
 
 @dataclass
@@ -149,17 +156,19 @@ class PrefixCache(Generic[KV]):
     pinned_tokens: int = 0  # tokens of pinned entries, each counted whole
     pinned_entries: int = 0
 
-    def match(self, tokens: Sequence[int], max_tokens: int) -> tuple[CachedPrefix[KV], int] | None:
-        """The longest cached block-aligned prefix of ``tokens`` of at most ``max_tokens`` tokens.
+    def match(self, tokens: Sequence[int], max_tokens: int,
+              partition: str = "") -> tuple[CachedPrefix[KV], int] | None:
+        """The longest cached block-aligned prefix of ``tokens`` of at most ``max_tokens`` tokens, in ``partition``.
 
         Counts nothing, so a scheduler may ask before it decides (``use`` counts a use).
         """
         self._expire(self.clock())
-        hashes = block_hashes(tokens[: max(0, max_tokens)], self.block)
+        hashes = block_hashes(tokens[: max(0, max_tokens)], self.block, partition)
         for i in range(len(hashes) - 1, -1, -1):
             entry = self._index.get(hashes[i])
             n = (i + 1) * self.block
-            if entry is not None and entry.tokens[:n] == list(tokens[:n]):  # a hash collision is no hit
+            # A hash collision is no hit.
+            if entry is not None and entry.partition == partition and entry.tokens[:n] == list(tokens[:n]):
                 return entry, n
         return None
 
@@ -170,23 +179,25 @@ class PrefixCache(Generic[KV]):
         if entry is not None and id(entry) in self._entries:
             self._refresh(entry)
 
-    def insert(self, tokens: Sequence[int], make_kv: Callable[[int], KV]) -> None:
-        """Offer a filled context's ``tokens``; its block-aligned prefix is kept (``make_kv(n)``: its first n tokens)."""
+    def insert(self, tokens: Sequence[int], make_kv: Callable[[int], KV], partition: str = "") -> None:
+        """Offer a filled context's ``tokens``; its block-aligned prefix is kept (``make_kv(n)``: its first n tokens)
+        in ``partition``."""
         n = len(tokens) // self.block * self.block
         if n == 0 or n > self.capacity_tokens:
             return
-        found = self.match(tokens, n)
+        found = self.match(tokens, n, partition)
         if found is not None and found[1] == n:
             self._refresh(found[0])  # already cached whole
             return
         prefix = list(tokens[:n])
-        for old in [e for e in self._entries.values() if not e.pins and e.tokens == prefix[: len(e.tokens)]]:
+        for old in [e for e in self._entries.values()
+                    if not e.pins and e.partition == partition and e.tokens == prefix[: len(e.tokens)]]:
             self._evict(old, "superseded")
         if self.max_entries is not None:
             while len(self._entries) >= self.max_entries:
                 if not self.evict_one():
                     return  # every slot pinned (the pin rules leave one, unless pins came first): not cached
-        entry = CachedPrefix(prefix, make_kv(n))
+        entry = CachedPrefix(prefix, make_kv(n), partition=partition)
         self._entries[id(entry)] = entry
         self._refresh(entry)
         self.used_tokens += self._charge(entry, +1)
@@ -196,7 +207,7 @@ class PrefixCache(Generic[KV]):
     def _charge(self, entry: CachedPrefix[KV], sign: int) -> int:
         """Record ``entry`` as a holder of its blocks (+1) or not (-1); the tokens it adds to the cache or frees."""
         changed = 0
-        for h in block_hashes(entry.tokens, self.block):
+        for h in self._hashes(entry):
             holders = self._holders.setdefault(h, {})
             if sign > 0:
                 holders[id(entry)] = entry
@@ -212,15 +223,18 @@ class PrefixCache(Generic[KV]):
         # recently used entry never unindexes a prefix that a fresher entry still holds.
         self._entries.move_to_end(id(entry))
         entry.last_used = self.clock()
-        for h in block_hashes(entry.tokens, self.block):
+        for h in self._hashes(entry):
             self._index[h] = entry
+
+    def _hashes(self, entry: CachedPrefix[KV]) -> list[int]:
+        return block_hashes(entry.tokens, self.block, entry.partition)
 
     # ----- pins ----------------------------------------------------------------------------
 
     def pin(self, tokens: Sequence[int], ttl: float, owner: str | None = None,
-            next_use: float | None = None) -> int:
-        """Pin the entry caching the longest prefix of ``tokens`` for ``ttl`` seconds; the tokens it holds,
-        0 when none is cached or the budget refuses it.
+            next_use: float | None = None, partition: str = "") -> int:
+        """Pin the entry caching the longest prefix of ``tokens`` (in ``partition``) for ``ttl`` seconds; the
+        tokens it holds, 0 when none is cached or the budget refuses it.
 
         ``owner``: a program retaining its context. Its earlier pin goes, the entry becomes its, and
         ``next_use`` (seconds until the program is predicted back; None: unknown) ranks the entry's
@@ -229,7 +243,7 @@ class PrefixCache(Generic[KV]):
         now = self.clock()
         if owner is not None:
             self.unpin(owner)
-        found = self.match(tokens, len(tokens))
+        found = self.match(tokens, len(tokens), partition)
         if found is None or ttl <= 0:
             return 0
         entry = found[0]
@@ -306,7 +320,7 @@ class PrefixCache(Generic[KV]):
         self.used_tokens -= self._charge(entry, -1)
         self.stats.evictions += 1
         setattr(self.stats, f"evicted_{reason}", getattr(self.stats, f"evicted_{reason}") + 1)
-        for h in block_hashes(entry.tokens, self.block):
+        for h in self._hashes(entry):
             if self._index.get(h) is entry:
                 # Another entry (a pinned one, say) may still hold the block: it answers for it now.
                 rest = self._holders.get(h)

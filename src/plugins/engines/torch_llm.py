@@ -102,6 +102,7 @@ class TorchCore(LLMCore):
     """Contexts as per-layer KV tensors; decoding rows as one left-padded ``DynamicCache`` batch."""
 
     scores_prompts = True
+    isolates_caches = True
 
     def __init__(self, name: str, *, path: Path, cache_dir: Path, observe_batch: BatchObserver, dtype: torch.dtype,
                  threads: int, max_batch_size: int, max_context_tokens: int, max_prefill_tokens: int,
@@ -203,11 +204,11 @@ class TorchCore(LLMCore):
         """A longer prefix of ``job``'s prompt in the tiers than in the cache goes into the cache, which the
         prefill then finds (restored, not prefilled)."""
         cache = self.prefix_cache
-        hit = cache.match(job.tokens, len(job.tokens) - 1)
-        restored = self._tiers.restore(job.tokens, len(job.tokens) - 1, hit[1] if hit else 0)
+        hit = cache.match(job.tokens, len(job.tokens) - 1, job.partition)
+        restored = self._tiers.restore(job.tokens, len(job.tokens) - 1, hit[1] if hit else 0, job.partition)
         if restored is not None:
             tokens, layers = restored
-            cache.insert(tokens, lambda n: [(k[:, :, :n], v[:, :, :n]) for k, v in layers])
+            cache.insert(tokens, lambda n: [(k[:, :, :n], v[:, :, :n]) for k, v in layers], job.partition)
 
     def has_work(self) -> bool:
         return bool(self._rows or self._waiting or self._scoring or self._prefills)
@@ -296,7 +297,9 @@ class TorchCore(LLMCore):
         parent = first.parent
         # A scored prefill runs alone (its forward pass keeps every position's logits), never with a cache hit.
         scored = first.scoring is not None
-        group = sorted((e for e in self._prefills if e[1].parent == parent and e[1].scoring is None), key=lambda e: e[0])
+        # One cache partition a group: a job batched with (or waiting on) another's fill would share or time it.
+        group = sorted((e for e in self._prefills if e[1].parent == parent and e[1].scoring is None
+                        and e[1].partition == first.partition), key=lambda e: e[0])
         if scored:
             group = [e for e in self._prefills if e[1] is first]
         hit: tuple[CachedPrefix[kv.LayerKV], int] | None = None
@@ -313,7 +316,7 @@ class TorchCore(LLMCore):
                 cache = self.prefix_cache
                 if self._tiers is not None:
                     self._promote(first)
-                hits = {id(job): cache.match(job.tokens, len(job.tokens) - 1) for _, job in group}
+                hits = {id(job): cache.match(job.tokens, len(job.tokens) - 1, job.partition) for _, job in group}
                 hit = hits[id(first)]
                 same = None if hit is None else (id(hit[0]), hit[1])
                 group = [e for e in group if (None if (h := hits[id(e[1])]) is None else (id(h[0]), h[1])) == same]
@@ -404,7 +407,8 @@ class TorchCore(LLMCore):
             self.contexts[job.ctx] = ctx
             if self.prefix_cache is not None:
                 layers = ctx.kv
-                self.prefix_cache.insert(ctx.tokens, lambda n: [(k[:, :, :n], v[:, :, :n]) for k, v in layers])
+                self.prefix_cache.insert(ctx.tokens, lambda n: [(k[:, :, :n], v[:, :, :n]) for k, v in layers],
+                                         job.partition)
             out.replies.append((job.reply, cached, None))
 
     def _score_next(self, job: Logits, out: Outbox) -> int:

@@ -27,17 +27,19 @@ class TensorTiers(EngineTiers):
     def __init__(self, store: KVStore, layers: int, heads: int, head_dim: int, dtype: torch.dtype) -> None:
         self.store, self._layers, self._heads, self._head_dim, self._dtype = store, layers, heads, head_dim, dtype
 
-    def save(self, layers: LayerKV, tokens: Sequence[int]) -> None:
-        """Keep ``layers`` (the KV of exactly ``tokens``, block-aligned) in the tiers."""
-        if self.store.holds(tokens):
+    def save(self, layers: LayerKV, tokens: Sequence[int], partition: str = "") -> None:
+        """Keep ``layers`` (the KV of exactly ``tokens``, block-aligned) in the tiers' ``partition``."""
+        if self.store.holds(tokens, partition):
             return
         packed = torch.stack([torch.stack((k[0], v[0])) for k, v in layers])  # (layers, 2, heads, n, head_dim)
-        self.store.put(tokens, bytearray(packed.contiguous().view(torch.uint8).numpy().tobytes()))
+        self.store.put(tokens, bytearray(packed.contiguous().view(torch.uint8).numpy().tobytes()), partition)
 
-    def restore(self, tokens: Sequence[int], max_tokens: int, found: int) -> tuple[list[int], LayerKV] | None:
-        """The longest prefix of ``tokens`` (at most ``max_tokens``) the tiers hold, as the tokens it holds and their
-        KV, if longer than the ``found`` tokens the cells hold; None otherwise (or if its file was bad)."""
-        hit = self.store.match(tokens, max_tokens)
+    def restore(self, tokens: Sequence[int], max_tokens: int, found: int,
+                partition: str = "") -> tuple[list[int], LayerKV] | None:
+        """The longest prefix of ``tokens`` (at most ``max_tokens``) the tiers hold in ``partition``, as the tokens it
+        holds and their KV, if longer than the ``found`` tokens the cells hold; None otherwise (or if its file was
+        bad)."""
+        hit = self.store.match(tokens, max_tokens, partition)
         if hit is None or hit.tokens <= found:
             return None
         start = time.perf_counter()
