@@ -16,7 +16,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from headrace.bench.quality import cold_overrides, make_engine
+from headrace.bench.quality_engines import cold_overrides, make_engine, serving
 from headrace.plugins.protocols import EngineSpec
 from headrace.quality import paths as kv
 from headrace.quality.metrics import compare, summarize
@@ -135,12 +135,7 @@ def damaged_restores(engine):
 
 async def serve(engine, scenario):
     with anyio.fail_after(600):
-        async with anyio.create_task_group() as tg:
-            await tg.start(engine.run)
-            try:
-                return await scenario()
-            finally:
-                tg.cancel_scope.cancel()
+        return await serving(engine, scenario)
 
 
 def mean_kl(cold_rows, rows) -> float:

@@ -23,7 +23,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from headrace.bench.quality import cold_overrides, make_engine
+from headrace.bench.quality_engines import cold_overrides, make_engine, serving
 from headrace.bench.quality_prompts import quality_prompt_set
 from headrace.plugins.protocols import EngineSpec
 from headrace.quality import paths as kv
@@ -70,12 +70,7 @@ def deep(prompt) -> int:
 
 async def serve(engine, scenario):
     with anyio.fail_after(1200):
-        async with anyio.create_task_group() as tg:
-            await tg.start(engine.run)
-            try:
-                return await scenario()
-            finally:
-                tg.cancel_scope.cancel()
+        return await serving(engine, scenario)
 
 
 def mean_kl(cold_rows, rows) -> float:
