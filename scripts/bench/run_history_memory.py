@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """What the kept run history costs in memory: a daemon's RSS after N `naive_rag` runs over long documents,
-with `[workflows] keep_runs` at its default (every run kept) and at 1 (none kept), one daemon after the other.
+with `[workflows] keep_runs` at its default (every run kept), at 1 (none kept), and with the default count but
+`run_history_mib = 1` (every run kept, its details dropped past a MiB), one daemon after the other.
 
     python scripts/bench/run_history_memory.py [--runs 60] [--doc-tokens 2000] [--config configs/default.toml]
 
@@ -39,11 +40,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(config: Path, keep_runs: int | None, runs: int, doc_words: int) -> tuple[float, float]:
+def measure(config: Path, overrides: dict[str, str], runs: int, doc_words: int) -> tuple[float, float]:
     port = free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    if keep_runs is not None:
-        env["HEADRACE_WORKFLOWS_KEEP_RUNS"] = str(keep_runs)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **overrides}
     with tempfile.TemporaryDirectory() as data:
         proc = subprocess.Popen([sys.executable, "-m", "headrace.daemon.commands", "serve", "--config", str(config),
                                  "--port", str(port), "--data-dir", data, "--log-level", "warning"], env=env)
@@ -83,8 +82,10 @@ def main() -> None:
     ap.add_argument("--doc-tokens", type=int, default=2000, help="about this many words per document")
     ap.add_argument("--config", type=Path, default=ROOT / "configs" / "default.toml")
     args = ap.parse_args()
-    for label, keep in (("keep_runs default", None), ("keep_runs 1", 1)):
-        before, after = measure(args.config, keep, args.runs, args.doc_tokens)
+    settings = (("keep_runs default", {}), ("keep_runs 1", {"HEADRACE_WORKFLOWS_KEEP_RUNS": "1"}),
+                ("run_history_mib 1", {"HEADRACE_WORKFLOWS_RUN_HISTORY_MIB": "1"}))
+    for label, overrides in settings:
+        before, after = measure(args.config, overrides, args.runs, args.doc_tokens)
         print(f"{label:18} RSS {before:8.1f} MiB after the warm-up, {after:8.1f} after {args.runs} runs: "
               f"+{after - before:.1f} MiB ({(after - before) / args.runs * 1024:.0f} KiB a run)", flush=True)
 

@@ -68,7 +68,8 @@ def compose(config: Config, registry: Registry | None = None) -> Daemon:
                                 calls=Preloader(pool, metrics, config.residency, registry.workflows),
                                 id_prefix=config.server.id_prefix,
                                 max_traced_steps=config.workflows.max_traced_steps,
-                                event_log=config.workflows.run_events, keep_runs=config.workflows.keep_runs)
+                                event_log=config.workflows.run_events, keep_runs=config.workflows.keep_runs,
+                                run_history_bytes=int(config.workflows.run_history_mib * 2**20))
     metrics.watch_optimizer(workflows.optimizer.stats)
     sessions = SessionManager(workflows.executor, pool.resolve, pool.engines_by_kind, config.sessions.idle_seconds,
                               config.server.id_prefix)

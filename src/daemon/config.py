@@ -177,11 +177,16 @@ class WorkflowsConfig:
     # Finished runs kept for GET /v1/runs (the oldest finished one goes first): each holds its graph,
     # inputs, node records and events, a few hundred KB for a RAG run over long documents.
     keep_runs: int = 1000
+    # The memory the finished runs kept may hold, in MiB (each measured as it ends). Past it the oldest
+    # finished runs drop their inputs, graph, events and piece timings (GET /v1/runs/{id} says
+    # details_dropped) and keep their summary and timeline; past it with summaries alone, the oldest go.
+    run_history_mib: float = 64.0
 
     def __post_init__(self) -> None:
         _check(self.max_traced_steps >= 1, "max_traced_steps", f"must be >= 1, got {self.max_traced_steps}")
         _check(self.run_events >= 1, "run_events", f"must be >= 1, got {self.run_events}")
         _check(self.keep_runs >= 1, "keep_runs", f"must be >= 1, got {self.keep_runs}")
+        _check(self.run_history_mib > 0, "run_history_mib", f"must be > 0, got {self.run_history_mib}")
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    410: "not_found_error",
     413: "invalid_request_error",
     500: "server_error",
     503: "service_unavailable",

@@ -176,11 +176,13 @@ def document(workflows: Mapping[str, Workflow]) -> dict[str, Any]:
             "delete": _op("cancel a run", {"200": _json(_ref(h.RunRecord))}, params=[RUN_ID]),
         },
         "/v1/runs/{run_id}/events": {"get": _op(
-            "follow a run's events (SSE), from the oldest held or after Last-Event-ID; reading never cancels the run",
+            "follow a run's events (SSE), from the oldest held or after Last-Event-ID; reading never cancels the run "
+            "(410: an old run kept as a summary only)",
             {"200": {"description": "server-sent events: node and run states, streamed deltas, and events.dropped "
                                     "when the reader fell behind", "content": {SSE: {"schema": {"type": "string"}}}}},
             params=[RUN_ID, *_query(h.RunEventsQuery)])},
-        "/v1/runs/{run_id}/graph": {"get": _op("a run's e-graph (JSON, or Graphviz with ?format=dot)",
+        "/v1/runs/{run_id}/graph": {"get": _op("a run's e-graph (JSON, or Graphviz with ?format=dot; 410: an old "
+                                               "run kept as a summary only)",
                                                {"200": _json(_ref(h.RunGraph))}, params=[RUN_ID])},
         "/v1/runs/{run_id}/timeline": {"get": _op("a run's primitives and engine batches",
                                                   {"200": _json(_ref(h.RunTimeline))}, params=[RUN_ID])},

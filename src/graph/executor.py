@@ -117,6 +117,8 @@ class Run:
     # The cached KV its LLM calls may share (``PrimitiveMeta.cache_partition``): its key's, its salt's; "" shared.
     cache_partition: str = ""
     growth: Growth | None = None  # set: a growing run, whose node sets arrive while it runs
+    # Finished, and past the run history's byte budget: its inputs, graph, events and piece timings are gone.
+    details_dropped: bool = False
 
 
 def _output_deltas(run: Run) -> Callable[[Node, tuple, Any], Awaitable[None]]:

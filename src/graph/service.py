@@ -24,6 +24,7 @@ from headrace.graph.graph import Graph, Node
 from headrace.graph.optimizer import Optimized, Optimizer
 from headrace.graph.passes import GraphPass, PassEnv
 from headrace.graph.request import request_graph
+from headrace.graph.run_history import RUN_HISTORY_BYTES, RunHistory
 from headrace.graph.tracing import Trace, TracePlan
 from headrace.graph.workflow import MAX_TRACED_STEPS, UnknownWorkflow, Workflow, WorkflowInputError
 from headrace.plugins.protocols import SamplingParams, TokenDelta
@@ -75,6 +76,7 @@ class WorkflowService:
         id_prefix: str = "",
         max_traced_steps: int = MAX_TRACED_STEPS,
         event_log: int = EVENT_LOG,
+        run_history_bytes: int = RUN_HISTORY_BYTES,
     ) -> None:
         self.event_log = event_log  # events each run holds for its readers
         self.id_prefix = id_prefix  # starts every run id (a router in front of several daemons reads it)
@@ -90,7 +92,7 @@ class WorkflowService:
         self._engines_by_kind = engines_by_kind
         self._max_efficient_batch = max_efficient_batch
         self.runs: OrderedDict[str, Run] = OrderedDict()
-        self._keep = keep_runs
+        self.history = RunHistory(self.runs, keep_runs, run_history_bytes)  # bounds ``runs`` by count and bytes
         self._runs_group: anyio.abc.TaskGroup | None = None
         self._live: dict[str, Run] = {}  # executing now: workflow runs and plain requests
         self._exit: AsyncExitStack | None = None
@@ -238,12 +240,7 @@ class WorkflowService:
             run.growth = Trace(run, plan.workflow.trace, plan.trace.config, plan.trace.engines, self._optimize_off_loop,
                                PassEnv(max_efficient_batch=self._max_efficient_batch), plan.trace.passes,
                                self.max_traced_steps).growth
-        self.runs[run.id] = run
-        while len(self.runs) > self._keep:
-            old_id, old = next(iter(self.runs.items()))
-            if old.status == "running":
-                break
-            del self.runs[old_id]
+        self.history.add(run)
         return run
 
     @contextmanager
@@ -262,6 +259,8 @@ class WorkflowService:
         finally:
             if self.observer is not None:
                 self.observer.run_finished(run.workflow, run.status, seconds(run))
+            if run.done.is_set():
+                self.history.finished(run)
         return run
 
     def start(self, run: Run) -> None:

@@ -309,7 +309,19 @@ def test_keep_runs_reaches_the_workflow_service() -> None:
         load_config(None, env={}, overrides={"workflows.keep_runs": 0})
     config = load_config(None, env={"HEADRACE_WORKFLOWS_KEEP_RUNS": "12"})
     assert config.workflows.keep_runs == 12
-    assert create_app(config).state.services.daemon.workflows._keep == 12  # what bounds the run history
+    assert create_app(config).state.services.daemon.workflows.history.keep_runs == 12  # what bounds the run history
+
+
+def test_run_history_mib_reaches_the_workflow_service() -> None:
+    from headrace.daemon.app import create_app
+
+    assert load_config(None, env={}).workflows.run_history_mib == 64
+    for bad in (0, -1):
+        with pytest.raises(ConfigError, match=r"^workflows\.run_history_mib: must be > 0"):
+            load_config(None, env={}, overrides={"workflows.run_history_mib": bad})
+    config = load_config(None, env={"HEADRACE_WORKFLOWS_RUN_HISTORY_MIB": "0.5"})
+    assert config.workflows.run_history_mib == 0.5
+    assert create_app(config).state.services.daemon.workflows.history.budget_bytes == 2**19  # the bytes it bounds
 
 
 def test_torch_toml_serves_the_llm_on_torch() -> None:

@@ -35,6 +35,7 @@ def run_json(run: Run) -> dict[str, Any]:
         "result": _jsonable(run.result), "error": run.error, "created": int(run.created),
         "seconds": round(seconds(run), 6), "nodes": timeline(run),
         "passes": [{"pass": name, "changes": changes} for name, changes in run.applied],
+        "details_dropped": run.details_dropped,
     }
 
 
@@ -51,6 +52,15 @@ def _run(request: Request) -> Run:
     run = mine(request, daemon(request).workflows.runs.get(request.path_params["run_id"]))
     if run is None:
         raise APIError(404, f"no run {request.path_params['run_id']!r}", param="run_id", code="run_not_found")
+    return run
+
+
+def _details(run: Run, what: str) -> Run:
+    """``run``, if it still holds its details: past the run history's byte budget an old finished run keeps only
+    its summary and timeline ([workflows] run_history_mib), and what needs the rest is gone for good."""
+    if run.details_dropped:
+        raise APIError(410, f"run {run.id!r} is kept as a summary only: its {what} went to keep the run history within "
+                       "[workflows] run_history_mib", param="run_id", code="run_details_dropped")
     return run
 
 
@@ -125,7 +135,7 @@ def _sse(event: RunEvent) -> str:
 async def run_events(request: Request) -> Response:
     """Follow a run's events as SSE, from the oldest the run still holds, or after ``Last-Event-ID`` (a
     reconnecting EventSource sends it) or ``?after=``. Reading never cancels the run."""
-    run = _run(request)
+    run = _details(_run(request), "events")
     query = rq.validate(RunEventsQuery, dict(request.query_params))
     after = query.after
     if after is None and "last-event-id" in request.headers:
@@ -189,7 +199,7 @@ async def get_timeline_png(request: Request) -> Response:
 
 
 async def run_graph(request: Request) -> Response:
-    run = _run(request)
+    run = _details(_run(request), "graph")
     if request.query_params.get("format") == "dot":
         return Response(run.graph.to_dot(), media_type="text/vnd.graphviz")
     return JSONResponse({"run": run.id, "graph": run.graph.to_json(), "dot": run.graph.to_dot()})

@@ -1,0 +1,114 @@
+"""The finished runs kept for ``GET /v1/runs``: bounded by count and by bytes.
+
+Each finished run is measured once, when it ends. Past the byte budget the oldest finished
+runs lose their details first (inputs, graph, event log, per-piece timings, passes): each
+keeps its summary (id, workflow, status, owner, result or error, seconds, node timeline) and
+says ``details_dropped``. If the summaries alone exceed the budget, the oldest runs go whole.
+A run that has not finished is never measured, dropped or evicted by the budget.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import OrderedDict, deque
+from enum import Enum
+from typing import Any
+
+from headrace.graph.events import RunEvents
+from headrace.graph.executor import Run
+from headrace.graph.graph import Graph
+
+RUN_HISTORY_BYTES = 64 * 2**20
+_CONTAINERS = (list, tuple, set, frozenset, deque)
+
+
+def retained_bytes(*parts: Any) -> int:
+    """The memory ``parts`` hold: ``sys.getsizeof`` over every object reachable through containers and
+    headrace's own objects, each object counted once.
+
+    Why this and not the JSON size: it counts what memory holds (object headers, dict tables, a
+    document shared by the inputs and a graph node once), where JSON text undercounts small objects
+    several times over and counts a shared document twice. Only plain data is followed: a function, a
+    bound method or a foreign object (an anyio event) is counted alone, so the walk never wanders from
+    the run into the service or the engines.
+    """
+    seen: set[int] = set()
+    total = 0
+    pending = list(parts)
+    while pending:
+        obj = pending.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        total += sys.getsizeof(obj)
+        if isinstance(obj, dict):
+            pending.extend(obj.keys())
+            pending.extend(obj.values())
+        elif isinstance(obj, _CONTAINERS):
+            pending.extend(obj)
+        elif type(obj).__module__.startswith("headrace.") and not isinstance(obj, (type, Enum)):
+            if hasattr(obj, "__dict__"):
+                pending.append(vars(obj))
+            for slot in getattr(type(obj), "__slots__", ()):
+                pending.append(getattr(obj, slot, None))
+    return total
+
+
+def drop_details(run: Run) -> None:
+    """Keep the run's summary and timeline; let the rest go (the graph and events routes answer 410)."""
+    run.inputs = {}
+    run.graph = Graph(run.graph.name)
+    run.events = RunEvents(1)  # a reader that still follows the old log keeps it until it leaves
+    run.events.close()
+    run.applied = []
+    run.growth = None
+    run.on_delta = None
+    for record in run.records:
+        record.pieces = []
+    run.details_dropped = True
+
+
+class RunHistory:
+    """Keeps ``runs`` (the service's id -> run, oldest first) within ``keep_runs`` runs and ``budget_bytes``."""
+
+    def __init__(self, runs: OrderedDict[str, Run], keep_runs: int, budget_bytes: int = RUN_HISTORY_BYTES) -> None:
+        self.runs = runs
+        self.keep_runs = keep_runs
+        self.budget_bytes = budget_bytes
+        # Finished runs' measured sizes, oldest finished first: those still holding details, and those not.
+        self._detailed: OrderedDict[str, int] = OrderedDict()
+        self._summaries: OrderedDict[str, int] = OrderedDict()
+        self.total_bytes = 0  # what the finished runs kept hold, as measured
+
+    def add(self, run: Run) -> None:
+        """A new run; past ``keep_runs`` the oldest go, up to the first still running."""
+        self.runs[run.id] = run
+        while len(self.runs) > self.keep_runs:
+            old_id, old = next(iter(self.runs.items()))
+            if old.status == "running":
+                break
+            self._forget(old_id)
+
+    def finished(self, run: Run) -> None:
+        """Measure the run that just ended, then bring the history back within its budget."""
+        if run.id not in self.runs or run.id in self._detailed or run.id in self._summaries:
+            return  # evicted already (by count), or counted already
+        size = retained_bytes(run)  # all it holds: inputs, result, graph, events, records, ...
+        self._detailed[run.id] = size
+        self.total_bytes += size
+        self._enforce_budget()
+
+    def _enforce_budget(self) -> None:
+        while self.total_bytes > self.budget_bytes and self._detailed:
+            run_id, size = self._detailed.popitem(last=False)
+            run = self.runs[run_id]
+            drop_details(run)
+            kept = retained_bytes(run)
+            self._summaries[run_id] = kept
+            self.total_bytes += kept - size
+        while self.total_bytes > self.budget_bytes and self._summaries:
+            self._forget(next(iter(self._summaries)))
+
+    def _forget(self, run_id: str) -> None:
+        del self.runs[run_id]
+        self.total_bytes -= self._detailed.pop(run_id, 0) + self._summaries.pop(run_id, 0)
