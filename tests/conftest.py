@@ -272,7 +272,7 @@ def torch_smollm2(tmp_path_factory):
     and the engine contract's torch case ask for these options (float32: the exactness tests compare greedy outputs,
     and bf16 rounding differs with batch shape). A test that needs other options makes its own engine; one that
     changes a setting of this one puts it back. Only tests under tests/plugins use it (``llm_engines`` is there)."""
-    from headrace.plugins.engines.torch_llm import TorchLLM
+    from headrace.plugins.engines.torch_engine.engine import TorchLLM
 
     yield from _smollm2_for_the_session(tmp_path_factory, "torch", TorchLLM, {"threads": 2, "dtype": "float32"})
 
@@ -282,7 +282,7 @@ def llama_cpp_smollm2(tmp_path_factory):
     """SmolLM2 on the llama-cpp engine with its default options on 2 threads, loaded once: test_llama_cpp.py,
     test_constrained_decoding.py and the engine contract's llama-cpp case (as ``torch_smollm2``)."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/setup builds it)")
-    from headrace.plugins.engines.llama_cpp import LlamaCppLLM
+    from headrace.plugins.engines.llama_cpp.engine import LlamaCppLLM
 
     yield from _smollm2_for_the_session(tmp_path_factory, "llama-cpp", LlamaCppLLM, {"threads": 2})
 

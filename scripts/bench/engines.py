@@ -373,8 +373,8 @@ class Texts:
         self.prefix = engine.encode(text)[:size]
         self.shared = [self.prefix + s for s in self.suffixes]
         # Scoring: the LLM reranker's prompts (its system prompt and template), one query, a document each.
-        from headrace.plugins.engines.rerankers import (NO_VARIANTS, YES_VARIANTS, LLMReranker, single_token_ids,
-                                                        truncate_to_tokens)
+        from headrace.plugins.engines.retrieval.rerankers import (NO_VARIANTS, YES_VARIANTS, LLMReranker,
+                                                                  single_token_ids, truncate_to_tokens)
         docs, k = [], len(sentences)
         for i in range(args.score_prompts):  # from the end of the sentences, away from the prefill text
             docs.append(truncate_to_tokens(engine, " ".join(sentences[k - 12 * (i + 1) : k - 12 * i]),
@@ -556,7 +556,7 @@ async def http_measure(args, base: str) -> dict:
 
 
 def bench_embed(args, tmp: Path) -> dict:
-    from headrace.plugins.engines.st_embed import SentenceTransformerEmbedder
+    from headrace.plugins.engines.retrieval.st_embed import SentenceTransformerEmbedder
 
     engine = SentenceTransformerEmbedder(engine_spec("all-minilm-l6-v2"), engine_env(tmp))
     sentences = stdlib_sentences(args.sentences)

@@ -40,12 +40,12 @@ from headrace.bench.corpus import build_corpus
 from headrace.graph.ops import chunk_text
 from headrace.graph.prompts import PLACEHOLDER, SENTINEL
 from headrace.graph.workflows.common import ONE_SHOT
-from headrace.plugins.engines import kv_blend
-from headrace.plugins.engines.chat import apply_template
-from headrace.plugins.engines.llama_cpp_files import default_cache_dir, llama, load_tokenizer, quantized_model
-from headrace.plugins.engines.llama_cpp_cpu import ProbeModel
-from headrace.plugins.engines.llama_cpp_options import DEFAULT_MODEL, DEFAULT_QUANTIZE
-from headrace.plugins.engines.model_paths import resolve_model
+from headrace.plugins.engines.llama_cpp import kv_blend
+from headrace.plugins.engines.llm.chat import apply_template
+from headrace.plugins.engines.llama_cpp.files import default_cache_dir, llama, load_tokenizer, quantized_model
+from headrace.plugins.engines.llama_cpp.cpu import ProbeModel
+from headrace.plugins.engines.llama_cpp.options import DEFAULT_MODEL, DEFAULT_QUANTIZE
+from headrace.plugins.engines.models.paths import resolve_model
 
 # (d): the same lines, the question moved after the documents (RAGCache's order: documents an exact prefix).
 DOCS_FIRST = ("Answer the question using the contexts.\nContexts:\n{{input:contexts}}\n"

@@ -34,9 +34,9 @@ def engine_for(plugin: str, data_dir: Path, longest: int):
     spec = next(e for e in config.engines if e.plugin == plugin)
     env = EngineEnv(data_dir=data_dir, cache_dir=config.data.cache_path(), lookup=lambda name: None)
     if plugin == "llama-cpp":
-        from headrace.plugins.engines.llama_cpp import LlamaCppLLM as cls
+        from headrace.plugins.engines.llama_cpp.engine import LlamaCppLLM as cls
     else:
-        from headrace.plugins.engines.torch_llm import TorchLLM as cls
+        from headrace.plugins.engines.torch_engine.engine import TorchLLM as cls
     # Room in the cells for one prompt: the next evicts it to the tiers, as a busy engine's would.
     room = {"prefix_cache_sequences": 1} if plugin == "llama-cpp" else {"prefix_cache_tokens": longest}
     return cls(EngineSpec(name=spec.name, plugin=plugin, model=spec.model, options={**spec.options, **room}), env)

@@ -62,10 +62,10 @@ from benchlib import CPUWatch, cpu_note, median, write_results  # beside this sc
 from engines import QUESTIONS, prompt_sentences, stdlib_sentences  # the open-ended prompts engines.py decodes
 from headrace.bench.client import poll_ready
 from headrace.daemon.config import DataConfig
-from headrace.plugins.engines.llama_cpp_cpu import VARIANT_ENV as HEADRACE_VARIANT_ENV
-from headrace.plugins.engines.llama_cpp_cpu import loaded_variant
-from headrace.plugins.engines.llama_cpp_files import llama, load_tokenizer, quantized_model
-from headrace.plugins.engines.model_paths import resolve_model
+from headrace.plugins.engines.llama_cpp.cpu import VARIANT_ENV as HEADRACE_VARIANT_ENV
+from headrace.plugins.engines.llama_cpp.cpu import loaded_variant
+from headrace.plugins.engines.llama_cpp.files import llama, load_tokenizer, quantized_model
+from headrace.plugins.engines.models.paths import resolve_model
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "bench-results" / "peers.json"

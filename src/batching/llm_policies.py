@@ -16,7 +16,7 @@ so an override reorders that run's requests and no one else's.
 A policy whose ``preempts`` is true (``las``) also lets its ranks preempt: the scheduler sends its
 requests ``preemptive`` to an engine that can pause decodes (``PausesDecodes``), where a request that
 cannot get into the batch pauses running decodes of a lower rank (KV kept) until it has got in
-(``headrace.plugins.engines.preemption``). Without it (every other built-in) a running decode is never
+(``headrace.plugins.engines.llm.preemption``). Without it (every other built-in) a running decode is never
 paused: a rank only orders what joins the batch next.
 """
 

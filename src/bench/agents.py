@@ -319,7 +319,7 @@ async def build_prompts(corpus: Corpus, shape: AgentShape, tokenize: Tokenize, d
     """The shared system prompt (instructions and reference text, about ``shape.system_tokens`` with the tool
     schemas) and a pool of tool results of ``shape.result_tokens`` each, cut from the corpus in the daemon's
     own tokens; and their measured sizes."""
-    from headrace.plugins.engines.chat import tools_system_prompt  # the text the tools render as (SmolLM2)
+    from headrace.plugins.engines.llm.chat import tools_system_prompt  # the text the tools render as (SmolLM2)
 
     text = "\n".join(d.text for d in corpus.documents)
     tokens = await tokenize(text)

@@ -164,7 +164,7 @@ async def quality_phase(config_path: Path, cache_dir: Path, opts: QualityOptions
     configs, source = engine_configs(config_path, opts, cache_dir)
     configs.sort(key=lambda c: not c.default)  # stable: the rest in the order asked
     # The config's chat_template option, where the model has none (Gemma's GGUF): the prompts are rendered with it.
-    from headrace.plugins.engines.chat import read_template
+    from headrace.plugins.engines.llm.chat import read_template
     template = next((read_template(c.spec.options.get("chat_template"), "chat_template") for c in configs
                      if c.spec.options.get("chat_template")), None)
     ref = await anyio.to_thread.run_sync(lambda: load_reference(source, cache_dir, opts, log, template))

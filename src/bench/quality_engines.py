@@ -39,8 +39,8 @@ class EngineConfig:
 def engine_configs(config_path: Path, opts: Any, cache_dir: Path) -> tuple[list[EngineConfig], Path]:
     """The configurations to score and the model file as installed (the reference's)."""
     from headrace.daemon.config import load_config
-    from headrace.plugins.engines.llama_cpp_options import DEFAULT_MODEL
-    from headrace.plugins.engines.model_paths import resolve_model
+    from headrace.plugins.engines.llama_cpp.options import DEFAULT_MODEL
+    from headrace.plugins.engines.models.paths import resolve_model
     from headrace.plugins.protocols import EngineSpec
 
     config = load_config(config_path)
@@ -77,12 +77,12 @@ def engine_configs(config_path: Path, opts: Any, cache_dir: Path) -> tuple[list[
 
 
 def _quant_types() -> dict[str, int]:
-    from headrace.plugins.engines.llama_cpp_files import QUANT_TYPES
+    from headrace.plugins.engines.llama_cpp.files import QUANT_TYPES
     return QUANT_TYPES
 
 
 def _llama_default_quantize() -> str:
-    from headrace.plugins.engines.llama_cpp_options import DEFAULT_QUANTIZE
+    from headrace.plugins.engines.llama_cpp.options import DEFAULT_QUANTIZE
     return DEFAULT_QUANTIZE
 
 
@@ -90,9 +90,9 @@ def f16_file(source: Path, cache_dir: Path, threads: int) -> Path:
     """``source`` converted to F16 by llama.cpp once (as the engine converts to its types), cached beside them."""
     import ctypes
 
-    from headrace.plugins.engines.llama_cpp_cpu import ProbeModel
-    from headrace.plugins.engines.llama_cpp_files import llama
-    from headrace.plugins.engines.torch_loading import gguf_cache_key, made_once
+    from headrace.plugins.engines.llama_cpp.cpu import ProbeModel
+    from headrace.plugins.engines.llama_cpp.files import llama
+    from headrace.plugins.engines.models.loading import gguf_cache_key, made_once
 
     target = cache_dir / "models" / f"{gguf_cache_key(source)}.F16.gguf"
 
@@ -114,9 +114,9 @@ def make_engine(spec: Any, data_dir: Path, cache_dir: Path, **overrides: Any) ->
     env = EngineEnv(data_dir=data_dir, cache_dir=cache_dir, lookup=lambda name: None)
     spec = EngineSpec(name=spec.name, plugin=spec.plugin, model=spec.model, options=options)
     if spec.plugin == "llama-cpp":
-        from headrace.plugins.engines.llama_cpp import LlamaCppLLM
+        from headrace.plugins.engines.llama_cpp.engine import LlamaCppLLM
         return LlamaCppLLM(spec, env)
-    from headrace.plugins.engines.torch_llm import TorchLLM
+    from headrace.plugins.engines.torch_engine.engine import TorchLLM
     return TorchLLM(spec, env)
 
 

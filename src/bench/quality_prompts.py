@@ -21,7 +21,7 @@ from headrace.bench.corpus import build_corpus
 from headrace.graph.ops import chunk_text
 from headrace.graph.prompts import PromptTemplate, chat_frame
 from headrace.graph.workflows.common import ANSWER, CHUNK_CONFIG, ONE_SHOT
-from headrace.plugins.engines.chat import apply_template
+from headrace.plugins.engines.llm.chat import apply_template
 from headrace.quality.prompts import ChatSource, PromptSet, TextSource, build_prompt_set
 
 CHUNK_WORDS = CHUNK_CONFIG["chunk_size"]["default"]

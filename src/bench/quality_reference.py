@@ -33,7 +33,7 @@ class ReferenceData:
 def load_reference(source: Path, cache_dir: Path, opts: Any, log: Callable[[str], None],
                    chat_template: str | None = None) -> ReferenceData:
     from headrace.bench.quality_prompts import quality_prompt_set
-    from headrace.plugins.engines.torch_loading import gguf_cache_key
+    from headrace.plugins.engines.models.loading import gguf_cache_key
     from headrace.quality.reference import Reference
 
     log(f"reference: transformers float32 on {source.name} (as installed) ...")

@@ -30,14 +30,14 @@ def describe_cpu() -> dict[str, Any]:
     wanted = sorted(f for f in flags if f == "avx2" or f.startswith(("avx512", "amx")))
     out: dict[str, Any] = {"model": name, "cores": len(os.sched_getaffinity(0)), "flags": wanted}
     try:
-        from headrace.plugins.engines.llama_cpp_cpu import loaded_variant, variant_name
+        from headrace.plugins.engines.llama_cpp.cpu import loaded_variant, variant_name
 
         loaded = loaded_variant()
         out["llama_cpp_variant"] = variant_name(loaded) if loaded is not None else None
     except Exception:  # llama-cpp-python missing: no variant to name
         out["llama_cpp_variant"] = None
     try:
-        from headrace.plugins.engines.torch_loading import cpu_has_bf16_kernels
+        from headrace.plugins.engines.models.loading import cpu_has_bf16_kernels
 
         out["torch_auto_dtype"] = "bfloat16" if cpu_has_bf16_kernels() else "float32"
     except Exception:

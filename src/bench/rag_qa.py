@@ -16,6 +16,9 @@ Modes:
 - ``canonical``: ``context-first`` with the chunks in a canonical order (sorted by their text's hash) rather than
   the retriever's rank: the same chunks then make the same prefix whatever their rank (RAGBoost's lossless
   reuse).
+- ``leaf-question-first`` / ``leaf-context-first``: ``naive_rag``'s tree leaf (its default synthesis: one prompt
+  per context, then a combine that sees no context), over the answer's chunk alone, in either order: the
+  leaves' layout scored apart from the one-shot's, each against ``leaf-question-first``.
 
 Runs the config's LLM engine in this process, its prefix cache off: every prompt is prefilled whole, so the
 answers differ by layout alone.
@@ -35,7 +38,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 RAG_QA = "rag-qa"  # the benchmark's name on the ``headrace bench`` command line
-MODES = ("question-first", "context-first", "canonical")
+MODES = ("question-first", "context-first", "canonical", "leaf-question-first", "leaf-context-first")
+LEAF = "leaf-"  # a leaf mode's prefix: scored against leaf-question-first
 # Pure-Python modules beside the corpus's whose docstrings give more "Return X." questions (those that have any).
 EXTRA_MODULES = ("posixpath", "ipaddress", "secrets", "platform", "sysconfig", "traceback", "locale", "codecs",
                  "urllib.request", "os", "importlib.util", "importlib.metadata", "re", "site", "ast", "itertools",
@@ -72,6 +76,7 @@ def add_arguments(p: Any) -> None:
 class QAPrompt:
     item: Any  # QAItem
     contexts: tuple[str, ...]  # the retrieved chunks in the retriever's order, the answer's among them
+    home: int  # the answer's chunk's place in ``contexts``
 
 
 def qa_prompts(seed: int = 0) -> list[QAPrompt]:
@@ -95,20 +100,25 @@ def qa_prompts(seed: int = 0) -> list[QAPrompt]:
             continue
         others = [c for m, cs in chunks.items() if m != module for c in cs]
         contexts = rng.sample(others, CONTEXTS - 1)
-        contexts.insert(rng.randrange(CONTEXTS), home)
-        out.append(QAPrompt(item, tuple(contexts)))
+        place = rng.randrange(CONTEXTS)
+        contexts.insert(place, home)
+        out.append(QAPrompt(item, tuple(contexts), place))
     return out
 
 
 def render(prompt: QAPrompt, mode: str, frame: tuple[str, str]) -> str:
     from headrace.graph.prompts import PromptTemplate
-    from headrace.graph.workflows.common import ONE_SHOT, one_shot_context_first
+    from headrace.graph.workflows.common import ANSWER, ONE_SHOT, answer_context_first, one_shot_context_first
 
+    head, tail = frame
+    if mode.startswith(LEAF):
+        template = ANSWER if mode == "leaf-question-first" else answer_context_first.prompt
+        values = {"question": prompt.item.question, "context": prompt.contexts[prompt.home]}
+        return head + PromptTemplate(template).render(values) + tail
     contexts = list(prompt.contexts)
     if mode == "canonical":
         contexts.sort(key=lambda c: hashlib.sha256(c.encode()).hexdigest())
     template = ONE_SHOT if mode == "question-first" else one_shot_context_first.prompt
-    head, tail = frame
     return head + PromptTemplate(template).render({"question": prompt.item.question, "contexts": contexts}) + tail
 
 
@@ -144,7 +154,7 @@ def own_engine(config_path: Path, cache_dir: Path) -> Any:
     from headrace.bench.quality import QualityOptions
     from headrace.bench.quality_engines import ENGINES, engine_configs
     from headrace.daemon.config import load_config
-    from headrace.plugins.engines.llama_cpp_options import DEFAULT_QUANTIZE
+    from headrace.plugins.engines.llama_cpp.options import DEFAULT_QUANTIZE
 
     own = next((e for e in load_config(config_path).engines if e.plugin in ENGINES), None)
     plugin = own.plugin if own is not None else "llama-cpp"
@@ -186,9 +196,9 @@ async def qa_phase(config_path: Path, cache_dir: Path, opts: QAOptions, seed: in
         await serving(engine, scenario)
     finally:
         shutil.rmtree(data, ignore_errors=True)
-    base = opts.modes[0]
     summary = []
     for mode in opts.modes:
+        base = baseline(mode, opts.modes)
         f1 = [r["f1"] for r in rows[mode]]
         row = {"mode": mode, "questions": len(f1), "em": mean([r["em"] for r in rows[mode]]), "f1": mean(f1),
                "prompt_tokens": mean([r["prompt_tokens"] for r in rows[mode]])}
@@ -201,6 +211,12 @@ async def qa_phase(config_path: Path, cache_dir: Path, opts: QAOptions, seed: in
             "gold": [{"topic": p.item.topic, "question": p.item.question, "gold": p.item.gold} for p in prompts]}
 
 
+def baseline(mode: str, modes: list[str]) -> str:
+    """The mode ``mode`` is compared with: its family's question-first layout where it was run, else the first."""
+    own = "leaf-question-first" if mode.startswith(LEAF) else "question-first"
+    return own if own in modes else modes[0]
+
+
 def text_report(results: dict[str, Any]) -> str:
     from headrace.bench.quality_report import cpu_line
 
@@ -209,8 +225,9 @@ def text_report(results: dict[str, Any]) -> str:
              f"CPU: {cpu_line(meta['cpu'])}; other processes used {meta['cpu_cores'].get('other_processes', 0):.2f} "
              "cores on average meanwhile.", f"Command: `{meta['command']}`", "",
              f"Engine: {results['engine']}, prefix cache off; {results['summary'][0]['questions']} questions, "
-             "3 chunks each (naive_rag's one-shot synthesis), greedy, the answer's first line scored.", "",
-             "| mode | EM | token F1 | F1 vs the first mode (95% CI) | same answer | prompt tokens |",
+             "3 chunks each (naive_rag's one-shot synthesis; a leaf mode: the answer's chunk alone, as a tree leaf), "
+             "greedy, the answer's first line scored.", "",
+             "| mode | EM | token F1 | F1 vs its question-first (95% CI) | same answer | prompt tokens |",
              "|---|---|---|---|---|---|"]
     for r in results["summary"]:
         vs = (f"{100 * r['f1_diff']:+.1f} ({100 * r['f1_diff_lo']:+.1f} to {100 * r['f1_diff_hi']:+.1f})"

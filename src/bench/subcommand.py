@@ -354,9 +354,9 @@ def llm_tokenizer(config_path: Path) -> Callable[[str], list]:
     so the corpus's token sizes and the baselines' prompt-token counts are the daemon's tokens whatever engine
     serves it. With neither, words (a rough count, said so)."""
     from headrace.daemon.config import load_config
-    from headrace.plugins.engines.llama_cpp_options import DEFAULT_MODEL
-    from headrace.plugins.engines.llama_cpp_files import load_tokenizer
-    from headrace.plugins.engines.model_paths import resolve_model
+    from headrace.plugins.engines.llama_cpp.options import DEFAULT_MODEL
+    from headrace.plugins.engines.llama_cpp.files import load_tokenizer
+    from headrace.plugins.engines.models.paths import resolve_model
 
     config = load_config(config_path)
     llm = next((e for e in config.engines if e.plugin in ("torch", "llama-cpp")), None)

@@ -194,8 +194,8 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _pull(args: argparse.Namespace) -> int:
-    from headrace.plugins.engines import hub_models
-    from headrace.plugins.engines.model_paths import ModelNotFound
+    from headrace.plugins.engines.models import hub_models
+    from headrace.plugins.engines.models.paths import ModelNotFound
 
     models = [("model", m) for m in args.models] or hub_models.config_models(load_config(args.config))
     if not models:
@@ -218,7 +218,7 @@ def _pull(args: argparse.Namespace) -> int:
 def _fetch_hub_models(config: Any) -> None:
     """Fetch the config's hf: models the cache lacks (unless HF_HUB_OFFLINE=1), once, before the engines are built;
     from then on models come from disk, never a hub."""
-    from headrace.plugins.engines import hub_models
+    from headrace.plugins.engines.models import hub_models
 
     try:
         hub_models.fetch_config_models(config)

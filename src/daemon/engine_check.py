@@ -4,7 +4,7 @@ scripts/setup ends with it, so a build that cannot run here fails the setup, not
 native fault (SIGILL from kernels the CPU lacks, SIGSEGV) kills only the child; the report names the
 engine, how the child died, the CPU and its flags, and the one command that fixes it.
 
-- llama-cpp engines: the CPU backend chooser of ``llama_cpp_cpu`` on the engine's own model (a short
+- llama-cpp engines: the CPU backend chooser of ``llama_cpp.cpu`` on the engine's own model (a short
   prefill and decode per variant tried, best first); the same check runs when the engine loads in
   ``headrace serve``, before the daemon reports ready.
 - engines on torch (torch, sentence-transformers, cross-encoder): a matmul in the dtype ``auto`` picks
@@ -24,10 +24,10 @@ from pathlib import Path
 
 from headrace.daemon.config import Config
 from headrace.daemon.quality_check import check_quality
-from headrace.plugins.engines.llama_cpp_cpu import (FIX_COMMAND, VARIANT_ENV, NoRunnableVariant, ProbeModel,
+from headrace.plugins.engines.llama_cpp.cpu import (FIX_COMMAND, VARIANT_ENV, NoRunnableVariant, ProbeModel,
                                                     chosen_variant, cpu_flags, exit_cause, library_dir, stderr_tail,
                                                     variant_name)
-from headrace.plugins.engines.llama_cpp_options import parse_options
+from headrace.plugins.engines.llama_cpp.options import parse_options
 from headrace.plugins.protocols import EngineSpec
 
 TORCH_PLUGINS = {"torch", "sentence-transformers", "cross-encoder"}
@@ -35,7 +35,7 @@ TORCH_FIX = "scripts/setup (it installs torch's CPU build)"
 # The matmul of a 135M model's MLP, in the dtype the engines will use: the kernels a forward pass runs.
 _TORCH_CHILD = """
 import torch
-from headrace.plugins.engines.torch_loading import auto_dtype
+from headrace.plugins.engines.models.loading import auto_dtype
 dtype = auto_dtype("cpu")
 x, w = torch.randn(64, 576, dtype=dtype), torch.randn(1536, 576, dtype=dtype)
 y = torch.nn.functional.linear(x, w).float()

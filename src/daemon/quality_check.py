@@ -83,7 +83,7 @@ class QualityResult:
 
 def reference_file(cache_dir: Path, served: Path) -> Path:
     """Where the reference rows for ``served`` (the file an engine loads) and the canary set are kept."""
-    from headrace.plugins.engines.torch_loading import gguf_cache_key
+    from headrace.plugins.engines.models.loading import gguf_cache_key
 
     return cache_dir / "quality" / f"{gguf_cache_key(served)}.{CANARY_DIGEST}.npz"
 
@@ -108,7 +108,7 @@ def check_options(plugin: str, options: dict[str, Any]) -> dict[str, Any]:
 def check_quality(name: str, plugin: str, model: str | None, options: dict[str, Any], cache_dir: Path,
                   library: Path | None = None, timeout: float = CHILD_SECONDS) -> QualityResult:
     """The engine's numbers against the reference, in a child process (``library``: the llama.cpp CPU variant)."""
-    from headrace.plugins.engines.llama_cpp_cpu import VARIANT_ENV, cpu_flags, exit_cause, stderr_tail
+    from headrace.plugins.engines.llama_cpp.cpu import VARIANT_ENV, cpu_flags, exit_cause, stderr_tail
 
     job = {"name": name, "plugin": plugin, "model": model, "options": check_options(plugin, options),
            "cache_dir": str(cache_dir)}
@@ -169,7 +169,7 @@ def judge(stats: dict[str, Any], seconds: float = math.nan) -> QualityResult:
 
 def make_reference(served: Path, target: Path) -> float:
     """Compute and store the reference rows for ``served``: the seconds it took (0 when another process did)."""
-    from headrace.plugins.engines.torch_loading import made_once
+    from headrace.plugins.engines.models.loading import made_once
 
     took = [0.0]
 
@@ -221,17 +221,17 @@ def _make_engine(job: dict[str, Any], data_dir: Path) -> Any:
 
     env = EngineEnv(data_dir=data_dir, cache_dir=Path(job["cache_dir"]), lookup=lookup)
     if job["plugin"] == "llama-cpp":
-        from headrace.plugins.engines.llama_cpp import LlamaCppLLM
+        from headrace.plugins.engines.llama_cpp.engine import LlamaCppLLM
 
         return LlamaCppLLM(spec, env)
-    from headrace.plugins.engines.torch_llm import TorchLLM
+    from headrace.plugins.engines.torch_engine.engine import TorchLLM
 
     return TorchLLM(spec, env)
 
 
 def _variant(engine: Any) -> str:
     if engine.__class__.__name__ == "LlamaCppLLM":
-        from headrace.plugins.engines.llama_cpp_cpu import loaded_variant, variant_name
+        from headrace.plugins.engines.llama_cpp.cpu import loaded_variant, variant_name
 
         library = loaded_variant()
         return f"CPU backend {variant_name(library) if library else 'chosen by ggml'}"
@@ -308,8 +308,8 @@ def _served_file(engine: Any, job: dict[str, Any]) -> Path:
     """The file the engine loaded: llama.cpp's converted copy, or the configured one (torch dequantises it)."""
     if getattr(engine.core, "model_file", None):
         return Path(engine.core.model_file)
-    from headrace.plugins.engines.model_paths import resolve_model
-    from headrace.plugins.engines.torch_llm import DEFAULT_MODEL
+    from headrace.plugins.engines.models.paths import resolve_model
+    from headrace.plugins.engines.torch_engine.engine import DEFAULT_MODEL
 
     return resolve_model(job["model"] or DEFAULT_MODEL)
 
@@ -345,7 +345,7 @@ async def _child_main(job: dict[str, Any]) -> dict[str, Any]:
 if __name__ == "__main__":
     import anyio
 
-    from headrace.plugins.engines.llama_cpp_cpu import _no_core_dump
+    from headrace.plugins.engines.llama_cpp.cpu import _no_core_dump
 
     _no_core_dump()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

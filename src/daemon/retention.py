@@ -24,7 +24,7 @@ from headrace.batching.programs import ProgramRegistry
 from headrace.daemon import structured
 from headrace.daemon.openai_schemas import ChatCompletionRequest, cache_ttl_seconds
 from headrace.graph.collector import ChoiceDelta
-from headrace.plugins.engines.prefix_cache import common_prefix
+from headrace.plugins.engines.kvreuse.prefix_cache import common_prefix
 from headrace.plugins.protocols import PinsPrefixes
 
 log = logging.getLogger(__name__)

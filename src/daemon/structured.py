@@ -2,7 +2,7 @@
 
 ``response_format`` and a required tool call become an ``OutputConstraint`` that every LLM
 engine enforces by constrained decoding; ``tools`` are rendered by the engine's chat
-template (``headrace.plugins.engines.chat``), and the output is parsed back into OpenAI's
+template (``headrace.plugins.engines.llm.chat``), and the output is parsed back into OpenAI's
 ``tool_calls``. A response is a tool call when it begins with ``<tool_call>``; each complete
 block is one call (so a stream sends each call as soon as its block closes). A block that
 ``max_tokens`` cut off is still a call, as OpenAI's API answers it: its name and the arguments
@@ -25,8 +25,8 @@ from typing import Any
 from headrace.daemon.errors import bad_request
 from headrace.daemon.openai_schemas import (ChatCompletionRequest, CompletionRequest, JsonObjectFormat,
                                             JsonSchemaFormat, TokenizeChatRequest)
-from headrace.plugins.engines import constraints
-from headrace.plugins.engines.chat import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from headrace.plugins.engines.llm import constraints
+from headrace.plugins.engines.llm.chat import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from headrace.plugins.protocols import JsonSchemaConstraint, LarkConstraint, OutputConstraint
 
 # What llguidance writes: JSON with these separators and no free whitespace (constraints.JSON_OPTIONS).

@@ -24,17 +24,17 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from headrace.plugins.engines.chat import ChatMessages, ToolSpecs, apply_template
-from headrace.plugins.engines.constraints import json_schema_text
-from headrace.plugins.engines.llm_core import LLMCore, Row, sample_row, sample_rows
-from headrace.plugins.engines.llm_front import LLMFront, check_token_ids
-from headrace.plugins.engines.llm_messages import (CacheControl, Command, Decode, EngineError, EngineFailed, Heartbeat,
+from headrace.plugins.engines.llm.chat import ChatMessages, ToolSpecs, apply_template
+from headrace.plugins.engines.llm.constraints import json_schema_text
+from headrace.plugins.engines.llm.core import LLMCore, Row, sample_row, sample_rows
+from headrace.plugins.engines.llm.front import LLMFront, check_token_ids
+from headrace.plugins.engines.llm.messages import (CacheControl, Command, Decode, EngineError, EngineFailed, Heartbeat,
                                                    Logits, Outbox, Prefill, Reply, Stop)
-from headrace.plugins.engines.prompt_scores import PromptScorer, PromptScoring
-from headrace.plugins.engines.llm_token_lists import Hold, TokenListCore, safetensors_model
-from headrace.plugins.engines.model_paths import ModelNotFound, resolve_model
-from headrace.plugins.engines.sampling import LOGPROB_FLOOR, Detokenizer, is_greedy
-from headrace.plugins.engines.torch_loading import auto_dtype, convert_gguf
+from headrace.plugins.engines.llm.prompt_scores import PromptScorer, PromptScoring
+from headrace.plugins.engines.llm.sampling import LOGPROB_FLOOR, Detokenizer, is_greedy
+from headrace.plugins.engines.llm.token_lists import Hold, TokenListCore, safetensors_model
+from headrace.plugins.engines.models.loading import auto_dtype, convert_gguf
+from headrace.plugins.engines.models.paths import ModelNotFound, resolve_model
 from headrace.plugins.protocols import (EmbedEngine, Engine, EngineEnv, EngineKind, EngineSpec, FinishReason,
                                         JsonSchemaConstraint, LarkConstraint, LLMEngine, OutputConstraint,
                                         PromptLogprobs, RerankEngine, SamplingParams, ScoresPrompts, SearchHit,

@@ -22,11 +22,11 @@ from headrace.plugins import hookspecs
 ENTRY_POINT_GROUP = "headrace"
 
 DEFAULT_PLUGINS: tuple[str, ...] = (
-    "headrace.plugins.engines.torch_llm",
-    "headrace.plugins.engines.llama_cpp",
-    "headrace.plugins.engines.st_embed",
-    "headrace.plugins.engines.rerankers",
-    "headrace.plugins.engines.lancedb_store",
+    "headrace.plugins.engines.torch_engine.engine",
+    "headrace.plugins.engines.llama_cpp.engine",
+    "headrace.plugins.engines.retrieval.st_embed",
+    "headrace.plugins.engines.retrieval.rerankers",
+    "headrace.plugins.engines.retrieval.lancedb_store",
     "headrace.batching.policies",
     "headrace.batching.llm_policies",
     "headrace.graph.passes",

@@ -251,7 +251,7 @@ class LLMEngine(Engine, Protocol):
         false: the messages alone).
 
         ``messages`` in Hugging Face's chat format (assistant ``tool_calls``, ``tool`` results included);
-        ``tools``: OpenAI tool objects the prompt offers (``headrace.plugins.engines.chat``). A model with no
+        ``tools``: OpenAI tool objects the prompt offers (``headrace.plugins.engines.llm.chat``). A model with no
         chat template raises ``chat.NoChatTemplate`` (a 400 naming the ``chat_template`` option)."""
         ...
 

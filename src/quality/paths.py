@@ -30,7 +30,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
-from headrace.plugins.engines.prefix_cache import BLOCK
+from headrace.plugins.engines.kvreuse.prefix_cache import BLOCK
 from headrace.plugins.protocols import SamplingParams
 
 COLD, FORK, PIECES, PREFIX_HIT, HOST, DISK = "cold", "fork", "pieces", "prefix-hit", "host", "disk"
@@ -155,7 +155,7 @@ async def branch_hit(engine: Any, prompt: Sequence[int], answer: Sequence[int], 
     head is a hit on a *prefix* of that longer entry (one system prompt or document before different questions)
     and the rest is computed. The engine's cache should hold nothing else of the prompt. On a sliding-window model
     the longer entry's window layers may have dropped what the head's continuation attends
-    (``plugins/engines/llama_cpp_swa``): the engine must compute it whole (``PathNotTaken`` here) or be right."""
+    (``plugins/engines/llama_cpp/swa``): the engine must compute it whole (``PathNotTaken`` here) or be right."""
     if not block <= head < len(prompt):
         raise ValueError(f"a shared head must be a block or more and inside the prompt, not {head}")
     longer, _, _ = await _fill(engine, list(prompt[:head]) + list(other))

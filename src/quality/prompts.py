@@ -22,7 +22,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
-from headrace.plugins.engines.chat import apply_template
+from headrace.plugins.engines.llm.chat import apply_template
 
 KINDS = ("chat", "instruction", "multi_turn", "system", "rag", "long")
 

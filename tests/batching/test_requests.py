@@ -98,7 +98,7 @@ async def test_a_request_for_another_kind_of_engine_fails_alone_with_a_clear_err
 
 
 async def test_vector_store_requests_run_in_order_on_lancedb(tmp_path):
-    from headrace.plugins.engines import lancedb_store
+    from headrace.plugins.engines.retrieval import lancedb_store
     from headrace.plugins.protocols import EngineEnv, EngineSpec
 
     env = EngineEnv(data_dir=tmp_path, cache_dir=tmp_path, lookup=lambda name: None)

@@ -30,8 +30,8 @@ def test_the_prompt_set_takes_every_kind_in_turn_and_names_itself_by_its_tokens(
 
 def test_the_held_out_set_shares_no_prompt_with_the_main_set():
     from headrace.bench.quality_prompts import quality_prompt_set
-    from headrace.plugins.engines.llama_cpp_options import DEFAULT_MODEL
-    from headrace.plugins.engines.model_paths import resolve_model
+    from headrace.plugins.engines.llama_cpp.options import DEFAULT_MODEL
+    from headrace.plugins.engines.models.paths import resolve_model
     from headrace.quality.reference import Reference
 
     tokenizer = Reference.load(resolve_model(DEFAULT_MODEL)).tokenizer

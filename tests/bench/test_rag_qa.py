@@ -19,7 +19,8 @@ def test_each_question_has_its_answer_in_one_of_its_chunks_at_a_seeded_place():
         assert len(p.contexts) == CONTEXTS
         holding = [i for i, c in enumerate(p.contexts) if p.item.gold in c and p.item.topic in c]
         assert holding, p.item.topic
-        places.add(holding[0])
+        assert p.home in holding
+        places.add(p.home)
     assert places == set(range(CONTEXTS))  # the answer is not always first
     assert [p.contexts for p in qa_prompts()] == [p.contexts for p in prompts]  # fixed by the seed
     assert [p.contexts for p in qa_prompts(1)] != [p.contexts for p in prompts]
@@ -33,6 +34,13 @@ def test_the_layouts_differ_only_in_order():
     assert context_first.index(p.item.question) > max(context_first.index(c) for c in p.contexts)
     assert sorted(first.split()) == sorted(context_first.split()) == sorted(canonical.split())
     assert all(t.startswith("<head>") and t.endswith("<tail>") for t in (first, context_first, canonical))
+    # A leaf: the answer's chunk alone, in either order.
+    leaf_first, leaf_context = (render(p, m, frame) for m in ("leaf-question-first", "leaf-context-first"))
+    home = p.contexts[p.home]
+    assert leaf_first.index(p.item.question) < leaf_first.index(home)
+    assert leaf_context.index(p.item.question) > leaf_context.index(home)
+    assert sorted(leaf_first.split()) == sorted(leaf_context.split())
+    assert all(c not in leaf_first for i, c in enumerate(p.contexts) if c != home)
 
 
 def test_the_paired_interval_brackets_the_mean_difference():
@@ -49,9 +57,16 @@ def test_a_smoke_run_scores_every_mode(tmp_path):
     result = in_process(main, "bench", "rag-qa", "--qa-questions", "1", "--qa-tokens", "6", "--out", str(out))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
-    assert [r["mode"] for r in results["summary"]] == ["question-first", "context-first", "canonical"]
+    summary = {r["mode"]: r for r in results["summary"]}
+    assert list(summary) == ["question-first", "context-first", "canonical", "leaf-question-first",
+                             "leaf-context-first"]
     for mode, rows in results["rows"].items():
-        assert len(rows) == 1 and all(0 <= r["f1"] <= 1 and r["prompt_tokens"] > 500 for r in rows), mode
-    assert "f1_diff" in results["summary"][1] and "CPU:" in (out / "results.md").read_text()
+        assert len(rows) == 1 and all(0 <= r["f1"] <= 1 and r["prompt_tokens"] > 150 for r in rows), mode
+    leaf, whole = results["rows"]["leaf-question-first"][0], results["rows"]["question-first"][0]
+    assert leaf["prompt_tokens"] < whole["prompt_tokens"]  # one chunk of three
+    # Each mode against its own family's question-first layout.
+    assert summary["context-first"]["f1_vs"] == "question-first" and "f1_vs" not in summary["question-first"]
+    assert summary["leaf-context-first"]["f1_vs"] == "leaf-question-first"
+    assert "f1_vs" not in summary["leaf-question-first"] and "CPU:" in (out / "results.md").read_text()
     bad = in_process(main, "bench", "rag-qa", "--qa-modes", "sideways", "--out", str(out))
     assert bad.returncode == 2 and "--qa-modes" in bad.stderr

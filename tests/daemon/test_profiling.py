@@ -9,7 +9,7 @@ import torch
 
 from headrace.daemon.config import ConfigError
 from headrace.daemon.profiling import ITEMS, SCRATCH_TABLE, items_per_second, probe_for, sentences
-from headrace.plugins.engines import lancedb_store
+from headrace.plugins.engines.retrieval import lancedb_store
 from headrace.plugins.protocols import EngineEnv, EngineSpec
 
 from conftest import running

@@ -21,7 +21,7 @@ from conftest import API_KEY, OTHER_API_KEY
 from headrace.daemon.app import create_app, principal
 from headrace.daemon.config import ConfigError, load_config
 from headrace.daemon.responses_store import ResponsesStore
-from headrace.plugins.engines.prefix_cache import BLOCK
+from headrace.plugins.engines.kvreuse.prefix_cache import BLOCK
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ import pytest
 from headrace.daemon import openai_schemas as schemas, structured
 from headrace.daemon.errors import APIError
 from headrace.daemon.bodies import parse_json, validate
-from headrace.plugins.engines.chat import format_tool_call
+from headrace.plugins.engines.llm.chat import format_tool_call
 from headrace.plugins.protocols import LarkConstraint
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",

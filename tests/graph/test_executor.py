@@ -507,7 +507,7 @@ async def test_a_runs_own_collection_is_dropped_when_it_ends(tmp_path, ending):
     from headrace.batching.policies import FifoPolicy
     from headrace.batching.requests import runner_for
     from headrace.batching.scheduler import BatchScheduler
-    from headrace.plugins.engines import lancedb_store
+    from headrace.plugins.engines.retrieval import lancedb_store
     from headrace.plugins.protocols import EngineEnv, EngineSpec
 
     from conftest import running

@@ -12,9 +12,9 @@ import anyio
 import pytest
 
 from llm_engines import text_of
-from headrace.plugins.engines.kv_store import KVStore, block_digests
-from headrace.plugins.engines.llm_messages import EngineError
-from headrace.plugins.engines.prefix_cache import PrefixCache, block_hashes
+from headrace.plugins.engines.kvreuse.kv_store import KVStore, block_digests
+from headrace.plugins.engines.llm.messages import EngineError
+from headrace.plugins.engines.kvreuse.prefix_cache import PrefixCache, block_hashes
 from headrace.plugins.protocols import IsolatesCaches, SamplingParams
 
 from test_engine_tiers import make_engine, prompts, serve

@@ -8,8 +8,8 @@ import json
 import jsonschema
 import pytest
 
-from headrace.plugins.engines.chat import format_tool_call
-from headrace.plugins.engines.llm_front import EngineError
+from headrace.plugins.engines.llm.chat import format_tool_call
+from headrace.plugins.engines.llm.front import EngineError
 from headrace.plugins.protocols import JsonSchemaConstraint, LarkConstraint, SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -7,7 +7,7 @@ import json
 import jsonschema
 import pytest
 
-from headrace.plugins.engines import constraints
+from headrace.plugins.engines.llm import constraints
 from headrace.plugins.protocols import JsonSchemaConstraint, LarkConstraint
 
 

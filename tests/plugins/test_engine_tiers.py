@@ -10,9 +10,9 @@ import anyio
 import pytest
 
 from llm_engines import text_of
-from headrace.plugins.engines.llama_cpp import LlamaCppLLM
-from headrace.plugins.engines.torch_llm import TorchLLM
-from headrace.plugins.engines.prefix_cache import common_prefix
+from headrace.plugins.engines.llama_cpp.engine import LlamaCppLLM
+from headrace.plugins.engines.torch_engine.engine import TorchLLM
+from headrace.plugins.engines.kvreuse.prefix_cache import common_prefix
 from headrace.plugins.protocols import EngineEnv, EngineSpec, SamplingParams
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/setup builds it)")
@@ -121,6 +121,6 @@ def test_a_restart_finds_the_prefixes_saved_before_it_and_a_corrupted_file_is_dr
 
 
 def _holds(path: Path, tokens: list[int]) -> bool:
-    from headrace.plugins.engines.kv_store import SUFFIX, block_digests
+    from headrace.plugins.engines.kvreuse.kv_store import SUFFIX, block_digests
     return path.name == f"{block_digests(tokens, 16)[len(tokens) // 16 - 1].hex()}{SUFFIX}" or \
         path.name == f"{block_digests(tokens, 16)[(len(tokens) - 1) // 16 - 1].hex()}{SUFFIX}"

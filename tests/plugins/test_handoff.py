@@ -9,8 +9,9 @@ import torch
 from headrace.batching.policies import FifoPolicy
 from headrace.batching.requests import EmbedRequest, VectorIngest, VectorSearch, runner_for
 from headrace.batching.scheduler import BatchScheduler
-from headrace.plugins.engines import lancedb_store, st_embed
-from headrace.plugins.engines.handoff import HandoffStats, arrow_vectors, float32_rows
+from headrace.plugins.engines.retrieval import lancedb_store
+from headrace.plugins.engines.retrieval import st_embed
+from headrace.plugins.engines.retrieval.handoff import HandoffStats, arrow_vectors, float32_rows
 from headrace.plugins.protocols import EngineEnv, EngineSpec
 
 from conftest import running

@@ -8,9 +8,9 @@ import filecmp
 import pytest
 from hub_standin import COMMIT, SMOLLM2, StandInHub, smollm2_repo
 
-from headrace.plugins.engines import hub_models
-from headrace.plugins.engines.hub_models import HubModel, parse, pick
-from headrace.plugins.engines.model_paths import ModelNotFound, resolve_model
+from headrace.plugins.engines.models import hub_models
+from headrace.plugins.engines.models.hub_models import HubModel, parse, pick
+from headrace.plugins.engines.models.paths import ModelNotFound, resolve_model
 
 REPO = "test-org/smollm2-gguf"
 Q4_1 = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from headrace.plugins.engines import kv_blend
-from headrace.plugins.engines.kv_blend import Step, plan
+from headrace.plugins.engines.llama_cpp import kv_blend
+from headrace.plugins.engines.llama_cpp.kv_blend import Step, plan
 
 N_BATCH = 256
 TARGET, SCRATCH, REF = 0, 1, 2
@@ -30,10 +30,10 @@ def test_plan_orders_prefills_and_placements():
 
 @pytest.fixture(scope="module")
 def model():
-    from headrace.plugins.engines.llama_cpp_files import default_cache_dir, llama, load_tokenizer, quantized_model
-    from headrace.plugins.engines.llama_cpp_cpu import ProbeModel
-    from headrace.plugins.engines.llama_cpp_options import DEFAULT_MODEL, DEFAULT_QUANTIZE
-    from headrace.plugins.engines.model_paths import resolve_model
+    from headrace.plugins.engines.llama_cpp.files import default_cache_dir, llama, load_tokenizer, quantized_model
+    from headrace.plugins.engines.llama_cpp.cpu import ProbeModel
+    from headrace.plugins.engines.llama_cpp.options import DEFAULT_MODEL, DEFAULT_QUANTIZE
+    from headrace.plugins.engines.models.paths import resolve_model
 
     path, cache = resolve_model(DEFAULT_MODEL), default_cache_dir()
     lc = llama(ProbeModel(path, cache, DEFAULT_QUANTIZE, 2))  # the variant the engine chooses

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from headrace.plugins.engines.kv_store import MAGIC, SUFFIX, KVStore, block_digests
+from headrace.plugins.engines.kvreuse.kv_store import MAGIC, SUFFIX, KVStore, block_digests
 
 BLOCK = 16
 

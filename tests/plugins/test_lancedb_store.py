@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from headrace.plugins.engines import lancedb_store
-from headrace.plugins.engines.lancedb_store import CollectionNotFound
+from headrace.plugins.engines.retrieval import lancedb_store
+from headrace.plugins.engines.retrieval.lancedb_store import CollectionNotFound
 from headrace.plugins.protocols import EngineEnv, EngineSpec, VectorStore
 
 from conftest import running
@@ -143,7 +143,7 @@ async def test_errors(tmp_path):
 
 @pytest.mark.slow
 async def test_with_real_embeddings(tmp_path):
-    from headrace.plugins.engines import st_embed
+    from headrace.plugins.engines.retrieval import st_embed
 
     env = EngineEnv(data_dir=tmp_path, cache_dir=tmp_path, lookup=lambda name: None)
     embedder = st_embed.factory(EngineSpec(name="emb", plugin="sentence-transformers"), env)

@@ -10,9 +10,9 @@ import torch
 
 from conftest import check_logprobs_are_log_softmax, idle, prompts_on_a_shared_prefix
 from llm_engines import chat, outcome, outcomes, text_of, wait_for_no_contexts
-from headrace.plugins.engines.llama_cpp import LlamaCppLLM
-from headrace.plugins.engines.llama_cpp_batch import MIN_SHARED_SCORING_PREFIX, shared_prefix_groups
-from headrace.plugins.engines.llm_front import EngineError
+from headrace.plugins.engines.llama_cpp.engine import LlamaCppLLM
+from headrace.plugins.engines.llama_cpp.batch import MIN_SHARED_SCORING_PREFIX, shared_prefix_groups
+from headrace.plugins.engines.llm.front import EngineError
 from headrace.plugins.protocols import EngineEnv, EngineSpec, SamplingParams
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/setup builds it)")

@@ -19,8 +19,8 @@ pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scri
 
 from headrace.daemon.config import load_config  # noqa: E402
 from headrace.daemon.engine_check import check_engines, report  # noqa: E402
-from headrace.plugins.engines import llama_cpp_cpu  # noqa: E402
-from headrace.plugins.engines.llama_cpp_cpu import (FIX_COMMAND, NoRunnableVariant, ProbeModel,  # noqa: E402
+from headrace.plugins.engines.llama_cpp import cpu  # noqa: E402
+from headrace.plugins.engines.llama_cpp.cpu import (FIX_COMMAND, NoRunnableVariant, ProbeModel,  # noqa: E402
                                                     chosen_variant, default_probe_model, exit_cause, library_dir,
                                                     variants)
 
@@ -70,7 +70,7 @@ def test_the_build_has_a_baseline_variant_and_this_cpu_gets_one_that_runs(tmp_pa
     assert {"x64", "haswell"} <= set(found), found  # the fallback for any x86-64 CPU, and AVX2
     chosen = chosen_variant(library_dir(), probe_model, tmp_path / "cache")
     assert chosen in found.values()
-    assert llama_cpp_cpu.probe(chosen, probe_model).ok
+    assert cpu.probe(chosen, probe_model).ok
 
 
 def test_a_variant_that_dies_by_sigill_is_skipped_and_not_tried_again(tmp_path, faulty_library, probe_model,
@@ -117,9 +117,9 @@ def test_headrace_check_passes_on_this_machine(tmp_path):
 
 
 def test_an_override_takes_the_named_variant_without_a_probe(tmp_path, monkeypatch):
-    monkeypatch.setenv(llama_cpp_cpu.VARIANT_ENV, "x64")
+    monkeypatch.setenv(cpu.VARIANT_ENV, "x64")
     assert chosen_variant(library_dir(), None, tmp_path) == variants(library_dir())["x64"]
-    monkeypatch.setenv(llama_cpp_cpu.VARIANT_ENV, "pentium")
+    monkeypatch.setenv(cpu.VARIANT_ENV, "pentium")
     with pytest.raises(NoRunnableVariant, match="no such variant"):
         chosen_variant(library_dir(), None, tmp_path)
 

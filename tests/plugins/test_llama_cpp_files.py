@@ -9,11 +9,11 @@ import threading
 import pytest
 
 from headrace.daemon.quiet import quiet_libraries
-from headrace.plugins.engines.model_paths import resolve_model
+from headrace.plugins.engines.models.paths import resolve_model
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/setup builds it)")
 
-from headrace.plugins.engines.llama_cpp_files import load_tokenizer, quantized_model  # noqa: E402
+from headrace.plugins.engines.llama_cpp.files import load_tokenizer, quantized_model  # noqa: E402
 
 
 def test_side_by_side_loads_convert_once_and_find_the_first_ones_copy(tmp_path, caplog):

@@ -1,4 +1,4 @@
-"""llm_core's shared row sampling: the numpy path (llama.cpp's logits) picks what the torch sampler picks;
+"""llm.core's shared row sampling: the numpy path (llama.cpp's logits) picks what the torch sampler picks;
 and the stream a row's deltas go to (``TokenStream``)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from headrace.plugins.engines.llm_core import Row, logprobs_row, sample_rows, sample_rows_numpy
-from headrace.plugins.engines.sampling import Detokenizer, make_generator
+from headrace.plugins.engines.llm.core import Row, logprobs_row, sample_rows, sample_rows_numpy
+from headrace.plugins.engines.llm.sampling import Detokenizer, make_generator
 from headrace.plugins.protocols import SamplingParams
 
 PARAMS = [SamplingParams(temperature=0.0, max_tokens=4), SamplingParams(temperature=1.0, seed=7, max_tokens=4),
@@ -49,7 +49,7 @@ async def test_a_token_stream_wakes_its_reader_once_a_delivery_and_refuses_sends
     ``close`` or after the reader left fail as a memory object stream's do (``deliver_on_loop`` drops them)."""
     import anyio
 
-    from headrace.plugins.engines.llm_messages import Outbox, TokenStream, deliver_on_loop
+    from headrace.plugins.engines.llm.messages import Outbox, TokenStream, deliver_on_loop
 
     stream, got = TokenStream(), []
 

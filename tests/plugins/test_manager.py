@@ -53,7 +53,7 @@ def test_installed_plugin_is_discovered(hashembed, monkeypatch):
     monkeypatch.delenv("HEADRACE_PLUGINS", raising=False)
     out = plugins_output(monkeypatch)
     assert "hashembed\n  register_engines: hash-embed" in out
-    assert "headrace.plugins.engines.torch_llm\n  register_engines: torch" in out
+    assert "headrace.plugins.engines.torch_engine.engine\n  register_engines: torch" in out
 
 
 def test_allow_list(hashembed, monkeypatch):

@@ -19,12 +19,12 @@ import pytest
 import torch
 
 from conftest import ROOT, Server
-from headrace.plugins.engines.chat import NoChatTemplate, read_template
-from headrace.plugins.engines.llama_cpp_files import default_cache_dir, load_tokenizer
-from headrace.plugins.engines.llama_cpp_options import DEFAULT_MODEL
-from headrace.plugins.engines.llm_front import LLMFront
-from headrace.plugins.engines.model_paths import resolve_model
-from headrace.plugins.engines.torch_loading import load_causal_lm
+from headrace.plugins.engines.llm.chat import NoChatTemplate, read_template
+from headrace.plugins.engines.llama_cpp.files import default_cache_dir, load_tokenizer
+from headrace.plugins.engines.llama_cpp.options import DEFAULT_MODEL
+from headrace.plugins.engines.llm.front import LLMFront
+from headrace.plugins.engines.models.paths import resolve_model
+from headrace.plugins.engines.models.loading import load_causal_lm
 
 pytestmark = pytest.mark.slow
 

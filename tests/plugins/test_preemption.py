@@ -5,8 +5,8 @@ pauses are in test_llama_cpp.py."""
 
 from __future__ import annotations
 
-from headrace.plugins.engines.llm_core import Row
-from headrace.plugins.engines.preemption import PausedRows, Want, choose
+from headrace.plugins.engines.llm.core import Row
+from headrace.plugins.engines.llm.preemption import PausedRows, Want, choose
 from headrace.plugins.protocols import SamplingParams
 
 

@@ -1,6 +1,6 @@
 """The prefix cache's bookkeeping: block hashes, longest match, LRU eviction within the token budget."""
 
-from headrace.plugins.engines.prefix_cache import PinPolicy, PrefixCache, block_hashes
+from headrace.plugins.engines.kvreuse.prefix_cache import PinPolicy, PrefixCache, block_hashes
 
 
 def test_block_hashes_name_whole_prefixes():

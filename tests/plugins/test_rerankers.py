@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from headrace.plugins.engines import rerankers
-from headrace.plugins.engines.model_paths import resolve_model
+from headrace.plugins.engines.retrieval import rerankers
+from headrace.plugins.engines.models.paths import resolve_model
 from headrace.plugins.protocols import EngineEnv, EngineSpec, RerankEngine
 
 from conftest import running

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from headrace.plugins.engines.sampling import (Detokenizer, History, apply_bitmask, make_generator, process_logits,
-                                               sample)
+from headrace.plugins.engines.llm.sampling import (Detokenizer, History, apply_bitmask, make_generator, process_logits,
+                                                   sample)
 from headrace.plugins.protocols import SEED_MAX, SEED_MIN, SamplingParams
 
 LOGITS = torch.tensor([[0.5, 3.0, 1.0, -2.0], [2.0, 0.1, 0.2, 0.3]])

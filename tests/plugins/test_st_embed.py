@@ -6,8 +6,8 @@ import anyio
 import pytest
 import torch
 
-from headrace.plugins.engines import st_embed
-from headrace.plugins.engines.model_paths import ModelNotFound, resolve_model
+from headrace.plugins.engines.retrieval import st_embed
+from headrace.plugins.engines.models.paths import ModelNotFound, resolve_model
 from headrace.plugins.protocols import EmbedEngine, EngineEnv, EngineSpec
 
 from conftest import running
@@ -103,7 +103,7 @@ async def test_concurrent_embeds_and_token_counts(tmp_path):
 
 
 def test_pack_keeps_sequences_apart():
-    from headrace.plugins.engines.packing import pack
+    from headrace.plugins.engines.retrieval.packing import pack
 
     batch = pack([[1, 2, 3], [4, 5], [6, 7, 8, 9]], row_tokens=6, dtype=torch.float32)
     # First fit, longest first: [6..9] + [4, 5] share a row, [1, 2, 3] gets its own.
@@ -161,7 +161,7 @@ async def test_on_a_gpu_embeddings_stay_on_the_device_between_engines(tmp_path, 
     from headrace.batching.policies import FifoPolicy
     from headrace.batching.requests import EmbedRequest, runner_for
     from headrace.batching.scheduler import BatchScheduler
-    from headrace.plugins.engines.handoff import HandoffStats, float32_rows
+    from headrace.plugins.engines.retrieval.handoff import HandoffStats, float32_rows
 
     docs = tuple(TEXTS[:4])
     options = {"device": "cuda", "dtype": "auto", "pack_tokens": pack_tokens}

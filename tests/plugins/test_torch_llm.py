@@ -13,7 +13,7 @@ from anyio.from_thread import start_blocking_portal
 from conftest import check_logprobs_are_log_softmax, idle, prompts_on_a_shared_prefix
 from llm_engines import chat, outcome, text_of, wait_for_no_contexts
 from headrace.plugins.api import EngineFailed
-from headrace.plugins.engines.torch_llm import EngineError, TorchLLM
+from headrace.plugins.engines.torch_engine.engine import EngineError, TorchLLM
 from headrace.plugins.protocols import EngineEnv, EngineSpec, SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -113,7 +113,7 @@ def test_an_unknown_token_past_the_checks_fails_its_prefill_only(llm):
         async def unchecked(tokens):
             # Past the engine's own check (as if it had a bug): the batched prefill must still
             # fail only this job, retried one by one.
-            from headrace.plugins.engines.llm_messages import Prefill, Reply
+            from headrace.plugins.engines.llm.messages import Prefill, Reply
 
             reply = Reply()
             engine._commands.put(Prefill("unchecked", tokens, None, reply))

@@ -8,8 +8,8 @@ import shutil
 import pytest
 import torch
 
-from headrace.plugins.engines.model_paths import resolve_model
-from headrace.plugins.engines.torch_loading import cpu_has_bf16_kernels, gguf_cache_key, parse_dtype
+from headrace.plugins.engines.models.paths import resolve_model
+from headrace.plugins.engines.models.loading import cpu_has_bf16_kernels, gguf_cache_key, parse_dtype
 
 
 def test_auto_follows_the_cpus_bf16_kernels():

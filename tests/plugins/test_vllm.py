@@ -120,7 +120,7 @@ def test_vllms_own_cached_token_count_answers_a_prefill_and_a_generates_first_de
 def test_constraints_reach_vllm_structured_outputs(vllm_engine):
     import json
 
-    from headrace.plugins.engines.chat import format_tool_call
+    from headrace.plugins.engines.llm.chat import format_tool_call
     from headrace.plugins.protocols import LarkConstraint
 
     portal, engine, _ = vllm_engine

@@ -57,7 +57,7 @@ def hole(engine, seq_or_layers):
     position stays, so the next tokens still follow on); torch's KV gets zeros there (a copy: the source is left
     alone)."""
     if engine.core.__class__.__name__ == "LlamaCppCore":
-        from headrace.plugins.engines.llama_cpp_files import llama
+        from headrace.plugins.engines.llama_cpp.files import llama
 
         lc = llama()
         n = lc.llama_memory_seq_pos_max(engine.core._mem, seq_or_layers) + 1
@@ -95,7 +95,7 @@ def damaged_copies(engine, *, trimmed: bool, once: bool):
         finally:
             del core._copy_sequence
     else:
-        from headrace.plugins.engines import kv as torch_kv
+        from headrace.plugins.engines.torch_engine import kv as torch_kv
 
         original = torch_kv.expand
 

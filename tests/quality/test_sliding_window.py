@@ -5,7 +5,7 @@ other pieces), or not taken (the engine computed the prompt whole, a cache miss)
 llama.cpp keeps the window layers' cells only while a context's last position needs them (``swa_full = false``:
 ``n_swa`` plus a ubatch per stream) and saves only those to a KV tier, so a reuse of an *older* prefix (a hit on
 the head of a longer cached prompt, a trimmed restore) can miss cells the prompt's next tokens attend; the engine
-checks each reuse (``llama_cpp_swa.window_holds``) and keeps every cell while its prefix cache is on
+checks each reuse (``llama_cpp.swa.window_holds``) and keeps every cell while its prefix cache is on
 (``swa_full`` auto). The check can fail: with it switched off the same reuses score far outside the bound.
 The torch engine keeps every position (its own ``DynamicCache`` of full layers) and masks the window in the model:
 every path is right, and a hole inside the window (what llama.cpp's lost cells are) fails the bound.
@@ -40,6 +40,10 @@ ANSWER = 8
 # A ubatch of 256: llama.cpp's window cache is then 768 cells a stream, which prompts of 900-1,100 tokens outgrow.
 BASE = {"threads": 1, "quantize": "none", "max_context_tokens": 2048, "max_batch_tokens": 256,
         "chat_template": str(ROOT / "configs" / "templates" / "gemma3.jinja")}
+# Prompts per engine: each costs ~40-60 s of the suite on one thread. llama.cpp's unchecked reuses go wrong on
+# the second prompt run after the first (each alone scored 0.0 and 0.0008 nats unchecked, 2026-11-29), so it
+# keeps two; torch's damaged path is 0.23 nats against a bound of 0.0001 on one.
+PROMPTS = {"llama-cpp": 2, "torch": 1}
 FLOOR_FACTOR, FLOOR_MIN = 4.0, 1e-4  # as tests/quality/test_kv_paths.py
 BRANCH_CACHE = {"prefix_cache_tokens": 4096, "prefix_cache_pin_tokens": 0, "kv_host_mib": 0, "kv_disk_mib": 0}
 
@@ -50,13 +54,13 @@ def spec(plugin: str) -> EngineSpec:
     return EngineSpec("gemma", plugin, str(gemma.assemble()), options)
 
 
-def long_prompts(tokenizer):
-    """Two RAG prompts of 900-1,100 tokens (past the window and llama.cpp's window cache), and for each another
+def long_prompts(tokenizer, n: int):
+    """``n`` RAG prompts of 900-1,100 tokens (past the window and llama.cpp's window cache), and for each another
     long prompt whose tokens follow its head in the longer prompt ``branch_hit`` caches first."""
     longs = [p for p in quality_prompt_set(tokenizer).prompts if p.kind == "long"]
-    chosen = [p for p in longs if 900 <= len(p.tokens) <= 1100][:2]
-    others = [p for p in longs if p not in chosen][:2]
-    assert len(chosen) == 2 and all(len(p.tokens) > 3 * WINDOW // 2 for p in chosen)
+    chosen = [p for p in longs if 900 <= len(p.tokens) <= 1100][:n]
+    others = [p for p in longs if p not in chosen][:n]
+    assert len(chosen) == n and all(len(p.tokens) > 3 * WINDOW // 2 for p in chosen)
     return chosen, [list(o.tokens[1:901]) for o in others]  # without its <bos>; the longer prompt < 2,048
 
 
@@ -109,7 +113,7 @@ def cold_side(plugin: str, tmp: Path) -> dict:
     out: dict = {"rows": {}}
 
     async def run():
-        prompts, others = long_prompts(engine.tokenizer)
+        prompts, others = long_prompts(engine.tokenizer, PROMPTS[plugin])
         out.update(prompts=prompts, others=others, engine=engine.core)
         answers = [(await kv.cold(engine, p.tokens, [0] * ANSWER, greedy=ANSWER)).greedy for p in prompts]
         out["answers"] = answers
@@ -128,16 +132,16 @@ def cold_side(plugin: str, tmp: Path) -> dict:
 
 
 def reuse_side(plugin: str, tmp: Path, base: dict, name: str, options: dict, out: dict,
-               during=contextlib.nullcontext) -> None:
-    """prefix-hit and host (a prefix cache of one prompt, a host tier), then branch (a larger cache), each under
-    ``during`` (a context manager given the engine)."""
+               during=contextlib.nullcontext, branching: bool = True) -> None:
+    """prefix-hit and host (a prefix cache of one prompt, a host tier), then (``branching``) branch (a larger
+    cache), each under ``during`` (a context manager given the engine)."""
     prompts, others, answers = base["prompts"], base["others"], base["answers"]
     room = kv.cells_room(max(len(p.tokens) for p in prompts))
     tiered = {**kv.reuse_options(plugin, room, 128, 0), **options}
-    branching = {**BRANCH_CACHE, **options}
+    branch_options = {**BRANCH_CACHE, **options}
     if plugin == "llama-cpp":
-        tiered["n_seq_max"] = branching["n_seq_max"] = 2
-        branching["prefix_cache_sequences"] = 4
+        tiered["n_seq_max"] = branch_options["n_seq_max"] = 2
+        branch_options["prefix_cache_sequences"] = 4
     engine = make_engine(spec(plugin), tmp / f"{name}-tiered", CACHE, **tiered)
 
     async def tiers():
@@ -151,7 +155,9 @@ def reuse_side(plugin: str, tmp: Path, base: dict, name: str, options: dict, out
         out["swa_full"] = getattr(engine.core, "swa_full", None)
 
     anyio.run(serve, engine, tiers)
-    engine = make_engine(spec(plugin), tmp / f"{name}-branch", CACHE, **branching)
+    if not branching:
+        return
+    engine = make_engine(spec(plugin), tmp / f"{name}-branch", CACHE, **branch_options)
 
     async def branch():
         with during(engine):
@@ -180,7 +186,7 @@ def unguarded(engine):
 def hole(start_back: int, end_back: int):
     """Every KV copy a reuse enters the forward pass with (torch ``kv.expand``) zeroed, in the window layers only,
     from ``start_back`` to ``end_back`` positions before its end."""
-    from headrace.plugins.engines import kv as torch_kv
+    from headrace.plugins.engines.torch_engine import kv as torch_kv
 
     original = torch_kv.expand
     sliding: list[bool] = []
@@ -218,7 +224,8 @@ def llama_measured(tmp_path_factory):
                                   ("window", {"swa_full": False}, contextlib.nullcontext),
                                   ("unguarded", {"swa_full": False}, unguarded)):
         runs[name] = {}
-        reuse_side("llama-cpp", tmp, base, name, options, runs[name], during)
+        # Unguarded, only the tiered engine's paths are asserted on.
+        reuse_side("llama-cpp", tmp, base, name, options, runs[name], during, branching=name != "unguarded")
     return base, runs
 
 
@@ -283,7 +290,7 @@ def test_llama_cpp_a_reuse_past_the_window_fails_the_bound_unchecked(llama_measu
 def test_torch_every_path_is_right(torch_measured):
     base, runs = torch_measured
     assert mean_kl(base["rows"][kv.COLD], base["rows"][kv.FORK]) <= base["bound"]
-    check_paths(base, runs["right"], {kv.PREFIX_HIT: 2, kv.HOST: 2, "branch": 2})
+    check_paths(base, runs["right"], {kv.PREFIX_HIT: 1, kv.HOST: 1, "branch": 1})
 
 
 def test_torch_a_hole_inside_the_window_fails_the_bound(torch_measured):

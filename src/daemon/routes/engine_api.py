@@ -19,7 +19,7 @@ from headrace.daemon import bodies as rq
 from headrace.daemon.errors import APIError, bad_request
 from headrace.daemon.headrace_schemas import EngineSettingsRequest
 from headrace.daemon.services import daemon
-from headrace.plugins.engines.llm_front import EngineError
+from headrace.plugins.engines.llm.front import EngineError
 from headrace.plugins.protocols import PinsPrefixes, PrefixCaching, SizesPrefixCache
 
 

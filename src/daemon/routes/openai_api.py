@@ -27,7 +27,7 @@ from headrace.daemon.prompt_logprobs import ScoredPrompt, ScoringPlan
 from headrace.daemon.openai_schemas import COMPLETIONS_MAX_TOKENS, MAX_CHOICES, ChatCompletionRequest, CompletionRequest
 from headrace.daemon.services import daemon, owner, services
 from headrace.graph.collector import ChoiceDelta
-from headrace.plugins.engines.chat import NoChatTemplate
+from headrace.plugins.engines.llm.chat import NoChatTemplate
 from headrace.plugins.protocols import DEFAULT_MAX_TOKENS, ReportsLogprobs, SamplingParams, TokenDelta, TokenLogprob
 
 

@@ -14,9 +14,9 @@ from typing import Sequence
 
 import torch
 
-from headrace.plugins.engines.kv import LayerKV
-from headrace.plugins.engines.kv_store import EngineTiers, KVStore, open_store
-from headrace.plugins.engines.torch_loading import gguf_cache_key
+from headrace.plugins.engines.kvreuse.kv_store import EngineTiers, KVStore, open_store
+from headrace.plugins.engines.models.loading import gguf_cache_key
+from headrace.plugins.engines.torch_engine.kv import LayerKV
 
 log = logging.getLogger(__name__)
 

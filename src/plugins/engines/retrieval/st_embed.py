@@ -24,9 +24,9 @@ from typing import Any, Sequence
 import anyio
 import torch
 
-from headrace.plugins.engines.model_paths import resolve_model
-from headrace.plugins.engines.packing import mean_pool, pack
-from headrace.plugins.engines.torch_loading import AUTO, parse_dtype
+from headrace.plugins.engines.models.loading import AUTO, parse_dtype
+from headrace.plugins.engines.models.paths import resolve_model
+from headrace.plugins.engines.retrieval.packing import mean_pool, pack
 from headrace.plugins.hookspecs import hookimpl
 from headrace.plugins.protocols import EngineEnv, EngineSpec
 from headrace.text import check_texts

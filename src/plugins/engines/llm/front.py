@@ -14,8 +14,8 @@ engine core:
   thread) owns the model, the KV state and the batch of each iteration. Only the
   worker thread touches it, so it needs no locks.
 
-The front is this module; the core's base class and its contract are in ``llm_core``,
-the commands and results they pass each other in ``llm_messages``.
+The front is this module; the core's base class and its contract are in ``core``,
+the commands and results they pass each other in ``messages``.
 
 The front checks token ids against ``core.vocab_size`` and scoring prompts
 against ``core.max_context_tokens`` before queueing; a prefill over the context
@@ -51,13 +51,13 @@ import anyio
 import torch
 from anyio.from_thread import BlockingPortal
 
-from headrace.plugins.engines import chat
-from headrace.plugins.engines.chat import ChatMessages, ToolSpecs
-from headrace.plugins.engines.llm_core import LLMCore
-from headrace.plugins.engines.llm_messages import (CacheControl, Command, Decode, EngineError, EngineFailed, Heartbeat,
+from headrace.plugins.engines.llm import chat
+from headrace.plugins.engines.llm.chat import ChatMessages, ToolSpecs
+from headrace.plugins.engines.llm.core import LLMCore
+from headrace.plugins.engines.llm.messages import (CacheControl, Command, Decode, EngineError, EngineFailed, Heartbeat,
                                                    Logits, Outbox, Pin, Prefill, Reply, Stop, TokenStream,
                                                    deliver_on_loop)
-from headrace.plugins.engines.prompt_scores import PromptScoring
+from headrace.plugins.engines.llm.prompt_scores import PromptScoring
 from headrace.plugins.protocols import MAX_TOP_LOGPROBS, PromptLogprobs, SamplingParams, TokenDelta
 from headrace.types import ContextId, TokenIds
 

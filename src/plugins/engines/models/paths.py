@@ -24,7 +24,7 @@ class ModelNotFound(FileNotFoundError):
 
 def resolve_model(ref: str, *, key: str = "model") -> Path:
     if ref.startswith("hf:"):
-        from headrace.plugins.engines import hub_models  # huggingface_hub only for a model that needs it
+        from headrace.plugins.engines.models import hub_models  # huggingface_hub only for a model that needs it
 
         return hub_models.resolve(ref, key)
     if ref.startswith("pkg:"):

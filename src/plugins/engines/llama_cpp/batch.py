@@ -17,10 +17,10 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from headrace.plugins.engines.llm_core import Row
-from headrace.plugins.engines.llm_messages import Logits, Outbox, Prefill
-from headrace.plugins.engines.prefix_cache import common_prefix
-from headrace.plugins.engines.prompt_scores import PromptScorer
+from headrace.plugins.engines.kvreuse.prefix_cache import common_prefix
+from headrace.plugins.engines.llm.core import Row
+from headrace.plugins.engines.llm.messages import Logits, Outbox, Prefill
+from headrace.plugins.engines.llm.prompt_scores import PromptScorer
 from headrace.types import TokenIds
 
 # Scoring prompts that start with at least this many equal tokens (the reranker's system prompt

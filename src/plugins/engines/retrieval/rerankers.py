@@ -26,7 +26,7 @@ from typing import Any, Sequence
 import anyio
 import torch
 
-from headrace.plugins.engines.model_paths import resolve_model
+from headrace.plugins.engines.models.paths import resolve_model
 from headrace.plugins.hookspecs import hookimpl
 from headrace.plugins.protocols import EngineEnv, EngineSpec, LLMEngine
 from headrace.text import check_texts

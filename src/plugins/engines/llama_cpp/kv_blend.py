@@ -30,7 +30,7 @@ import ctypes
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
-from headrace.plugins.engines.llama_cpp_files import llama
+from headrace.plugins.engines.llama_cpp.files import llama
 
 # The first tokens of each document prefilled again in place (documents computed at position 0: mean KL 0.046
 # nats against a full prefill in docs/benchmarks.md; 0 tokens: 0.127).

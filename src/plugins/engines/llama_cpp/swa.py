@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from headrace.plugins.engines.llama_cpp_files import llama
+from headrace.plugins.engines.llama_cpp.files import llama
 
 log = logging.getLogger("headrace.plugins.engines.llama_cpp")
 

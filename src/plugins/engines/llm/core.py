@@ -1,6 +1,6 @@
 """The worker-thread half of an in-process LLM engine: the :class:`LLMCore` base and its rows.
 
-How a core plugs in (the torch engine in ``torch_llm.py`` is the reference):
+How a core plugs in (the torch engine in ``torch_engine/engine.py`` is the reference):
 
 1. Subclass :class:`LLMCore` and implement ``load`` (load the model, then set
    ``tokenizer``, ``vocab_size``, ``eos`` and cap ``max_context_tokens``), and the
@@ -23,7 +23,7 @@ How a core plugs in (the torch engine in ``torch_llm.py`` is the reference):
    ``emit`` calls ``row_finished`` when a row ends (the default releases a
    ``generate`` context); ``fail_row`` and a failed ``Decode`` call ``release``.
 4. The engine class the plugin registers subclasses :class:`LLMFront`
-   (``llm_front``), parses its options into a core and calls
+   (``front``), parses its options into a core and calls
    ``super().__init__(name, core)``.
 
 The front checks token ids against ``core.vocab_size`` and scoring prompts
@@ -44,12 +44,12 @@ from typing import Any, ContextManager, Sequence
 import numpy as np
 import torch
 
-from headrace.plugins.engines import constraints
-from headrace.plugins.engines.llm_messages import (CacheControl, Command, Decode, EngineError, Heartbeat, Logits,
+from headrace.plugins.engines.kvreuse.prefix_cache import PinPolicy
+from headrace.plugins.engines.llm import constraints
+from headrace.plugins.engines.llm.messages import (CacheControl, Command, Decode, EngineError, Heartbeat, Logits,
                                                    Outbox, Pin, Prefill, Stop)
-from headrace.plugins.engines.prefix_cache import PinPolicy
-from headrace.plugins.engines.sampling import (NO_HISTORY, Detokenizer, History, is_greedy, make_generator, sample,
-                                               token_logprob)
+from headrace.plugins.engines.llm.sampling import (NO_HISTORY, Detokenizer, History, is_greedy, make_generator, sample,
+                                                   token_logprob)
 from headrace.plugins.protocols import SamplingParams, TokenDelta
 from headrace.types import ContextId
 

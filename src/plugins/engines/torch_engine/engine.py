@@ -1,6 +1,6 @@
 """The built-in CPU LLM engine: a transformers model as a core on the shared LLM front.
 
-The front (``llm_front``) serves the ``LLMEngine`` protocol on the event loop;
+The front (``llm.front``) serves the ``LLMEngine`` protocol on the event loop;
 this module is the torch core on the worker thread. Each iteration spends a
 token budget (``max_iteration_tokens``) on queued prefills (batched, children
 of one parent together) and chunks of at most ``SCORE_CHUNK`` prompts of
@@ -28,15 +28,8 @@ from typing import Any, Iterator
 
 import torch
 
-from headrace.plugins.engines import kv
-from headrace.plugins.engines.chat import read_template
-from headrace.plugins.engines.llm_core import LLMCore, Row, sample_row, sample_rows
-from headrace.plugins.engines.llm_front import LLMFront
-from headrace.plugins.engines.kv_store import mebibytes
-from headrace.plugins.engines.llm_messages import Decode, EngineError, Logits, Outbox, Prefill
-from headrace.plugins.engines.prompt_scores import PromptScorer
-from headrace.plugins.engines.model_paths import resolve_model
-from headrace.plugins.engines.prefix_cache import (
+from headrace.plugins.engines.kvreuse.kv_store import mebibytes
+from headrace.plugins.engines.kvreuse.prefix_cache import (
     BLOCK,
     CachedPrefix,
     PinPolicy,
@@ -46,8 +39,15 @@ from headrace.plugins.engines.prefix_cache import (
     common_prefix,
     pin_policy,
 )
-from headrace.plugins.engines.torch_loading import AUTO, load_causal_lm, parse_dtype
-from headrace.plugins.engines.torch_tiers import TensorTiers, open_tensor_tiers
+from headrace.plugins.engines.llm.chat import read_template
+from headrace.plugins.engines.llm.core import LLMCore, Row, sample_row, sample_rows
+from headrace.plugins.engines.llm.front import LLMFront
+from headrace.plugins.engines.llm.messages import Decode, EngineError, Logits, Outbox, Prefill
+from headrace.plugins.engines.llm.prompt_scores import PromptScorer
+from headrace.plugins.engines.models.loading import AUTO, load_causal_lm, parse_dtype
+from headrace.plugins.engines.models.paths import resolve_model
+from headrace.plugins.engines.torch_engine import kv
+from headrace.plugins.engines.torch_engine.tiers import TensorTiers, open_tensor_tiers
 from headrace.plugins.hookspecs import hookimpl
 from headrace.plugins.protocols import EngineEnv, EngineSpec
 from headrace.types import BatchObserver, ContextId, TokenIds

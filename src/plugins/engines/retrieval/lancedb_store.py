@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import anyio
 import torch
 
-from headrace.plugins.engines.handoff import HandoffStats, arrow_vectors, float32_rows, numpy_rows
+from headrace.plugins.engines.retrieval.handoff import HandoffStats, arrow_vectors, float32_rows, numpy_rows
 from headrace.plugins.hookspecs import hookimpl
 from headrace.plugins.protocols import EngineEnv, EngineSpec, SearchHit
 from headrace.private_files import private_dir

@@ -26,7 +26,7 @@ from fnmatch import fnmatch
 from pathlib import Path, PurePosixPath
 from typing import Any, Iterable
 
-from headrace.plugins.engines.model_paths import ModelNotFound
+from headrace.plugins.engines.models.paths import ModelNotFound
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Preemption in an LLM core: which decoding rows leave the batch for more urgent work, and when they return.
 
 Autellix (program-level least attained service) pauses a low-rank program's decode when a call of a
-higher rank cannot get in. Here a paused row (an ``llm_core.Row``) keeps its KV and everything else: it
+higher rank cannot get in. Here a paused row (a ``core.Row``) keeps its KV and everything else: it
 only leaves the batch, with its pending token, its length and its sampler's state, and later rejoins as
 the same object, so its output is what it would have been unpaused (greedy: the same tokens). Nothing is
 recomputed or swapped out, so a pause frees batch room (row slots, tokens of an iteration), never KV
@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from headrace.plugins.engines.llm_core import Row
+from headrace.plugins.engines.llm.core import Row
 from headrace.types import ContextId
 
 MAX_PAUSE_SECONDS = 10.0

@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from headrace.plugins.engines.kv_store import EngineTiers, KVStore, open_store
-from headrace.plugins.engines.llama_cpp_files import llama
-from headrace.plugins.engines.torch_loading import gguf_cache_key
+from headrace.plugins.engines.kvreuse.kv_store import EngineTiers, KVStore, open_store
+from headrace.plugins.engines.llama_cpp.files import llama
+from headrace.plugins.engines.models.loading import gguf_cache_key
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class SequenceTiers(EngineTiers):
 
     def __init__(self, store: KVStore, ctx: Any, mem: Any, name: str) -> None:
         self.store, self._ctx, self._mem, self._name = store, ctx, mem, name
-        # Whether a restored sequence serves a continuation at a position (a sliding window's cells: llama_cpp_swa).
+        # Whether a restored sequence serves a continuation at a position (a sliding window's cells: swa).
         self.usable: Callable[[int, int], bool] = lambda seq, n: True
 
     def save(self, seq: int, tokens: Sequence[int], partition: str = "") -> None:

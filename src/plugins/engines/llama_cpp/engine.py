@@ -7,10 +7,10 @@ in one unified cache whose attention (and mask) spans every sequence's cells. A 
 copies the parent's stream (``seq_cp`` across streams copies the buffer; the copy is then trimmed to the
 prefix), a few milliseconds for a 2,048-cell stream of SmolLM2-135M. With ``kv_unified = true`` every sequence
 may use any of the ``n_ctx`` cells and a fork tags the parent's cells rather than copying them. Each worker
-iteration is ONE ``llama_decode`` of what ``llama_cpp_batch`` plans. Logits are requested only where a prompt
+iteration is ONE ``llama_decode`` of what ``batch`` plans. Logits are requested only where a prompt
 ends or a row decodes, and sampled by headrace's own sampler, so temperature, top_p and seed mean what they
 mean on the torch engine. Preemptive decodes of a lower rank pause, KV kept, for more urgent work
-(``_preempt``).
+(``_preempt``). The llama context and its sequences are kept by ``sequences``.
 
 The tokenizer and chat template are the model's own, loaded by transformers from the GGUF as the torch engine
 loads them, so both engines see the same token ids for the same text.
@@ -27,49 +27,34 @@ import contextlib
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 import torch
 
-from headrace.plugins.engines.llama_cpp_batch import (DecodeFailed, Fill, Part, ScoringQueue, batch_entries,
-                                                       common_length, plan, write_batch)
-from headrace.plugins.engines.llama_cpp_files import (ProbeModel, llama, load_tokenizer, model_footprint_bytes,
+from headrace.plugins.engines.kvreuse.prefix_cache import PrefixCache, PrefixCacheStats, cache_stats
+from headrace.plugins.engines.llama_cpp.batch import (DecodeFailed, Fill, Part, ScoringQueue, batch_entries,
+                                                      common_length, plan, write_batch)
+from headrace.plugins.engines.llama_cpp.files import (ProbeModel, llama, load_tokenizer, model_footprint_bytes,
                                                       quantized_model)
-from headrace.plugins.engines.llama_cpp_options import SCORE_SEQUENCES, parse_options
-from headrace.plugins.engines.llama_cpp_swa import full_window, window_holds, window_of
-from headrace.plugins.engines.llm_core import LLMCore, Row, logprobs_row, sample_rows_numpy
-from headrace.plugins.engines.llm_front import LLMFront
-from headrace.plugins.engines.llm_messages import Decode, EngineError, Logits, Outbox, Prefill
-from headrace.plugins.engines.preemption import PausedRows, Want
-from headrace.plugins.engines.llama_cpp_tiers import SequenceTiers, open_tiers
-from headrace.plugins.engines.prefix_cache import BLOCK, PrefixCache, PrefixCacheStats, cache_stats
-from headrace.plugins.engines.prompt_scores import PromptScorer
+from headrace.plugins.engines.llama_cpp.options import SCORE_SEQUENCES, parse_options
+from headrace.plugins.engines.llama_cpp.sequences import ContextSequence, LlamaSequences
+from headrace.plugins.engines.llama_cpp.swa import window_of
+from headrace.plugins.engines.llama_cpp.tiers import SequenceTiers
+from headrace.plugins.engines.llm.core import LLMCore, Row, logprobs_row, sample_rows_numpy
+from headrace.plugins.engines.llm.front import LLMFront
+from headrace.plugins.engines.llm.messages import Decode, EngineError, Logits, Outbox, Prefill
+from headrace.plugins.engines.llm.preemption import PausedRows, Want
+from headrace.plugins.engines.llm.prompt_scores import PromptScorer
 from headrace.plugins.hookspecs import hookimpl
 from headrace.plugins.protocols import EngineEnv, EngineSpec
-from headrace.types import ContextId, TokenIds
+from headrace.types import ContextId
 
-log = logging.getLogger(__name__)
-
-# ----- worker-side state ---------------------------------------------------------------------
+log = logging.getLogger("headrace.plugins.engines.llama_cpp")  # one log for the engine, its files and backends
 
 
-@dataclass
-class _Sequence:
-    """A KV context: one sequence id of the llama context."""
-
-    seq: int
-    length: int  # tokens in its KV
-    next_logits: np.ndarray | None = None  # (V,) after its prefill, until a decode samples from them
-    filling: bool = True  # its prefill has not finished
-    decoding: bool = False
-    tokens: TokenIds = field(default_factory=list)  # its prompt (a fork: the parent's, then its own)
-    partition: str = ""  # its prefill's cache partition: what it is cached under (``Prefill.partition``)
-
-
-class LlamaCppCore(LLMCore):
+class LlamaCppCore(LlamaSequences, LLMCore):
     pauses_decodes = True
     scores_prompts = True
     keeps_contexts = True
@@ -83,7 +68,7 @@ class LlamaCppCore(LLMCore):
         self._context_wait, self._quant, self._n_sequences = o.context_wait, o.quantize, o.sequences
         self._tier_budgets = o.kv_host_bytes, o.kv_disk_bytes
         self._tiers: SequenceTiers | None = None  # host memory and disk below the cached prefixes' cells
-        self._swa_option, self.window, self.swa_full = o.swa_full, 0, True  # llama_cpp_swa: set by load()
+        self._swa_option, self.window, self.swa_full = o.swa_full, 0, True  # swa: set by load()
         super().__init__(spec.name, o.max_context_tokens)
         self.chat_template = o.chat_template  # the front sets it on the tokenizer once loaded
         self.model_file: Path | None = None  # what llama.cpp loaded (the converted copy)
@@ -94,7 +79,7 @@ class LlamaCppCore(LLMCore):
         self._n_vocab = 0
         self._batch: Any = None
         self._free_seqs: list[int] = []
-        self._contexts: dict[ContextId, _Sequence] = {}
+        self._contexts: dict[ContextId, ContextSequence] = {}
         self._rows: list[Row] = []
         self._waiting: list[Row] = []
         self._paused = PausedRows(o.max_pause)  # rows out of the batch for more urgent work, KV kept
@@ -159,52 +144,6 @@ class LlamaCppCore(LLMCore):
             yield
         finally:
             self._close()
-
-    def _open_context(self) -> None:
-        lc = llama()
-        params = lc.llama_context_default_params()
-        params.n_ctx = self._n_ctx
-        # Unified: one ubatch per decode. A stream per sequence splits a batch by sequence runs (_undo).
-        params.n_batch = params.n_ubatch = self.max_batch_tokens
-        params.n_seq_max = self._n_sequences
-        params.kv_unified = self._kv_unified
-        params.swa_full = self.swa_full = full_window(self._swa_option, self.window, self.prefix_cache_tokens > 0,
-                                                      self.name)
-        params.n_threads = params.n_threads_batch = self._threads
-        params.no_perf = True
-        ctx = lc.llama_init_from_model(self._model, params)
-        if not ctx:
-            raise RuntimeError(f"engine {self.name}: llama.cpp could not create a context of {self._n_ctx} tokens")
-        self._ctx = ctx
-        self._mem = lc.llama_get_memory(ctx)
-        self._batch = lc.llama_batch_init(self.max_batch_tokens, 0, 1)
-        self._free_seqs = list(range(self.max_contexts - 1, -1, -1))  # a stack: low ids first
-        self._scoring.free = list(range(self.max_contexts + SCORE_SEQUENCES - 1, self.max_contexts - 1, -1))
-        first_cache = self.max_contexts + SCORE_SEQUENCES
-        self._free_cache_seqs = list(range(first_cache + self._cache_sequences - 1, first_cache - 1, -1))
-        if self.prefix_cache_tokens > 0:
-            self._tiers = open_tiers(self.model_file, 1 if self._kv_unified else self._n_sequences, BLOCK,
-                                     self._env.data_dir / "kv" / self.name, *self._tier_budgets, ctx, self._mem,
-                                     self.name)
-            if self._tiers is not None:
-                self._tiers.usable = self._window_holds
-            self.set_prefix_caching(True)
-
-    def _close(self) -> None:
-        """Free every llama.cpp object, on the worker thread, once nothing runs any more."""
-        lc = llama()
-        if self._tiers is not None:
-            self._tiers.close(self.prefix_cache)
-            self._tiers = None
-        if self._batch is not None:
-            lc.llama_batch_free(self._batch)
-            self._batch = None
-        if self._ctx is not None:
-            lc.llama_free(self._ctx)
-            self._ctx = self._mem = None
-        if self._model is not None:
-            lc.llama_model_free(self._model)
-            self._model = self._vocab = None
 
     # ----- commands ------------------------------------------------------------------------
 
@@ -308,7 +247,7 @@ class LlamaCppCore(LLMCore):
         if fresh and self.prefix_cache is not None:
             hit = self.prefix_cache.match(job.tokens, len(job.tokens) - 1, job.partition)
             if hit is not None and not self._window_holds(hit[0].kv, hit[1]):
-                hit = None  # its window layers lost what the prompt's next tokens attend: a miss (llama_cpp_swa)
+                hit = None  # its window layers lost what the prompt's next tokens attend: a miss (swa)
         seq = self._free_seqs.pop()
         # Or a longer prefix from the tiers below the cells, restored rather than prefilled.
         skip = self._tiers.restore(job.tokens, len(job.tokens) - 1, hit[1] if hit else 0, seq, job.partition) \
@@ -321,7 +260,7 @@ class LlamaCppCore(LLMCore):
             entry, skip = hit
             self._copy_sequence(entry.kv, seq, skip)  # positions [0, skip)
         prompt = (parent.tokens if parent is not None else []) + list(job.tokens)
-        self._contexts[job.ctx] = _Sequence(seq=seq, length=base + skip, tokens=prompt, partition=job.partition)
+        self._contexts[job.ctx] = ContextSequence(seq=seq, length=base + skip, tokens=prompt, partition=job.partition)
         scorer = None
         if job.scoring is not None:
             scorer = PromptScorer(job.tokens, job.scoring, parent.next_logits if parent is not None else None)
@@ -352,36 +291,6 @@ class LlamaCppCore(LLMCore):
                 free = True
         if free:
             self.release(ctx)
-
-    def _window_holds(self, seq: int, n: int) -> bool:
-        return window_holds(self._mem, seq, n, self.window)
-
-    def _copy_sequence(self, src: int, dst: int, n: int | None = None) -> None:
-        """``dst`` holds ``src``'s positions [0, n) (all of them without ``n``); ``dst`` is empty. Across
-        streams llama.cpp copies only whole streams (a partial seq_cp aborts the process), on the next
-        decode; the copy is trimmed to the prefix at once (seq_rm is bookkeeping only).
-        """
-        lc = llama()
-        if self._kv_unified:
-            lc.llama_memory_seq_cp(self._mem, src, dst, 0 if n is not None else -1, -1 if n is None else n)
-            return
-        lc.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
-        if n is not None:
-            lc.llama_memory_seq_rm(self._mem, dst, n, -1)
-
-    def release(self, ctx: ContextId) -> None:
-        seq = self._contexts.pop(ctx, None)
-        if seq is None:
-            return
-        self._prefills = deque(f for f in self._prefills if f.seq != seq.seq)
-        self._drop_sequence(seq.seq, self._free_seqs)
-
-    def _drop_sequence(self, seq: int, pool: list[int]) -> None:
-        self._clear_sequence(seq)
-        pool.append(seq)
-
-    def _clear_sequence(self, seq: int) -> None:
-        llama().llama_memory_seq_rm(self._mem, seq, -1, -1)  # removing a whole sequence never fails
 
     def row_finished(self, r: Row) -> None:
         seq = self._contexts.get(r.ctx)
@@ -446,7 +355,7 @@ class LlamaCppCore(LLMCore):
                                          token_budget=self.max_batch_tokens)
 
     def _plan(self) -> list[Part]:
-        """This iteration's batch (llama_cpp_batch.plan), prefills and scoring jobs in the policy's order: the
+        """This iteration's batch (batch.plan), prefills and scoring jobs in the policy's order: the
         most urgent first, stable among equals."""
         self._prefills = deque(sorted(self._prefills, key=lambda f: f.prefill.priority))
         self._scoring.prune_and_sort()
@@ -536,35 +445,6 @@ class LlamaCppCore(LLMCore):
                 out.reply(fill.prefill.reply, fill.cached if fill.scorer is None else fill.scorer.result())
         else:
             self._scoring.filled(fill, torch.from_numpy(logits), out)
-
-    def _cache_copy(self, src: int, n: int) -> int:
-        """A cache sequence holding positions [0, n) of ``src`` (the cache keeps at most one entry a sequence)."""
-        dst = self._free_cache_seqs.pop()
-        self._copy_sequence(src, dst, n)
-        return dst
-
-    def prefix_caching_enabled(self) -> bool:
-        return self.prefix_cache is not None
-
-    def set_prefix_caching(self, enabled: bool) -> None:
-        if self.prefix_cache_tokens <= 0:
-            super().set_prefix_caching(enabled)  # configured without one: refuse
-        if not enabled and self.prefix_cache is not None:
-            # A reset (for comparisons), not an eviction: nothing goes to the tiers, which are emptied too.
-            self.prefix_cache.on_leave = None
-            self.prefix_cache.clear()  # gives every cache sequence back
-            self.prefix_cache = None
-            if self._tiers is not None:
-                self._tiers.store.clear()
-        elif enabled and self.prefix_cache is None:
-            # A cache sequence is seq_cp'd from its context, which was forked from the cached prefix it
-            # extends: in the unified KV they share those cells, so a shared block counts once; with a
-            # stream per sequence each entry holds a copy of its own.
-            self.prefix_cache = PrefixCache(self.prefix_cache_tokens, stats=self._cache_stats,
-                                            shared_blocks=self._kv_unified, policy=self._pins,
-                                            max_entries=self._cache_sequences,
-                                            on_leave=self._tiers.offload if self._tiers is not None else None,
-                                            on_evict=lambda seq: self._drop_sequence(seq, self._free_cache_seqs))
 
     def _finish_decode(self, rows: list[Row], logits: np.ndarray, out: Outbox) -> None:
         tokens = sample_rows_numpy(rows, logits)

@@ -39,6 +39,7 @@ VARIANT_ENV = "HEADRACE_LLAMA_CPU_VARIANT"
 FIX_COMMAND = "scripts/setup --rebuild-llama-cpp"
 PROBE_SECONDS = 300.0  # a first probe converts the model once (seconds); a hung child is a failure too
 _PREFIX, _SUFFIX = "libggml-cpu-", ".so"
+CHILD_MODULE = "headrace.plugins.engines.llama_cpp.cpu_child"  # what the child processes run
 
 
 @dataclass(frozen=True)
@@ -188,7 +189,7 @@ def default_probe_model(cache_dir: Path) -> ProbeModel | None:
 def probe(library: Path, model: ProbeModel, timeout: float = PROBE_SECONDS) -> Verdict:
     """A short prefill and decode on ``library`` in a child process: did it answer, and if not, why."""
     name = variant_name(library)
-    argv = [sys.executable, "-X", "faulthandler", "-m", __name__, "probe", str(library), str(model.source),
+    argv = [sys.executable, "-X", "faulthandler", "-m", CHILD_MODULE, "probe", str(library), str(model.source),
             str(model.cache_dir), model.quantize, str(model.threads)]
     env = {**os.environ, VARIANT_ENV: str(library)}
     t0 = time.monotonic()
@@ -212,7 +213,7 @@ def exit_cause(returncode: int) -> str:
 
 def _scores(lib_dir: Path, found: dict[str, Path]) -> dict[str, int]:
     # In a child: loading a library runs its initialisers, and a bad one must not take this process.
-    argv = [sys.executable, "-m", __name__, "scores", *map(str, found.values())]
+    argv = [sys.executable, "-m", CHILD_MODULE, "scores", *map(str, found.values())]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     if done.returncode != 0:
         raise NoRunnableVariant(f"reading llama.cpp's CPU variant scores {exit_cause(done.returncode)} "
@@ -257,65 +258,3 @@ def _no_core_dump() -> None:
     import resource
 
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a probe's SIGILL is expected: no core file
-
-
-# ----- the child processes ---------------------------------------------------------------------
-
-
-def _child_scores(libraries: list[str]) -> None:
-    # ggml's backend modules carry no rpath: the base library they link must be loaded first.
-    for library in libraries:
-        base = Path(library).resolve().parent / "libggml-base.so.0"
-        if base.exists():
-            ctypes.CDLL(str(base), mode=ctypes.RTLD_GLOBAL)
-            break
-    scores = {}
-    for library in libraries:
-        lib = ctypes.CDLL(library)
-        score = getattr(lib, "ggml_backend_score", None)
-        scores[variant_name(Path(library))] = int(score()) if score is not None else 0
-    print(json.dumps(scores))
-
-
-def _child_probe(source: str, cache_dir: str, quant: str, threads: str) -> None:
-    # The variant comes from VARIANT_ENV, set by the parent: llama() loads it without probing again.
-    import numpy as np
-
-    from headrace.plugins.engines.llama_cpp_files import llama, quantized_model
-
-    lc = llama()
-    model_file = quantized_model(Path(source), Path(cache_dir), quant, int(threads))
-    model = lc.llama_model_load_from_file(str(model_file).encode(), lc.llama_model_default_params())
-    if not model:
-        raise SystemExit(f"llama.cpp could not load {model_file}")
-    params = lc.llama_context_default_params()
-    params.n_ctx, params.n_batch, params.n_ubatch = 256, 128, 128
-    params.n_threads = params.n_threads_batch = int(threads)
-    ctx = lc.llama_init_from_model(model, params)
-    vocab = lc.llama_model_get_vocab(model)
-    # A prompt long enough for the batched (prefill) kernels, then single-token (decode) steps.
-    text = ("The water wheel turns as the headrace carries water to the mill. " * 8).encode()
-    tokens = (lc.llama_token * 256)()
-    n = lc.llama_tokenize(vocab, text, len(text), tokens, 256, True, False)
-    if n <= 0 or lc.llama_decode(ctx, lc.llama_batch_get_one(tokens, n)) != 0:
-        raise SystemExit("llama_decode failed on the probe's prompt")
-    n_vocab = lc.llama_vocab_n_tokens(vocab)
-    for _ in range(4):
-        best = int(np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, -1), shape=(n_vocab,)).argmax())
-        one = (lc.llama_token * 1)(best)
-        if lc.llama_decode(ctx, lc.llama_batch_get_one(one, 1)) != 0:
-            raise SystemExit("llama_decode failed on a decode step")
-    lc.llama_free(ctx)
-    lc.llama_model_free(model)
-    print("ok")
-
-
-if __name__ == "__main__":
-    _no_core_dump()  # here, not as the parent's preexec_fn: the daemon has threads when it probes
-    command, *args = sys.argv[1:]
-    if command == "scores":
-        _child_scores(args)
-    elif command == "probe":
-        _child_probe(*args[1:])
-    else:
-        raise SystemExit(f"unknown command {command!r}")

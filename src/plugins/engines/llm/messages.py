@@ -2,7 +2,7 @@
 worker thread, the replies and token deltas the worker hands back (an :class:`Outbox` per
 iteration), and the one error type every LLM engine raises.
 
-See ``llm_front`` for the two halves, ``llm_core`` for how a core plugs in.
+See ``front`` for the two halves, ``core`` for how a core plugs in.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 import anyio
 import torch
 
-from headrace.plugins.engines.prompt_scores import PromptScoring
+from headrace.plugins.engines.llm.prompt_scores import PromptScoring
 from headrace.plugins.protocols import SamplingParams, TokenDelta
 from headrace.types import ContextId, TokenIds
 

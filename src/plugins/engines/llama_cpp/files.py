@@ -1,6 +1,6 @@
 """The llama-cpp engine's library and files: the bindings (loaded on first use, logging routed
 to the daemon's logger), the model converted once to a faster quantization, and the model's HF
-tokenizer read from the GGUF once. The engine itself is in ``llama_cpp.py``."""
+tokenizer read from the GGUF once. The engine itself is in ``engine``."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from headrace.plugins.engines.llama_cpp_cpu import (ProbeModel, chosen_variant, cpu_backend_loaded, library_dir,
-                                                      load_variant)
-from headrace.plugins.engines.torch_loading import gguf_cache_key, has_tokenizer, made_once, tokenizer_cache_dir
+from headrace.plugins.engines.llama_cpp.cpu import (ProbeModel, chosen_variant, cpu_backend_loaded, library_dir,
+                                                    load_variant)
+from headrace.plugins.engines.models.loading import gguf_cache_key, has_tokenizer, made_once, tokenizer_cache_dir
 
 log = logging.getLogger("headrace.plugins.engines.llama_cpp")  # llama.cpp's own log, at debug level
 
@@ -29,7 +29,7 @@ _llama: Any = None
 
 
 def llama(probe_model: ProbeModel | None = None) -> Any:
-    """The ``llama_cpp.llama_cpp`` bindings, on the CPU backend this machine runs (``llama_cpp_cpu``: the
+    """The ``llama_cpp.llama_cpp`` bindings, on the CPU backend this machine runs (``cpu``: the
     first call chooses it, proving it with ``probe_model`` in a child process), logging routed to ``log``."""
     global _llama
     if _llama is None:

@@ -14,10 +14,10 @@ from abc import abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
-from headrace.plugins.engines.llm_core import LLMCore
-from headrace.plugins.engines.llm_messages import EngineError, Outbox, Prefill
-from headrace.plugins.engines.model_paths import resolve_model
-from headrace.plugins.engines.torch_loading import convert_gguf
+from headrace.plugins.engines.llm.core import LLMCore
+from headrace.plugins.engines.llm.messages import EngineError, Outbox, Prefill
+from headrace.plugins.engines.models.loading import convert_gguf
+from headrace.plugins.engines.models.paths import resolve_model
 from headrace.types import ContextId, TokenIds
 
 

@@ -1,0 +1,179 @@
+"""The llama.cpp core's context and its sequences: opening and closing the llama context, a KV context's
+sequence, copying a sequence (a fork, a prefix-cache hit, a cache entry), freeing one, and the prefix cache whose
+entries hold sequences of their own.
+
+Sequence ids: ``[0, max_contexts)`` hold KV contexts, the next ``SCORE_SEQUENCES`` scoring jobs' scratch
+(``batch.ScoringQueue``), the last ``cache_sequences`` the prefix cache's entries. ``LlamaCppCore``
+(``engine``) sets the state below in its ``__init__`` and runs the iterations.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from headrace.plugins.engines.kvreuse.prefix_cache import BLOCK, PinPolicy, PrefixCache, PrefixCacheStats
+from headrace.plugins.engines.llama_cpp.batch import Fill, ScoringQueue
+from headrace.plugins.engines.llama_cpp.files import llama
+from headrace.plugins.engines.llama_cpp.options import SCORE_SEQUENCES
+from headrace.plugins.engines.llama_cpp.swa import full_window, window_holds
+from headrace.plugins.engines.llama_cpp.tiers import SequenceTiers, open_tiers
+from headrace.plugins.protocols import EngineEnv
+from headrace.types import ContextId, TokenIds
+
+
+@dataclass
+class ContextSequence:
+    """A KV context: one sequence id of the llama context."""
+
+    seq: int
+    length: int  # tokens in its KV
+    next_logits: np.ndarray | None = None  # (V,) after its prefill, until a decode samples from them
+    filling: bool = True  # its prefill has not finished
+    decoding: bool = False
+    tokens: TokenIds = field(default_factory=list)  # its prompt (a fork: the parent's, then its own)
+    partition: str = ""  # its prefill's cache partition: what it is cached under (``Prefill.partition``)
+
+
+class LlamaSequences:
+    """``LlamaCppCore``'s llama context and sequences (a mixin before ``LLMCore``, whose prefix-cache switch
+    ``set_prefix_caching`` overrides)."""
+
+    name: str
+    max_contexts: int
+    max_batch_tokens: int
+    prefix_cache_tokens: int
+    prefix_cache: PrefixCache[int] | None
+    model_file: Path | None
+    window: int
+    swa_full: bool
+    _env: EngineEnv
+    _n_ctx: int
+    _n_sequences: int
+    _kv_unified: bool
+    _threads: int
+    _swa_option: bool | None
+    _cache_sequences: int
+    _pins: PinPolicy
+    _tier_budgets: tuple[int, int]
+    _tiers: SequenceTiers | None
+    _cache_stats: PrefixCacheStats
+    _model: Any
+    _ctx: Any
+    _mem: Any
+    _vocab: Any
+    _batch: Any
+    _free_seqs: list[int]
+    _free_cache_seqs: list[int]
+    _contexts: dict[ContextId, ContextSequence]
+    _prefills: deque[Fill]
+    _scoring: ScoringQueue
+
+    def _open_context(self) -> None:
+        lc = llama()
+        params = lc.llama_context_default_params()
+        params.n_ctx = self._n_ctx
+        # Unified: one ubatch per decode. A stream per sequence splits a batch by sequence runs (_undo).
+        params.n_batch = params.n_ubatch = self.max_batch_tokens
+        params.n_seq_max = self._n_sequences
+        params.kv_unified = self._kv_unified
+        params.swa_full = self.swa_full = full_window(self._swa_option, self.window, self.prefix_cache_tokens > 0,
+                                                      self.name)
+        params.n_threads = params.n_threads_batch = self._threads
+        params.no_perf = True
+        ctx = lc.llama_init_from_model(self._model, params)
+        if not ctx:
+            raise RuntimeError(f"engine {self.name}: llama.cpp could not create a context of {self._n_ctx} tokens")
+        self._ctx = ctx
+        self._mem = lc.llama_get_memory(ctx)
+        self._batch = lc.llama_batch_init(self.max_batch_tokens, 0, 1)
+        self._free_seqs = list(range(self.max_contexts - 1, -1, -1))  # a stack: low ids first
+        self._scoring.free = list(range(self.max_contexts + SCORE_SEQUENCES - 1, self.max_contexts - 1, -1))
+        first_cache = self.max_contexts + SCORE_SEQUENCES
+        self._free_cache_seqs = list(range(first_cache + self._cache_sequences - 1, first_cache - 1, -1))
+        if self.prefix_cache_tokens > 0:
+            self._tiers = open_tiers(self.model_file, 1 if self._kv_unified else self._n_sequences, BLOCK,
+                                     self._env.data_dir / "kv" / self.name, *self._tier_budgets, ctx, self._mem,
+                                     self.name)
+            if self._tiers is not None:
+                self._tiers.usable = self._window_holds
+            self.set_prefix_caching(True)
+
+    def _close(self) -> None:
+        """Free every llama.cpp object, on the worker thread, once nothing runs any more."""
+        lc = llama()
+        if self._tiers is not None:
+            self._tiers.close(self.prefix_cache)
+            self._tiers = None
+        if self._batch is not None:
+            lc.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx is not None:
+            lc.llama_free(self._ctx)
+            self._ctx = self._mem = None
+        if self._model is not None:
+            lc.llama_model_free(self._model)
+            self._model = self._vocab = None
+
+    def _window_holds(self, seq: int, n: int) -> bool:
+        return window_holds(self._mem, seq, n, self.window)
+
+    def _copy_sequence(self, src: int, dst: int, n: int | None = None) -> None:
+        """``dst`` holds ``src``'s positions [0, n) (all of them without ``n``); ``dst`` is empty. Across
+        streams llama.cpp copies only whole streams (a partial seq_cp aborts the process), on the next
+        decode; the copy is trimmed to the prefix at once (seq_rm is bookkeeping only).
+        """
+        lc = llama()
+        if self._kv_unified:
+            lc.llama_memory_seq_cp(self._mem, src, dst, 0 if n is not None else -1, -1 if n is None else n)
+            return
+        lc.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
+        if n is not None:
+            lc.llama_memory_seq_rm(self._mem, dst, n, -1)
+
+    def release(self, ctx: ContextId) -> None:
+        seq = self._contexts.pop(ctx, None)
+        if seq is None:
+            return
+        self._prefills = deque(f for f in self._prefills if f.seq != seq.seq)
+        self._drop_sequence(seq.seq, self._free_seqs)
+
+    def _drop_sequence(self, seq: int, pool: list[int]) -> None:
+        self._clear_sequence(seq)
+        pool.append(seq)
+
+    def _clear_sequence(self, seq: int) -> None:
+        llama().llama_memory_seq_rm(self._mem, seq, -1, -1)  # removing a whole sequence never fails
+
+    def _cache_copy(self, src: int, n: int) -> int:
+        """A cache sequence holding positions [0, n) of ``src`` (the cache keeps at most one entry a sequence)."""
+        dst = self._free_cache_seqs.pop()
+        self._copy_sequence(src, dst, n)
+        return dst
+
+    def prefix_caching_enabled(self) -> bool:
+        return self.prefix_cache is not None
+
+    def set_prefix_caching(self, enabled: bool) -> None:
+        if self.prefix_cache_tokens <= 0:
+            super().set_prefix_caching(enabled)  # configured without one: refuse
+        if not enabled and self.prefix_cache is not None:
+            # A reset (for comparisons), not an eviction: nothing goes to the tiers, which are emptied too.
+            self.prefix_cache.on_leave = None
+            self.prefix_cache.clear()  # gives every cache sequence back
+            self.prefix_cache = None
+            if self._tiers is not None:
+                self._tiers.store.clear()
+        elif enabled and self.prefix_cache is None:
+            # A cache sequence is seq_cp'd from its context, which was forked from the cached prefix it
+            # extends: in the unified KV they share those cells, so a shared block counts once; with a
+            # stream per sequence each entry holds a copy of its own.
+            self.prefix_cache = PrefixCache(self.prefix_cache_tokens, stats=self._cache_stats,
+                                            shared_blocks=self._kv_unified, policy=self._pins,
+                                            max_entries=self._cache_sequences,
+                                            on_leave=self._tiers.offload if self._tiers is not None else None,
+                                            on_evict=lambda seq: self._drop_sequence(seq, self._free_cache_seqs))
