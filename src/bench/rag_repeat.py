@@ -9,8 +9,10 @@ answer them over the collection (``max_tokens`` 24; the workflows decode greedil
 Each mode is its own daemon, started from ``--config`` with the LLM's engine options (and the runs' workflow
 config) overridden, on a fresh data dir, so every mode's KV tiers start empty (``MODES``):
 
-- ``engine-cache``: today's prefix cache in the engine's cells only (``kv_host_mib`` = ``kv_disk_mib`` = 0);
-- ``tiers``: the host-memory and disk tiers on (sized from the machine unless the config sizes them);
+- ``engine-cache``: the prefix cache in the engine's cells only (``kv_host_mib`` = ``kv_disk_mib`` = 0), the
+  question before the chunks (``context_first = false``, the workflows' order until 2026-11-29);
+- ``tiers``: the host-memory and disk tiers on (sized from the machine unless the config sizes them), the
+  question first;
 - ``tiers-context-first``: the tiers, and the workflows' ``context_first`` order, so a retrieved chunk's KV
   is an exact prefix of every later prompt that retrieves it;
 - ``any-position``: documents' KV reused wherever they stand: a slot, skipped until the engine has it;
@@ -70,9 +72,10 @@ class ModeSpec:
 
 
 TIERS_ON = {"kv_host_mib": None, "kv_disk_mib": None}  # unset: sized from the machine (a 0 in the config goes)
+QUESTION_FIRST = {"context_first": False}  # the baselines' order, whatever the workflows' default
 MODES: dict[str, ModeSpec] = {
-    ENGINE_CACHE: ModeSpec({"kv_host_mib": 0, "kv_disk_mib": 0}),
-    "tiers": ModeSpec(TIERS_ON),
+    ENGINE_CACHE: ModeSpec({"kv_host_mib": 0, "kv_disk_mib": 0}, QUESTION_FIRST),
+    "tiers": ModeSpec(TIERS_ON, QUESTION_FIRST),
     "tiers-context-first": ModeSpec(TIERS_ON, {"context_first": True}),
     # The slot for issue 42's item 3: fill in its engine option (and drop ``skip``) once the engine has it.
     "any-position": ModeSpec(TIERS_ON, skip="the engine cannot reuse a document's KV away from the prompt's start "

@@ -130,7 +130,7 @@ class PeerPipeline:
     async def _tree(self, question: str, contexts: list[str], config: dict[str, Any], record: Any,
                     t0: float) -> str:
         """``common.synthesize``'s tree: a leaf per context, then fan-in 3 per level; one_shot for one context."""
-        answer_t, _, one_shot_t = common.STEPS[False]
+        answer_t, _, one_shot_t = common.STEPS[config["context_first"]]
         n, max_tokens = len(contexts), config["max_tokens"]
         if n <= 1:
             text = PromptTemplate(one_shot_t.prompt).render({"question": question, "contexts": contexts})
@@ -148,7 +148,7 @@ class PeerPipeline:
 
     async def _refine(self, question: str, contexts: list[str], config: dict[str, Any], record: Any,
                       t0: float) -> str:
-        answer_t, refine_t, _ = common.STEPS[False]
+        answer_t, refine_t, _ = common.STEPS[config["context_first"]]
         max_tokens, n = config["max_tokens"], len(contexts)
         text = await self.call(PromptTemplate(answer_t.prompt).render({"question": question, "context": contexts[0]}),
                                max_tokens, record, t0, final=n == 1)

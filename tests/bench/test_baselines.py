@@ -54,7 +54,7 @@ def test_baselines_refuse_to_build_without_their_peer(monkeypatch):
 def test_llamaindex_templates_render_headrace_prompts():
     from llama_index.core import PromptTemplate as LlamaPrompt
 
-    from headrace.bench.baselines.llamaindex import ANSWER_TEMPLATE, EXPAND_TEMPLATE, REFINE_TEMPLATE
+    from headrace.bench.baselines.llamaindex import ANSWER_TEMPLATE, EXPAND_TEMPLATE, REFINE_TEMPLATE, TEMPLATES
 
     v = {"question": "Why {braces}?", "context": "a {context_str} b", "previous": "before", "n_queries": "2"}
     answer = LlamaPrompt(ANSWER_TEMPLATE).partial_format(query_str=v["question"]).format(context_str=v["context"])
@@ -62,6 +62,13 @@ def test_llamaindex_templates_render_headrace_prompts():
     refine = (LlamaPrompt(REFINE_TEMPLATE).partial_format(query_str=v["question"], existing_answer="before")
               .format(context_msg=v["context"]))
     assert refine == PromptTemplate(common.REFINE).render(v)
+    # The context-first order (the workflows' default), as common.STEPS[True] renders it.
+    first_answer, first_refine = TEMPLATES[True]
+    assert (LlamaPrompt(first_answer).partial_format(query_str=v["question"]).format(context_str=v["context"])
+            == PromptTemplate(common.answer_context_first.prompt).render(v))
+    assert (LlamaPrompt(first_refine).partial_format(query_str=v["question"], existing_answer="before")
+            .format(context_msg=v["context"]) == PromptTemplate(common.refine_context_first.prompt).render(v))
+    assert TEMPLATES[False] == (ANSWER_TEMPLATE, REFINE_TEMPLATE)
     # QueryFusionRetriever formats its prompt with str.format
     assert EXPAND_TEMPLATE.format(num_queries=2, query=v["question"]) == PromptTemplate(rag.EXPAND).render(v)
 
@@ -71,9 +78,7 @@ def test_baselines_validate_config_as_headrace_does():
 
     _, config = llamaindex.validate("advanced_rag", {"question": "q", "documents": ["d"]}, {})
     assert config == {"chunk_size": 256, "chunk_overlap": 30, "max_tokens": 96, "n_queries": 3,
-                      "k_per_query": 16, "top_n": 3, "synthesis": "refine", "context_first": False}
-    with pytest.raises(ValueError, match="config.context_first"):
-        llamaindex.validate("naive_rag", {"question": "q", "documents": ["d"]}, {"context_first": True})
+                      "k_per_query": 16, "top_n": 3, "synthesis": "refine", "context_first": True}
     with pytest.raises(ValueError, match="config.top_kk"):
         llamaindex.validate("naive_rag", {"question": "q", "documents": ["d"]}, {"top_kk": 3})
     with pytest.raises(ValueError, match="implements 'tree' only"):
@@ -135,9 +140,11 @@ async def test_llamaindex_naive_rag_is_headrace_tree_synthesis(server, no_tiktok
     for body in chats:
         assert body["model"] == LLM and body["temperature"] == 0 and body["max_tokens"] == 8
         assert [m["role"] for m in body["messages"]] == ["user"]
-    leaves = {body["messages"][0]["content"] for body in chats[:3]}  # one ANSWER call per retrieved chunk
+    leaves = {body["messages"][0]["content"] for body in chats[:3]}  # one answer call per retrieved chunk
     assert len(leaves) == 3
-    assert leaves <= {PromptTemplate(common.ANSWER).render({"question": QUESTION, "context": c}) for c in chunks}
+    # In the workflows' default order: the context first (common.STEPS[True]).
+    template = PromptTemplate(common.answer_context_first.prompt)
+    assert leaves <= {template.render({"question": QUESTION, "context": c}) for c in chunks}
     combine = chats[3]["messages"][0]["content"]
     assert "Answer 1: " in combine and "Answer 3: " in combine
     from llama_index.core import Settings  # objects were passed explicitly: no global defaults were made

@@ -12,7 +12,7 @@ What is kept identical to headrace's workflows (src/graph/workflows/rag.py):
   LlamaIndex splitter, so both systems index the same texts;
 - the config keys, defaults and validation (headrace's own workflow schemas);
 - the prompt texts: the LlamaIndex templates are headrace's ANSWER, REFINE and EXPAND
-  with LlamaIndex's variable names, so each call sends exactly the text headrace
+  (ANSWER and REFINE in the order ``context_first`` picks) with LlamaIndex's variable names, so each call sends exactly the text headrace
   renders, as one user message (headrace renders every prompt as one user turn in the
   chat template, no system message); temperature 0, and max_tokens per call as the
   workflow sets it (16 * n_queries for the expansion).
@@ -84,10 +84,14 @@ def li_template(text: str, names: Mapping[str, str]) -> str:
     return "".join(out).rstrip(" ")
 
 
-# The prompts, from the workflow modules so the texts cannot drift.
-ANSWER_TEMPLATE = li_template(common.ANSWER, {"question": "query_str", "context": "context_str"})
-REFINE_TEMPLATE = li_template(common.REFINE, {"question": "query_str", "previous": "existing_answer",
-                                              "context": "context_msg"})
+# The prompts, from the workflow modules so the texts cannot drift; by ``context_first``, as common.STEPS.
+ANSWER_NAMES = {"question": "query_str", "context": "context_str"}
+REFINE_NAMES = {"question": "query_str", "previous": "existing_answer", "context": "context_msg"}
+ANSWER_TEMPLATE = li_template(common.ANSWER, ANSWER_NAMES)
+REFINE_TEMPLATE = li_template(common.REFINE, REFINE_NAMES)
+TEMPLATES = {False: (ANSWER_TEMPLATE, REFINE_TEMPLATE),
+             True: (li_template(common.answer_context_first.prompt, ANSWER_NAMES),
+                    li_template(common.refine_context_first.prompt, REFINE_NAMES))}
 EXPAND_TEMPLATE = li_template(rag.EXPAND, {"n_queries": "num_queries", "question": "query"})
 
 
@@ -96,8 +100,6 @@ def validate(workflow: str, inputs: Any, config: Any) -> tuple[dict[str, Any], d
     inputs, config = client_validate(WHAT, WORKFLOWS, workflow, inputs, config)
     if config["synthesis"] != SYNTHESIS[workflow]:
         raise ValueError(f"config.synthesis: {WHAT}'s {workflow} implements {SYNTHESIS[workflow]!r} only")
-    if config.get("context_first"):
-        raise ValueError(f"config.context_first: {WHAT}'s prompts put the question first only")
     if "documents" in inputs:
         common.count_chunks(inputs, "documents", config)  # the same errors for a bad split
     return inputs, config
@@ -340,7 +342,8 @@ class LlamaIndexRAG:
         llm = self._llm(config["max_tokens"])
         synth = li.get_response_synthesizer(
             llm=llm, response_mode=li.ResponseMode.TREE_SUMMARIZE, use_async=False,
-            summary_template=li.PromptTemplate(ANSWER_TEMPLATE), **self._helpers(llm, tree=True),
+            summary_template=li.PromptTemplate(TEMPLATES[config["context_first"]][0]),
+            **self._helpers(llm, tree=True),
         )
         retriever = index.as_retriever(similarity_top_k=config["top_k"])
         return li.RetrieverQueryEngine(retriever=retriever, response_synthesizer=synth)
@@ -360,12 +363,13 @@ class LlamaIndexRAG:
         )
         rerank = li.DaemonRerank(client=self._client(), model=self.rerank, top_n=config["top_n"],
                                  url=f"{self.api_base}/rerank", api_key=self.api_key)
+        answer, refine = TEMPLATES[config["context_first"]]
         synth = li.get_response_synthesizer(
             llm=llm, response_mode=li.ResponseMode.REFINE,
-            text_qa_template=li.PromptTemplate(ANSWER_TEMPLATE),
-            refine_template=li.PromptTemplate(REFINE_TEMPLATE), **self._helpers(llm),
+            text_qa_template=li.PromptTemplate(answer),
+            refine_template=li.PromptTemplate(refine), **self._helpers(llm),
         )
         return li.RetrieverQueryEngine(retriever=retriever, response_synthesizer=synth, node_postprocessors=[rerank])
 
 
-__all__ = ["LlamaIndexRAG", "ANSWER_TEMPLATE", "REFINE_TEMPLATE", "EXPAND_TEMPLATE", "li_template", "validate"]
+__all__ = ["LlamaIndexRAG", "ANSWER_TEMPLATE", "REFINE_TEMPLATE", "TEMPLATES", "EXPAND_TEMPLATE", "li_template", "validate"]

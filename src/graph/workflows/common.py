@@ -78,9 +78,10 @@ refine = Component("refine", "llm", prompt=REFINE)
 one_shot = Component("answer", "llm", prompt=ONE_SHOT)
 # The same prompts with the context before the question (RAGCache's order): a retrieved chunk then starts
 # the prompt after the fixed instruction, so its KV is an exact prefix the engine's cache and KV tiers find
-# in every later prompt that retrieves it (docs/workflows.md says what the order costs in answers).
+# in every later prompt that retrieves it. The default since 2026-11-29: on `headrace bench rag-qa`'s
+# extractive questions it answered better, not worse (docs/benchmarks.md#rag-prompt-layout-task-score-rag-qa).
 CONTEXT_FIRST = {
-    "context_first": {"type": "boolean", "default": False,
+    "context_first": {"type": "boolean", "default": True,
                       "description": "put each retrieved context before the question, so a chunk's KV is "
                                      "reused across queries as an exact prefix"},
 }
