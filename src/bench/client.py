@@ -93,6 +93,7 @@ class Daemon:
     def __init__(self, base_url: str, api_key: str = "") -> None:
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
+        self.last_ingest: dict[str, Any] = {}  # the last index_collection's answer (chunk_kv's work, if any)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # No read timeout: a run under load may queue for minutes; the harness bounds it itself.
         self.http = httpx.AsyncClient(base_url=self.base_url, headers=headers,
@@ -148,15 +149,18 @@ class Daemon:
         latency = time.perf_counter() - t0
         return (latency if ttft is None else ttft), latency
 
-    async def index_collection(self, name: str, documents: list[str], chunk_size: int, chunk_overlap: int) -> int:
-        """(Re)create the persistent collection ``name`` over ``documents``; returns its chunk count."""
+    async def index_collection(self, name: str, documents: list[str], chunk_size: int, chunk_overlap: int,
+                               **settings: Any) -> int:
+        """(Re)create the persistent collection ``name`` over ``documents`` (``settings``: more of its creation's
+        fields, ``chunk_kv``); returns its chunk count. The ingest's answer is kept in ``last_ingest``."""
         response = await self.http.delete(f"/v1/collections/{name}")
         if response.status_code not in (200, 404):
             raise BenchError(f"DELETE /v1/collections/{name}: HTTP {response.status_code}: {response.text[:500]}")
         await self._json("POST", "/v1/collections", json={"name": name, "chunk_size": chunk_size,
-                                                           "chunk_overlap": chunk_overlap})
+                                                           "chunk_overlap": chunk_overlap, **settings})
         added = await self._json("POST", f"/v1/collections/{name}/documents",
                                  json={"documents": [{"id": f"doc-{i}", "text": d} for i, d in enumerate(documents)]})
+        self.last_ingest = added
         return added["chunks"]
 
     async def metrics(self) -> str:

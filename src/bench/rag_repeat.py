@@ -15,6 +15,8 @@ config) overridden, on a fresh data dir, so every mode's KV tiers start empty (`
   question first;
 - ``tiers-context-first``: the tiers, and the workflows' ``context_first`` order, so a retrieved chunk's KV
   is an exact prefix of every later prompt that retrieves it;
+- ``chunk-kv``: as ``tiers-context-first``, and the collection's ``chunk_kv`` on: every chunk prefilled when it
+  is ingested (the ingest's time and tokens reported), so a chunk's first retrieval is a hit too;
 - ``any-position``: documents' KV reused wherever they stand: a slot, skipped until the engine has it;
 - ``llama-server``: the peer a user would assemble (``rag_repeat_peer``): the same pipelines driven from the
   client against llama.cpp's ``llama-server -np 16 --cache-ram 8192 --cache-reuse 256``.
@@ -69,6 +71,7 @@ class ModeSpec:
     engine_options: dict[str, Any] = field(default_factory=dict)  # None as a value: the key removed (its default)
     workflow_config: dict[str, Any] = field(default_factory=dict)
     skip: str | None = None  # why this mode is not run (said in the report)
+    chunk_kv: bool = False  # the collection's chunks prefilled when ingested (headrace.daemon.collection_kv)
 
 
 TIERS_ON = {"kv_host_mib": None, "kv_disk_mib": None}  # unset: sized from the machine (a 0 in the config goes)
@@ -77,6 +80,8 @@ MODES: dict[str, ModeSpec] = {
     ENGINE_CACHE: ModeSpec({"kv_host_mib": 0, "kv_disk_mib": 0}, QUESTION_FIRST),
     "tiers": ModeSpec(TIERS_ON, QUESTION_FIRST),
     "tiers-context-first": ModeSpec(TIERS_ON, {"context_first": True}),
+    # Each chunk prefilled at ingest behind the chunk-first prompts, so even its first retrieval is a hit.
+    "chunk-kv": ModeSpec(TIERS_ON, {"context_first": True}, chunk_kv=True),
     # The slot for issue 42's item 3: fill in its engine option (and drop ``skip``) once the engine has it.
     "any-position": ModeSpec(TIERS_ON, skip="the engine cannot reuse a document's KV away from the prompt's start "
                                             "yet (issue 42, item 3; scripts/bench/kv_any_position.py measures its "
@@ -402,6 +407,7 @@ class Bench:
         self.capacity: dict[str, dict[str, Any]] = {}
         self.retrieval: dict[str, Any] | None = None  # the workload's popularity, measured once
         self.retriever: Any = None  # the chunks' embeddings, for the peer's client-side search (rag_repeat_peer)
+        self.indexed: dict[str, Any] = {}  # the last daemon's indexing: chunks, seconds, chunk KV prefilled
 
     @contextlib.asynccontextmanager
     async def daemon_for(self, mode: str, tag: str):
@@ -409,7 +415,7 @@ class Bench:
         if self.url:
             daemon = Daemon(self.url, self.api_key)
             try:
-                await self.index(daemon)
+                await self.index(daemon, MODES[mode].chunk_kv)
                 yield daemon
             finally:
                 with anyio.CancelScope(shield=True), contextlib.suppress(Exception):  # a shared daemon keeps none
@@ -422,17 +428,19 @@ class Bench:
         with started(config, where / "data", where / "daemon.log") as process:
             daemon = Daemon(process.base_url, process.api_key)
             try:
-                await self.index(daemon)
+                await self.index(daemon, MODES[mode].chunk_kv)
                 yield daemon
             finally:
                 await daemon.aclose()
 
-    async def index(self, daemon: Daemon) -> None:
+    async def index(self, daemon: Daemon, chunk_kv: bool = False) -> None:
         t0 = time.perf_counter()
         chunks = await daemon.index_collection(COLLECTION, [d.text for d in self.plan.corpus.documents],
-                                               CHUNK_SIZE, CHUNK_OVERLAP)
+                                               CHUNK_SIZE, CHUNK_OVERLAP, chunk_kv=chunk_kv)
+        self.indexed = {"chunks": chunks, "seconds": round(time.perf_counter() - t0, 2),
+                        "chunk_kv": daemon.last_ingest.get("chunk_kv")}
         self.log(f"    indexed {len(self.plan.corpus.documents)} documents as {chunks} chunks in "
-                 f"{time.perf_counter() - t0:.1f}s")
+                 f"{self.indexed['seconds']:.1f}s" + (f"; chunk KV {self.indexed['chunk_kv']}" if chunk_kv else ""))
 
     async def llm_of(self, daemon: Daemon) -> str:
         kinds = await daemon.models()
@@ -456,8 +464,9 @@ class Bench:
                 from headrace.bench.rag_repeat_peer import popularity
 
                 self.retrieval = await popularity(self, daemon)
-            return await self.measure(mode, workflow, Target(daemon, workflow, workflow_config(mode, self.opts)),
-                                      await self.llm_of(daemon))
+            out = await self.measure(mode, workflow, Target(daemon, workflow, workflow_config(mode, self.opts)),
+                                     await self.llm_of(daemon))
+            return {"indexing": self.indexed, **out}
 
     async def measure(self, mode: str, workflow: str, target: Target, llm: str | None) -> dict[str, Any]:
         """The warm queries (the capacity, measured in the first mode), then each load point."""
@@ -499,7 +508,7 @@ class Bench:
             with started(cfg, data, where / f"{case}.log") as process:
                 daemon = Daemon(process.base_url, process.api_key)
                 try:
-                    await self.index(daemon)
+                    await self.index(daemon, MODES[mode].chunk_kv)
                     if case != "empty":
                         await one_at_a_time(Target(daemon, workflow, config), self.plan.restart_warm)
                     if case != "restarted":  # that one is stopped first (its cells' prefixes written to disk)

@@ -103,6 +103,13 @@ def tables(results: dict[str, Any]) -> list[str]:
             sources = {row["points"][k]["tokens"]["cached_source"] for row in modes.values() if "points" in row}
             lines.append(f"cached tokens from: {', '.join(sorted(sources))}")
             for mode, row in modes.items():
+                kv = (row.get("indexing") or {}).get("chunk_kv")
+                if kv and "prompts" in kv:
+                    lines.append(f"{mode}: chunks prefilled at ingest: {kv['prompts']} prompts, {kv['tokens']:,} "
+                                 f"tokens in {kv['seconds']:.1f}s (indexing {row['indexing']['seconds']:.1f}s in all)")
+                elif kv:
+                    lines.append(f"{mode}: chunks not prefilled at ingest: {kv.get('skipped') or kv.get('error')}")
+            for mode, row in modes.items():
                 if "failed" in row or ("skipped" in row and mode not in results.get("skipped", {})):
                     lines.append(f"{mode}: {'failed' if 'failed' in row else 'skipped'}: "
                                  f"{(row.get('failed') or row['skipped']).splitlines()[0][:300]}")

@@ -47,6 +47,8 @@ class Collection:
     documents: dict[str, int] = field(default_factory=dict)  # document id -> its number of chunks
     ann_index: bool = False  # its table has an ANN index (built once past collections.ann_index_rows)
     owner: str | None = None  # the API key's principal that made it; None: public (headrace.daemon.ownership)
+    # Its chunks' KV prefilled at ingest for the RAG workflows' chunk-first prompts (``headrace.graph.chunk_kv``).
+    chunk_kv: bool = True
 
     @property
     def table(self) -> str:
@@ -61,7 +63,7 @@ class Collection:
                 "vector_store": self.vector_store, "chunk_size": self.chunk_size,
                 "chunk_overlap": self.chunk_overlap, "created": self.created,
                 "documents": len(self.documents), "chunks": self.chunks,
-                "ann_index": self.ann_index}
+                "ann_index": self.ann_index, "chunk_kv": self.chunk_kv}
 
     def info(self) -> CollectionInfo:
         return CollectionInfo(self.name, {"embed": self.embedding_model, "vector_store": self.vector_store},

@@ -65,6 +65,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, Any]:
     ingest.add_argument("--chunk-size", type=int, help="words per chunk, if the collection is created (default 256)")
     ingest.add_argument("--chunk-overlap", type=int, help="words shared by neighbouring chunks, if it is created")
     ingest.add_argument("--embedding-model", help="the embed engine, if it is created (default: the first)")
+    ingest.add_argument("--no-chunk-kv", action="store_true",
+                        help="if it is created: do not prefill its chunks' KV at ingest (chunk_kv false)")
     ingest.add_argument("--no-progress", action="store_true", help="no progress bar")
     check = sub.add_parser("check", help="prove that each native engine of the config runs on this CPU, in child "
                                          "processes (scripts/setup ends with it); exit 1 names what fails")
@@ -176,7 +178,8 @@ def _ingest(args: argparse.Namespace) -> int:
     try:
         return ingest(args.collection, args.paths, args.url, args.api_key, progress=not args.no_progress,
                       settings={"chunk_size": args.chunk_size, "chunk_overlap": args.chunk_overlap,
-                                "embedding_model": args.embedding_model})
+                                "embedding_model": args.embedding_model,
+                                "chunk_kv": False if args.no_chunk_kv else None})
     except IngestError as exc:
         print(f"headrace ingest: {exc}", file=sys.stderr)
         return exc.status

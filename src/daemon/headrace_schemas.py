@@ -36,6 +36,8 @@ class CreateCollectionRequest(Body):
     chunk_size: Annotated[int, Field(ge=16, le=1024)] = Field(256, description="words per chunk")
     chunk_overlap: Annotated[int, Field(ge=0, le=1023)] = Field(30, description="words shared by neighbours; "
                                                                                 "less than chunk_size")
+    chunk_kv: bool = Field(True, description="prefill each chunk's KV when it is ingested, behind the RAG "
+                                             "workflows' chunk-first prompts, so a first retrieval is a cache hit")
 
 
 class CollectionDocument(Body):

@@ -93,8 +93,24 @@ def test_smoke_the_report_holds_together_and_the_tokens_agree(server, tmp_path):
     assert 0 <= t["prefilled_tokens"] == pytest.approx(t["prompt_tokens"] - t["cached_tokens"])
     assert t["cached_tokens"] <= t["prompt_tokens"] and t["cells_hit_tokens"] >= 0
     assert point["vs"]["same_as_engine_cache"]["share"] == 1.0 and point["vs"]["latency_vs_engine_cache"] == 1.0
+    assert results["workflows"]["naive_rag"]["engine-cache"]["indexing"]["chunk_kv"] is None
     text = (out / "results.txt").read_text()
     assert "== naive_rag at 2 x capacity" in text and "prefill/q" in text and "any-position" not in text
+
+
+def test_smoke_the_chunk_kv_mode_prefills_every_chunk_at_ingest(server, tmp_path):
+    out = tmp_path / "rag"
+    code = main(["bench", "rag-repeat", "--url", server.base_url, "--api-key", API_KEY, "--out", str(out),
+                 "--rag-modes", "chunk-kv", "--rag-workflows", "naive_rag", "--rag-chunks", "4",
+                 "--rag-arrivals", "3", "--rag-probe", "1", "--rag-fractions", "2", "--rag-max-tokens", "4"])
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    row = results["workflows"]["naive_rag"]["chunk-kv"]
+    # Every chunk prefilled behind both chunk-first templates (the leaf's and the refine step's).
+    kv = row["indexing"]["chunk_kv"]
+    assert kv["prompts"] == 2 * row["indexing"]["chunks"] and kv["tokens"] > 20 * kv["prompts"], kv
+    assert row["points"][0]["completed"] == 3
+    assert "chunk-kv: chunks prefilled at ingest: " in (out / "results.txt").read_text()
 
 
 # How far below the most likely token a served answer's token may score under the peer's prompt. The two

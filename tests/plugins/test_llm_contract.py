@@ -482,6 +482,51 @@ def test_a_fork_and_its_decode_reuse_the_cached_kv(llm):
     assert engine.stats()["contexts"] == 0
 
 
+def test_a_fork_whose_whole_prompt_is_cached_longer_than_its_parent_is_served_from_the_cache(llm):
+    """A chunk prefilled alone behind a template's head (a collection's ingest, issue 49), then a run's prompt
+    forked from an early prefill of that head: the child finds the chunk cached, not only its parent's head, as a
+    fresh prompt of the same tokens does, and decodes as that prompt does (the same cached KV, the same rest
+    prefilled; a cold prefill splits the work otherwise, and llama.cpp's greedy answer may differ with the split)."""
+    if llm.token_lists:
+        pytest.skip(f"{llm.name}'s own prefix cache serves a context's token list whole")
+    portal, engine = llm.portal, llm.engine
+    head = engine.encode("Answer the question using the context.\nContext:\n")
+    chunk = engine.encode(" ".join(f"Mill {i} on the river grinds wheat for the valley's bakers." for i in range(16)))
+    question = engine.encode("\nQuestion: What does mill 3 grind?\nAnswer:")
+    assert len(chunk) >= 4 * llm.block
+
+    async def ingest():
+        await engine.prefill("ingest", head + chunk)
+        await engine.free("ingest")
+
+    async def fresh():
+        await ingest()
+        found = await engine.prefill("whole", head + chunk + question)
+        out = await text_of(engine.decode("whole", GREEDY))
+        await engine.free("whole")
+        return found, out
+
+    async def forked():
+        await ingest()
+        await engine.prefill("head", head)
+        found = await engine.prefill("child", chunk + question, parent="head")
+        out = await text_of(engine.decode("child", GREEDY))
+        await engine.free("child")
+        await engine.free("head")
+        return found, out
+
+    portal.call(wait_until_idle, engine)
+    llm.reset_cache()
+    whole_found, one = portal.call(fresh)
+    llm.reset_cache()
+    found, fork = portal.call(forked)
+    # The child's own tokens the cache held: the chunk, to its last whole block (the head was its parent's).
+    assert len(head + chunk) - llm.block <= whole_found < len(head + chunk + question), whole_found
+    assert found == whole_found - len(head)
+    assert fork[0] and fork == one
+    assert is_idle(portal.call(wait_until_idle, engine))
+
+
 # ----- sampling settings (OpenAI's and vLLM's): each changes the output as documented -------------------------
 
 

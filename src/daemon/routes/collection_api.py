@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response
 
 from headrace.batching.requests import EmbedRequest, VectorDrop, VectorIngest
 from headrace.daemon import bodies as rq
+from headrace.daemon.collection_kv import prefill_chunks
 from headrace.daemon.collection_registry import Collection, CollectionRegistry, chunk_ids
 from headrace.daemon.errors import APIError, bad_request
 from headrace.daemon.headrace_schemas import AddDocumentsRequest, CreateCollectionRequest
@@ -90,7 +91,8 @@ async def create_collection(request: Request) -> Response:
         if body.name in registry.collections:  # names are one namespace across keys (docs/deploy.md)
             raise APIError(409, f"a collection named {body.name!r} already exists", param="name",
                            code="collection_exists")
-        collection = Collection(body.name, embed, store, body.chunk_size, body.chunk_overlap, owner=caller(request))
+        collection = Collection(body.name, embed, store, body.chunk_size, body.chunk_overlap, owner=caller(request),
+                                chunk_kv=body.chunk_kv)
         with anyio.CancelScope(shield=True):
             # A table left by a delete that crashed before its drop would hand its old rows
             # to the new collection: drop it first (dropping no table is no error).
@@ -164,8 +166,10 @@ async def add_documents(request: Request) -> Response:
             await _replace(registry, collection, store, dict(zip(ids, map(len, chunks))), vectors, payloads)
         # Not shielded: an index is an optimisation, and one cut short is simply tried again next time.
         await _maybe_index(request, registry, collection, store)
-    return JSONResponse({"object": "collection.documents", "collection": collection.name, "ids": ids,
-                         "chunks": len(texts)})
+    response = {"object": "collection.documents", "collection": collection.name, "ids": ids, "chunks": len(texts)}
+    if collection.chunk_kv:  # after the lock: the documents are stored, and other uploads need not wait on this
+        response["chunk_kv"] = await prefill_chunks(request, collection.name, texts)
+    return JSONResponse(response)
 
 
 async def delete_document(request: Request) -> Response:

@@ -27,6 +27,7 @@ import contextlib
 import logging
 import time
 from collections import deque
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -226,7 +227,11 @@ class LlamaCppCore(LlamaSequences, LLMCore):
             if parent is None or parent.filling or parent.decoding:
                 raise EngineError(f"parent context {job.parent!r} has no KV to fork from "
                                   "(freed, still filling, or decoding)")
-            base = parent.length
+            rebased = self._rebased(job, parent)
+            if rebased is not None:
+                job, parent = rebased, None
+            else:
+                base = parent.length
         too_long = self.context_too_long(base + len(job.tokens))
         if too_long is not None:
             raise too_long
@@ -253,7 +258,8 @@ class LlamaCppCore(LlamaSequences, LLMCore):
         skip = self._tiers.restore(job.tokens, len(job.tokens) - 1, hit[1] if hit else 0, seq, job.partition) \
             if fresh and self._tiers is not None and self.prefix_cache is not None else 0
         if fresh and self.prefix_cache is not None:  # hits: what the cells or a tier served (as torch counts)
-            self.prefix_cache.use(hit[0] if hit and not skip else None, len(job.tokens), skip or (hit[1] if hit else 0))
+            self.prefix_cache.use(hit[0] if hit and not skip else None, len(job.tokens) - job.rebased,
+                                  max(0, (skip or (hit[1] if hit else 0)) - job.rebased))
         if parent is not None:
             self._copy_sequence(parent.seq, seq)
         elif hit is not None and not skip:
@@ -265,7 +271,24 @@ class LlamaCppCore(LlamaSequences, LLMCore):
         if job.scoring is not None:
             scorer = PromptScorer(job.tokens, job.scoring, parent.next_logits if parent is not None else None)
         self._prefills.append(Fill(seq=seq, tokens=list(job.tokens[skip:]), start=base + skip, prefill=job,
-                                   cached=skip, scorer=scorer))
+                                   cached=max(0, skip - job.rebased), scorer=scorer))
+
+    def _rebased(self, job: Prefill, parent: ContextSequence) -> Prefill | None:
+        """``job`` as a fresh prompt (its parent's tokens, then its own) when the cells or the tiers hold a prefix
+        of that whole at least a block longer than the parent: a chunk prefilled when its collection ingested it
+        (issue 49) is then restored after the template's head, not prefilled again on a fork of the head."""
+        cache = self.prefix_cache
+        if job.scoring is not None or cache is None or len(parent.tokens) != parent.length:
+            return None
+        whole = [*parent.tokens, *job.tokens]
+        hit = cache.match(whole, len(whole) - 1, job.partition)
+        longest = hit[1] if hit else 0
+        if self._tiers is not None:
+            stored = self._tiers.store.match(whole, len(whole) - 1, job.partition)
+            longest = max(longest, stored.tokens if stored is not None else 0)
+        if longest < parent.length + cache.block:
+            return None
+        return replace(job, tokens=whole, parent=None, rebased=parent.length)
 
     def add_scoring(self, job: Logits) -> None:
         self._scoring.add(job)

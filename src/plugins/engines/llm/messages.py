@@ -110,6 +110,10 @@ class Prefill:
     scoring: PromptScoring | None = None
     # The cached KV it may reuse and adds to (``IsolatesCaches``): only that of prefills of the same partition.
     partition: str = ""
+    # A child prefill an engine turned into a fresh prompt (its parent's tokens, then its own) because its cache
+    # held a longer prefix of that whole than the parent: the parent's length, which its reply's count of cached
+    # tokens leaves out (the parent's prefill counted them).
+    rebased: int = 0
 
 
 @dataclass

@@ -22,7 +22,7 @@ import contextlib
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -294,6 +294,8 @@ class TorchCore(LLMCore):
         A base is the parent context of a fork, or for a fresh prompt the longest cached prefix it
         starts with (the prefix cache): the jobs of a chunk fill only what follows their base.
         """
+        if first.parent is not None:
+            first = self._rebased(first)
         parent = first.parent
         # A scored prefill runs alone (its forward pass keeps every position's logits), never with a cache hit.
         scored = first.scoring is not None
@@ -349,7 +351,8 @@ class TorchCore(LLMCore):
             return 1
         if parent is None and self.prefix_cache is not None and not scored:
             for job in chunk:
-                self.prefix_cache.use(hit[0] if hit else None, len(job.tokens), skip)
+                self.prefix_cache.use(hit[0] if hit else None, len(job.tokens) - job.rebased,
+                                      max(0, skip - job.rebased))
         suffixes = [job.tokens[skip:] for job in chunk]
         try:
             self._prefill_chunk(chunk, suffixes, base, base_len, out, skip)
@@ -368,6 +371,25 @@ class TorchCore(LLMCore):
                         log.exception("engine %s: prefill failed", self.name)
                         out.reply(job.reply, error=EngineError(f"prefill failed: {job_exc}"))
         return max(len(t) for t in suffixes) * len(chunk)
+
+    def _rebased(self, job: Prefill) -> Prefill:
+        """``job``, a child, as a fresh prompt (its parent's tokens, then its own) when the cache or the tiers
+        hold a prefix of that whole at least a block longer than the parent: a chunk prefilled when its
+        collection ingested it (issue 49) is then reused after the template's head, not prefilled again on a
+        fork of the head. The queue holds the fresh job instead."""
+        cache, base = self.prefix_cache, self.contexts.get(job.parent)
+        if (job.scoring is not None or cache is None or base is None or base.kv is None
+                or len(base.tokens) != base.length):
+            return job
+        whole = [*base.tokens, *job.tokens]
+        fresh = replace(job, tokens=whole, parent=None, rebased=base.length)
+        if self._tiers is not None:
+            self._promote(fresh)
+        hit = cache.match(whole, len(whole) - 1, job.partition)
+        if hit is None or hit[1] < base.length + cache.block:
+            return job
+        self._prefills = [(key, fresh if queued is job else queued) for key, queued in self._prefills]
+        return fresh
 
     def _take(self, jobs: list[Prefill]) -> None:
         taken = {id(job) for job in jobs}
@@ -409,7 +431,7 @@ class TorchCore(LLMCore):
                 layers = ctx.kv
                 self.prefix_cache.insert(ctx.tokens, lambda n: [(k[:, :, :n], v[:, :, :n]) for k, v in layers],
                                          job.partition)
-            out.replies.append((job.reply, cached, None))
+            out.replies.append((job.reply, cached if scoring is not None else max(0, cached - job.rebased), None))
 
     def _score_next(self, job: Logits, out: Outbox) -> int:
         """Score the next chunk of ``job``; the tokens spent."""
