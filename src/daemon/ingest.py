@@ -23,7 +23,7 @@ import httpx
 TEXT_SUFFIXES = frozenset({".txt", ".text", ".md", ".markdown", ".mdown", ".mkd", ".rst"})
 BATCH_DOCUMENTS = 16  # documents per request: uploads overlap the daemon's embedding of the last batch
 BATCH_BYTES = 1024 * 1024  # and at most this much text per request (the default body limit is 4 MiB)
-TIMEOUT = httpx.Timeout(600.0, connect=10.0)  # a large batch embeds for a while on a CPU
+TIMEOUT = httpx.Timeout(3600.0, connect=10.0)  # a batch embeds and prefills its chunks (chunk_kv) a while
 
 
 class IngestError(Exception):

@@ -54,6 +54,9 @@ class StoredResponse:
     response: dict[str, Any]  # the response object as answered
     input_items: list[dict[str, Any]]  # this turn's input, each item with its id
     context: list[dict[str, Any]]  # the conversation's items before this turn's input
+    # The cache partition of a turn sent with a ``cache_salt`` (a digest, never the salt): a turn continuing it
+    # without a salt of its own inherits it, so the chain keeps reusing its KV. "" for a turn sent without one.
+    salted_partition: str = ""
 
     def conversation(self) -> list[dict[str, Any]]:
         """Every item a turn continuing this one follows: the context, this turn's input and its output."""
@@ -83,7 +86,8 @@ class ResponsesStore:
 
     async def put(self, stored: StoredResponse) -> None:
         record = json.dumps({"response": stored.response, "input_items": stored.input_items,
-                             "context": stored.context}, ensure_ascii=False)
+                             "context": stored.context, "salted_partition": stored.salted_partition},
+                            ensure_ascii=False)
         await anyio.to_thread.run_sync(self._put, stored, record)
 
     def _put(self, stored: StoredResponse, record: str) -> None:
@@ -104,7 +108,7 @@ class ResponsesStore:
             return None
         record = json.loads(row[3])
         return StoredResponse(response_id, row[0] or None, row[1], row[2], record["response"], record["input_items"],
-                              record["context"])
+                              record["context"], record.get("salted_partition", ""))
 
     async def delete(self, response_id: str, owner: str | None) -> bool:
         """Delete ``owner``'s response; False when there was none to delete (the owner is checked again

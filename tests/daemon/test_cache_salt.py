@@ -107,6 +107,19 @@ def test_only_requests_with_the_same_salt_share_on_every_route(client):
     assert cached(post(client, API_KEY, "/v1/responses", {**body, "cache_salt": salt})) > 256
 
 
+def test_a_continued_response_inherits_its_chains_salt_unless_it_sends_its_own(client):
+    topic = f"millpond {uuid.uuid4().hex[:8]}"
+    salt = f"tenant-{uuid.uuid4().hex[:8]}"
+    first = post(client, API_KEY, "/v1/responses", {"model": LLM, "input": f"{system(topic)} What was seen?",
+                                                    "max_output_tokens": 2, "temperature": 0, "cache_salt": salt})
+    assert cached(first) == 0
+    turn = {"model": LLM, "input": "And after that?", "previous_response_id": first.json()["id"],
+            "max_output_tokens": 1, "temperature": 0, "store": False}
+    # No salt of its own: the chain's, so the first turn's KV (in the salted partition) is found.
+    assert cached(post(client, API_KEY, "/v1/responses", turn)) > 256
+    assert cached(post(client, API_KEY, "/v1/responses", {**turn, "cache_salt": salt + "-other"})) == 0
+
+
 @pytest.mark.parametrize("salt, problem", [
     ("", "non-empty"), ("x" * (MAX_CACHE_SALT + 1), "at most"), ("tab\there", "printable"), ("nul\x00", "printable"),
     ("line\nbreak", "printable"), (7, "string"), (["a"], "string"), ({"a": 1}, "string"), (True, "string")])

@@ -5,12 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import anyio
+import psutil
 import pytest
 import torch
 
 from conftest import check_logprobs_are_log_softmax, idle, prompts_on_a_shared_prefix
 from llm_engines import chat, outcome, outcomes, text_of, wait_for_no_contexts
 from headrace.plugins.engines.llama_cpp.engine import LlamaCppLLM
+from headrace.plugins.engines.llama_cpp.lazy_kv import resident_bytes
 from headrace.plugins.engines.llama_cpp.batch import MIN_SHARED_SCORING_PREFIX, shared_prefix_groups
 from headrace.plugins.engines.llm.front import EngineError
 from headrace.plugins.protocols import EngineEnv, EngineSpec, SamplingParams
@@ -179,6 +181,39 @@ def test_a_prefill_waits_for_a_free_sequence_then_gives_up_clearly(tmp_path):
             return await scenario()
 
     assert idle(anyio.run(run))
+
+
+@pytest.mark.slow
+def test_the_kv_cells_take_memory_only_as_sequences_fill_them(tmp_path):
+    """llama.cpp makes and zeroes every stream's cells at once (here 48 streams x 2,048 cells, 2.3 GB); the engine
+    hands the buffer's pages back at once (issue 50), so memory follows the cells written."""
+    # No prefix cache: a cached prefix is a whole stream's copy (llama.cpp copies streams whole), which would
+    # make that stream's 2,048 cells resident; here only the prompt's own cells are written.
+    engine = LlamaCppLLM(engine_spec(n_seq_max=32, prefix_cache_tokens=0), make_env(tmp_path))
+    process = psutil.Process()
+
+    async def scenario():
+        async with anyio.create_task_group() as tg:
+            before = process.memory_info().rss
+            await tg.start(engine.run)
+            loaded = process.memory_info().rss, resident_bytes(engine.core.kv_released)
+            prompt = chat(engine, "Rivers: Nile, Amazon, Yangtze, Danube, Rhine. " * 40 + "Which is the longest?")
+            answer = await text_of(engine.generate(prompt, SamplingParams(max_tokens=8, temperature=0)))
+            used = resident_bytes(engine.core.kv_released)
+            tg.cancel_scope.cancel()
+        return before, loaded, used, answer, prompt
+
+    before, (loaded, idle_kv), used_kv, answer, prompt = anyio.run(scenario)
+    core = engine.core
+    released = sum(end - start for start, end in core.kv_released)
+    assert core.kv_buffer_bytes > 2_000_000_000 and released >= 0.99 * core.kv_buffer_bytes
+    # The weights and buffers, not the cells: a tenth of the KV at most (without the release: all of it).
+    assert loaded - before < 0.1 * core.kv_buffer_bytes and idle_kv == 0, (before, loaded, idle_kv)
+    assert answer[0].strip()
+    # A ~500-token prompt writes its stream's first cells: ~12 MB of KV in all layers, not its 2,048 cells' 47 MB.
+    per_token = core.kv_buffer_bytes / core._n_ctx
+    assert len(prompt) > 400 and len(prompt) * per_token <= used_kv < 1.5 * len(prompt) * per_token + 4_000_000, \
+        (len(prompt), per_token, used_kv)
 
 
 def test_too_many_contexts_and_a_full_kv_cache_are_clear_errors(tmp_path):

@@ -218,6 +218,8 @@ async def create_response(request: Request) -> Response:
         previous = mine(request, await _store(request).get(body.previous_response_id))
         if previous is None:
             raise _not_found(body.previous_response_id, "previous_response_id")
+        if body.cache_salt is None and previous.salted_partition:
+            partition = previous.salted_partition  # the chain's salt, which its first turn sent
     items = input_items(body)
     context = previous.conversation() if previous is not None else []
     try:
@@ -233,8 +235,9 @@ async def create_response(request: Request) -> Response:
         program = f"{who}/response:{rid}" if who is not None else f"response:{rid}"
     deltas = generation(request, slot, [chat.tokens], chat.params, 1, True, chat.tools, program, chat.pins,
                         partition)
+    salted = partition if body.cache_salt is not None or (previous is not None and previous.salted_partition) else ""
     turn = Turn(_store(request) if store else None, StoredResponse(rid, who, created, program or "", {}, items,
-                                                                   context))
+                                                                   context, salted))
     if not body.stream:
         collected = await collect(request, deltas, 1)
         if collected is None:

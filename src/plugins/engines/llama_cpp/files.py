@@ -7,6 +7,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -55,10 +57,22 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "headrace"
 
 
+_capture = threading.local()  # a thread's (pattern, list): numbers its llama.cpp log lines say, while it asks
+
+
+def capture_log_lines(pattern: re.Pattern[str] | None, into: list[float]) -> None:
+    """From now on (until called with None), the first group of ``pattern`` in each llama.cpp log line this thread
+    causes goes to ``into`` as a number (``lazy_kv`` reads the KV buffers' sizes so)."""
+    _capture.wanted = (pattern, into) if pattern is not None else None
+
+
 @ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
 def _log_callback(level: int, text: bytes, user_data: Any) -> None:
     # llama.cpp logs a lot at every load; it is the daemon's debug output, never its stderr.
     # Module-level, so the callback outlives every engine (llama.cpp keeps the pointer).
+    wanted = getattr(_capture, "wanted", None)
+    if wanted is not None and (m := wanted[0].search(text.decode("utf-8", "replace"))):
+        wanted[1].append(float(m.group(1)))
     if log.isEnabledFor(logging.DEBUG):
         log.debug("%s", text.decode("utf-8", "replace").rstrip())
 

@@ -19,6 +19,7 @@ import numpy as np
 from headrace.plugins.engines.kvreuse.prefix_cache import BLOCK, PinPolicy, PrefixCache, PrefixCacheStats
 from headrace.plugins.engines.llama_cpp.batch import Fill, ScoringQueue
 from headrace.plugins.engines.llama_cpp.files import llama
+from headrace.plugins.engines.llama_cpp.lazy_kv import anonymous_mappings, kv_buffer_sizes, release_kv_buffers
 from headrace.plugins.engines.llama_cpp.options import SCORE_SEQUENCES
 from headrace.plugins.engines.llama_cpp.swa import full_window, window_holds
 from headrace.plugins.engines.llama_cpp.tiers import SequenceTiers, open_tiers
@@ -72,6 +73,8 @@ class LlamaSequences:
     _contexts: dict[ContextId, ContextSequence]
     _prefills: deque[Fill]
     _scoring: ScoringQueue
+    kv_buffer_bytes: int  # the KV buffers llama.cpp made for the context, all its cells
+    kv_released: list[tuple[int, int]]  # their pages handed back to the kernel once made (lazy_kv): address ranges
 
     def _open_context(self) -> None:
         lc = llama()
@@ -85,9 +88,14 @@ class LlamaSequences:
                                                       self.name)
         params.n_threads = params.n_threads_batch = self._threads
         params.no_perf = True
-        ctx = lc.llama_init_from_model(self._model, params)
+        before, sizes = anonymous_mappings(), []
+        with kv_buffer_sizes(sizes):
+            ctx = lc.llama_init_from_model(self._model, params)
         if not ctx:
             raise RuntimeError(f"engine {self.name}: llama.cpp could not create a context of {self._n_ctx} tokens")
+        # The cells take memory as sequences fill them, not all at once (lazy_kv).
+        self.kv_buffer_bytes = int(sum(sizes) * (1 << 20))
+        self.kv_released = release_kv_buffers(before, sizes, self.name)
         self._ctx = ctx
         self._mem = lc.llama_get_memory(ctx)
         self._batch = lc.llama_batch_init(self.max_batch_tokens, 0, 1)

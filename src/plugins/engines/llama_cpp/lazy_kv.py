@@ -1,0 +1,141 @@
+"""KV cells that take memory only once they are used (issue 50): llama.cpp's KV buffer handed back to the kernel
+right after the context is made, so the resident memory follows the cells sequences actually fill.
+
+llama.cpp allocates a context's whole KV at once (every stream's cells: 56 streams x 2,048 cells of SmolLM2-135M
+is 2.6 GB) and then writes zeros over all of it (``ggml_backend_buffer_clear``, "to avoid NaNs in the padding"),
+which makes every page resident although a fresh anonymous mapping is zeros already. ``release_kv_buffers``
+undoes that write: ``madvise(MADV_DONTNEED)`` on the buffer's pages drops them, and a page read again is a
+fresh zero page (private anonymous memory), exactly what the clear wrote. A page comes back when a cell on it is
+written, so an idle engine holds almost none of its KV and a busy one what its sequences filled (a sequence's
+cells are the start of its stream: its prompt's length, not the stream's).
+
+Which memory: the buffers llama.cpp says it made (its "KV buffer size = X MiB" log line while the context is
+made, one a cache: a sliding-window model has two), each matched to a run of resident pages of its size
+(``mincore``) in the anonymous mappings that appeared during that call and overlap nothing mapped before it.
+Nothing else is touched: a run of another size, or two alike, is left alone, and no match releases nothing
+(the engine runs as before, said in the log). Linux only (``/proc/self/maps``); elsewhere nothing is released.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import mmap
+import re
+import sys
+from contextlib import contextmanager
+from typing import Iterator
+
+log = logging.getLogger(__name__)
+
+MADV_DONTNEED = 4
+MiB = 1 << 20
+KV_BUFFER_LINE = re.compile(r"KV buffer size\s*=\s*([0-9.]+)\s*MiB")
+# The log prints MiB to two decimals; the mapping adds malloc's header and alignment, rounded up to pages.
+SIZE_SLACK = int(0.006 * MiB) + 2 * mmap.PAGESIZE
+
+
+def anonymous_mappings() -> list[tuple[int, int]]:
+    """(start, end) of this process's private anonymous read-write mappings (no file, not the stack)."""
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) == 5 and parts[1] == "rw-p":  # no pathname: anonymous
+                start, end = (int(x, 16) for x in parts[0].split("-"))
+                out.append((start, end))
+    return out
+
+
+def _new_ranges(before: list[tuple[int, int]], after: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of ``after``'s mappings that no mapping of ``before`` covered (an adjacent new mapping may merge
+    with an old one in /proc/self/maps: only the new part is returned)."""
+    out = []
+    for start, end in after:
+        pieces = [(start, end)]
+        for b0, b1 in before:
+            pieces = [p for s, e in pieces for p in ((s, min(e, b0)), (max(s, b1), e)) if p[1] > p[0]]
+        out += pieces
+    return out
+
+
+@contextmanager
+def kv_buffer_sizes(captured: list[float]) -> Iterator[None]:
+    """While inside, the sizes (MiB) of the KV buffers llama.cpp logs from this thread go to ``captured``."""
+    from headrace.plugins.engines.llama_cpp import files
+
+    files.capture_log_lines(KV_BUFFER_LINE, captured)
+    try:
+        yield
+    finally:
+        files.capture_log_lines(None, captured)
+
+
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+    return libc
+
+
+def resident_bytes(ranges: list[tuple[int, int]]) -> int:
+    """How much of ``ranges`` (page-aligned, as ``release_kv_buffers`` gives them) is in memory now (mincore)."""
+    libc, total = _libc(), 0
+    for start, end in ranges:
+        pages = (end - start) // mmap.PAGESIZE
+        vec = (ctypes.c_ubyte * pages)()
+        if libc.mincore(ctypes.c_void_p(start), end - start, vec) != 0:
+            raise OSError(ctypes.get_errno(), "mincore failed")
+        total += sum(b & 1 for b in vec) * mmap.PAGESIZE
+    return total
+
+
+def resident_runs(start: int, end: int) -> list[tuple[int, int]]:
+    """The runs of resident pages in [start, end) (page-aligned), as (start, end) address ranges."""
+    pages = (end - start) // mmap.PAGESIZE
+    vec = (ctypes.c_ubyte * pages)()
+    if _libc().mincore(ctypes.c_void_p(start), end - start, vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    runs, first = [], None
+    for i, page in enumerate(bytes(vec)):
+        if page & 1 and first is None:
+            first = i
+        elif not page & 1 and first is not None:
+            runs.append((start + first * mmap.PAGESIZE, start + i * mmap.PAGESIZE))
+            first = None
+    if first is not None:
+        runs.append((start + first * mmap.PAGESIZE, end))
+    return runs
+
+
+def release_kv_buffers(before: list[tuple[int, int]], sizes_mib: list[float], name: str) -> list[tuple[int, int]]:
+    """Hand back to the kernel the pages of each KV buffer of ``sizes_mib`` among the mappings made since
+    ``before``; the ranges released (none where no buffer matched: said in the log).
+
+    A KV buffer is found as a run of resident pages of its size: llama.cpp has just written zeros over all of it,
+    while the other buffers the context made (compute, output) are not written yet, only their malloc header
+    pages. A new mapping may merge with its neighbours in /proc/self/maps, which the runs see through. Released:
+    the run but its first page (malloc's chunk header, which free() reads) and its last partial page (the next
+    mapping may start there), so only the buffer's own pages."""
+    if not sys.platform.startswith("linux") or not sizes_mib:
+        return []
+    libc = _libc()
+    runs = [run for s, e in _new_ranges(before, anonymous_mappings()) for run in resident_runs(s, e)]
+    released = []
+    for size in sizes_mib:
+        want = int(size * MiB)
+        match = [(s, e) for s, e in runs if want - SIZE_SLACK <= e - s <= want + SIZE_SLACK]
+        if len(match) != 1:  # none, or ambiguous: leave the memory as it is
+            log.info("engine %s: the KV buffer of %.2f MiB was not found among the new mappings (%d candidates); "
+                     "its memory stays resident", name, size, len(match))
+            continue
+        runs.remove(match[0])
+        start = match[0][0] + mmap.PAGESIZE
+        end = match[0][0] + (int((size - 0.005) * MiB) // mmap.PAGESIZE) * mmap.PAGESIZE  # inside the buffer
+        if libc.madvise(ctypes.c_void_p(start), end - start, MADV_DONTNEED) != 0:
+            log.warning("engine %s: madvise of the KV buffer failed (errno %d); its memory stays resident", name,
+                        ctypes.get_errno())
+            continue
+        released.append((start, end))
+    return released
