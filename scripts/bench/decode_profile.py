@@ -31,10 +31,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
-import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
