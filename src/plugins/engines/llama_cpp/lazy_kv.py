@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import mmap
 import re
@@ -72,6 +73,7 @@ def kv_buffer_sizes(captured: list[float]) -> Iterator[None]:
         files.capture_log_lines(None, captured)
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL:
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -81,14 +83,7 @@ def _libc() -> ctypes.CDLL:
 
 def resident_bytes(ranges: list[tuple[int, int]]) -> int:
     """How much of ``ranges`` (page-aligned, as ``release_kv_buffers`` gives them) is in memory now (mincore)."""
-    libc, total = _libc(), 0
-    for start, end in ranges:
-        pages = (end - start) // mmap.PAGESIZE
-        vec = (ctypes.c_ubyte * pages)()
-        if libc.mincore(ctypes.c_void_p(start), end - start, vec) != 0:
-            raise OSError(ctypes.get_errno(), "mincore failed")
-        total += sum(b & 1 for b in vec) * mmap.PAGESIZE
-    return total
+    return sum(e - s for start, end in ranges for s, e in resident_runs(start, end))
 
 
 def resident_runs(start: int, end: int) -> list[tuple[int, int]]:
@@ -116,8 +111,9 @@ def release_kv_buffers(before: list[tuple[int, int]], sizes_mib: list[float], na
     A KV buffer is found as a run of resident pages of its size: llama.cpp has just written zeros over all of it,
     while the other buffers the context made (compute, output) are not written yet, only their malloc header
     pages. A new mapping may merge with its neighbours in /proc/self/maps, which the runs see through. Released:
-    the run but its first page (malloc's chunk header, which free() reads) and its last partial page (the next
-    mapping may start there), so only the buffer's own pages."""
+    only pages inside the buffer wherever it sits in the run, never its first page (malloc's chunk header, which
+    free() reads) nor a neighbour's resident page (a release that zeroed another chunk's header aborted the
+    process at that buffer's free)."""
     if not sys.platform.startswith("linux") or not sizes_mib:
         return []
     libc = _libc()
@@ -131,8 +127,14 @@ def release_kv_buffers(before: list[tuple[int, int]], sizes_mib: list[float], na
                      "its memory stays resident", name, size, len(match))
             continue
         runs.remove(match[0])
-        start = match[0][0] + mmap.PAGESIZE
-        end = match[0][0] + (int((size - 0.005) * MiB) // mmap.PAGESIZE) * mmap.PAGESIZE  # inside the buffer
+        # The run may hold a few resident pages of a neighbour on either side: the buffer's header page starts
+        # at most at run_end - size, at least at run_start, so only pages every such placement covers go.
+        page, (r0, r1) = mmap.PAGESIZE, match[0]
+        want = int((size - 0.005) * MiB)  # the logged size, rounded down
+        start = (r1 - want) // page * page + page  # past the latest possible header page
+        end = (r0 + want) // page * page  # before the earliest possible end of the buffer
+        if end <= start:
+            continue
         if libc.madvise(ctypes.c_void_p(start), end - start, MADV_DONTNEED) != 0:
             log.warning("engine %s: madvise of the KV buffer failed (errno %d); its memory stays resident", name,
                         ctypes.get_errno())
