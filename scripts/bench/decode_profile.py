@@ -159,13 +159,14 @@ async def level(base: str, pid: int, streams: int, seconds: float, max_tokens: i
                                      "-o", str(raw)], check=True)
             cpu1, wall = thread_cpu(pid), perf_counter() - t0
             stop.set()  # each lane ends with its request in flight
+    spied = raw.read_text()
     if keep is not None:  # py-spy's own output, for a flame graph or a look
         keep.mkdir(parents=True, exist_ok=True)
-        (keep / raw.name).write_text(raw.read_text())
-    samples = classify(raw.read_text(), engine_thread)
+        (keep / raw.name).write_text(spied)
+    samples = classify(spied, engine_thread)
     engine = {k: v for k, v in samples.items() if k.startswith("engine: ")}
     loop = {k: v for k, v in samples.items() if k.startswith("event loop: ")}
-    names = thread_names(raw.read_text())
+    names = thread_names(spied)
     cpu: collections.Counter[str] = collections.Counter()
     for tid, seconds in cpu1.items():  # the OpenMP workers of llama.cpp run no Python: "native"
         cpu[names.get(tid, "native")] += round(seconds - cpu0.get(tid, 0), 2)

@@ -23,7 +23,7 @@ from starlette.requests import Request
 from headrace.batching.meta import PrimitiveMeta
 from headrace.daemon.cache_partition import cache_partition
 from headrace.daemon.services import daemon
-from headrace.graph.chunk_kv import chunk_prompts
+from headrace.graph.chunk_kv import chunk_prompts, template_heads
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,11 @@ async def prefill_chunks(request: Request, collection: str, texts: list[str]) ->
     if caching is None or not caching():
         return {"model": name, "skipped": "the engine keeps no prefix cache"}
     start = time.perf_counter()
-    prompts = await anyio.to_thread.run_sync(lambda: [p for text in texts for p in chunk_prompts(engine, text)])
+    def tokenize() -> list[list[int]]:
+        heads = template_heads(engine)
+        return [p for text in texts for p in chunk_prompts(engine, text, heads)]
+
+    prompts = await anyio.to_thread.run_sync(tokenize)
     # Ranked as bulk work: a query being served meanwhile goes first.
     meta = PrimitiveMeta(run=f"ingest-{uuid.uuid4().hex[:12]}", objective="throughput",
                          cache_partition=cache_partition(request, None, engine))

@@ -33,10 +33,16 @@ def instruction(prompt: str) -> str:
     return PromptTemplate(prompt).split(set())[0]
 
 
-def chunk_prompts(engine: Any, chunk: str) -> list[list[int]]:
-    """The token prefixes a run of a built-in RAG workflow on ``engine`` starts with when it retrieves ``chunk``,
-    one per chunk-first step: the chat head and instruction, then the chunk (its last tokens may merge with the
-    question's in a run; the engine's cache matches block by block, so a hit stops a block short at most)."""
+def template_heads(engine: Any) -> list[list[int]]:
+    """The chat head and instruction of each chunk-first step, tokenized as a run's early prefill tokenizes it."""
     head, _ = chat_frame(engine, None)
-    return [list(engine.encode(head + instruction(step.prompt))) + list(engine.encode(chunk))
-            for step in CHUNK_FIRST_STEPS]
+    return [list(engine.encode(head + instruction(step.prompt))) for step in CHUNK_FIRST_STEPS]
+
+
+def chunk_prompts(engine: Any, chunk: str, heads: list[list[int]] | None = None) -> list[list[int]]:
+    """The token prefixes a run of a built-in RAG workflow on ``engine`` starts with when it retrieves ``chunk``,
+    one per chunk-first step: the chat head and instruction (``heads``, from ``template_heads``: pass them when
+    making many), then the chunk (its last tokens may merge with the question's in a run; the engine's cache
+    matches block by block, so a hit stops a block short at most)."""
+    body = list(engine.encode(chunk))
+    return [head + body for head in (heads if heads is not None else template_heads(engine))]

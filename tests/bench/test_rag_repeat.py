@@ -71,13 +71,18 @@ def test_flags_are_checked_before_anything_starts():
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_smoke_the_report_holds_together_and_the_tokens_agree(server, tmp_path):
-    out = tmp_path / "rag"
+def smoke(server, out, mode: str) -> dict:
+    """A few-minute run of one mode against the session daemon (--url: no restart phase); its results.json."""
     code = main(["bench", "rag-repeat", "--url", server.base_url, "--api-key", API_KEY, "--out", str(out),
-                 "--rag-modes", "engine-cache", "--rag-workflows", "naive_rag", "--rag-chunks", "4",
+                 "--rag-modes", mode, "--rag-workflows", "naive_rag", "--rag-chunks", "4",
                  "--rag-arrivals", "3", "--rag-probe", "1", "--rag-fractions", "2", "--rag-max-tokens", "4"])
     assert code == 0
-    results = json.loads((out / "results.json").read_text())
+    return json.loads((out / "results.json").read_text())
+
+
+def test_smoke_the_report_holds_together_and_the_tokens_agree(server, tmp_path):
+    out = tmp_path / "rag"
+    results = smoke(server, out, "engine-cache")
     assert results["collection"]["chunks"] >= 4 and results["restart"] is None  # no restart with --url
     assert results["retrieval"]["top_share"] > 0 and results["retrieval"]["queries"] == 3
     cap = results["capacity"]["naive_rag"]
@@ -100,11 +105,7 @@ def test_smoke_the_report_holds_together_and_the_tokens_agree(server, tmp_path):
 
 def test_smoke_the_chunk_kv_mode_prefills_every_chunk_at_ingest(server, tmp_path):
     out = tmp_path / "rag"
-    code = main(["bench", "rag-repeat", "--url", server.base_url, "--api-key", API_KEY, "--out", str(out),
-                 "--rag-modes", "chunk-kv", "--rag-workflows", "naive_rag", "--rag-chunks", "4",
-                 "--rag-arrivals", "3", "--rag-probe", "1", "--rag-fractions", "2", "--rag-max-tokens", "4"])
-    assert code == 0
-    results = json.loads((out / "results.json").read_text())
+    results = smoke(server, out, "chunk-kv")
     row = results["workflows"]["naive_rag"]["chunk-kv"]
     # Every chunk prefilled behind both chunk-first templates (the leaf's and the refine step's).
     kv = row["indexing"]["chunk_kv"]

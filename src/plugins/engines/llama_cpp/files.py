@@ -71,10 +71,12 @@ def _log_callback(level: int, text: bytes, user_data: Any) -> None:
     # llama.cpp logs a lot at every load; it is the daemon's debug output, never its stderr.
     # Module-level, so the callback outlives every engine (llama.cpp keeps the pointer).
     wanted = getattr(_capture, "wanted", None)
-    if wanted is not None and (m := wanted[0].search(text.decode("utf-8", "replace"))):
+    if wanted is None and not log.isEnabledFor(logging.DEBUG):
+        return
+    line = text.decode("utf-8", "replace")
+    if wanted is not None and (m := wanted[0].search(line)):
         wanted[1].append(float(m.group(1)))
-    if log.isEnabledFor(logging.DEBUG):
-        log.debug("%s", text.decode("utf-8", "replace").rstrip())
+    log.debug("%s", line.rstrip())
 
 
 # ----- files: the converted model, the tokenizer -------------------------------------------
