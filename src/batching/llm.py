@@ -56,8 +56,8 @@ from headrace.batching.observer import NullObserver, SchedulerObserver
 from headrace.batching.programs import ProgramRegistry
 from headrace.batching.residency import AlwaysResident, Residency
 from headrace.batching.run_gate import RunGate
-from headrace.plugins.protocols import (IsolatesCaches, KeepsContexts, LLMEngine, PausesDecodes, PromptLogprobs,
-                                       SamplingParams, TokenDelta)
+from headrace.plugins.protocols import (IsolatesCaches, KeepsContexts, LLMEngine, PausesDecodes, PlacesDocuments,
+                                       PromptLogprobs, SamplingParams, TokenDelta)
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +181,10 @@ class LLMScheduler:
                         "its caches", self.name)
         return {}
 
+    @property
+    def places_documents(self) -> bool:
+        return isinstance(self.engine, PlacesDocuments) and self.engine.places_documents
+
     def _decode_keywords(self, meta: PrimitiveMeta | None) -> dict[str, bool]:
         """A decode's extra keywords: ``_preemption``'s, and ``keep_context`` for a named program's request to an
         engine that keeps contexts (never sent to one that does not)."""
@@ -225,13 +229,15 @@ class LLMScheduler:
                     del self._requests_by_run[owner]
 
     async def prefill(self, ctx: str, tokens: Sequence[int], parent: str | None = None,
-                      meta: PrimitiveMeta | None = None) -> None:
-        """A prefill primitive: fills a context (a fork when ``parent`` is given)."""
+                      meta: PrimitiveMeta | None = None, documents: Sequence[tuple[int, int]] = ()) -> None:
+        """A prefill primitive: fills a context (a fork when ``parent`` is given); ``documents``: spans of
+        ``tokens`` an engine that ``PlacesDocuments`` may place (sent to no other)."""
         arrival = time.monotonic()
         rank = self.priority(meta, arrival)
+        placed = {"documents": tuple(documents)} if documents and self.places_documents else {}
         async with self._admitted(arrival, rank, (meta,)) as rank:
             cached = await self.engine.prefill(ctx, tokens, parent, priority=rank, **self._preemption(),
-                                               **self._partition(meta))
+                                               **self._partition(meta), **placed)
             # Recorded before the engine is let go: a live context keeps it loaded until freed,
             # and keeps its run in the run gate (its decode must not wait behind other runs).
             run = meta.run if meta is not None else None

@@ -1,6 +1,8 @@
 """A collection's chunks prefilled on the LLM at ingest (issue 49, part 1): ``headrace.graph.chunk_kv`` says which
 prefixes; this sends them through the LLM's scheduler and frees each context at once, so its KV stays only in
-the engine's prefix cache, and from there in its KV tiers (host memory, disk) once the cells need the room.
+the engine's prefix cache, and from there in its KV tiers (host memory, disk) once the cells need the room. On an
+engine that places documents (``place_documents``), each chunk's KV is also computed alone, for placement at any
+position of a prompt (part 2).
 
 The prefixes are cached in the ingesting key's partition (``cache_partition``): a run of that key (or of any
 key, where keys share caches) finds them, another key's run does not. The engine is the first LLM, the one a
@@ -69,5 +71,21 @@ async def prefill_chunks(request: Request, collection: str, texts: list[str]) ->
     except Exception as exc:  # the documents are ingested already: say so, and what failed
         log.exception("collection %s: prefilling its chunks' KV on %s failed", collection, name)
         return {"model": name, "error": f"{type(exc).__name__}: {exc}"}
-    return {"model": name, "prompts": len(prompts), "tokens": sum(map(len, prompts)),
-            "seconds": round(time.perf_counter() - start, 3)}
+    done: dict[str, Any] = {"model": name, "prompts": len(prompts), "tokens": sum(map(len, prompts))}
+    if getattr(engine, "places_documents", False):
+        try:
+            done["documents_placeable"] = await prepare_documents(engine, texts, meta.cache_partition)
+        except Exception as exc:
+            log.exception("collection %s: computing its chunks' KV for placement on %s failed", collection, name)
+            done["documents_error"] = f"{type(exc).__name__}: {exc}"
+    done["seconds"] = round(time.perf_counter() - start, 3)
+    return done
+
+
+async def prepare_documents(engine: Any, texts: list[str], partition: str) -> int:
+    """Each chunk's KV computed alone, for placement at any position of a prompt (``PlacesDocuments``); how many
+    the engine holds. One chunk a command: the engine's worker computes it between its iterations, so requests
+    being served wait at most one chunk's prefill."""
+    docs = await anyio.to_thread.run_sync(lambda: [list(engine.encode(text)) for text in texts])
+    keyword = {"cache_partition": partition} if partition and getattr(engine, "isolates_caches", False) else {}
+    return sum([await engine.prepare_documents([doc], **keyword) for doc in docs])

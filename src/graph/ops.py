@@ -20,7 +20,7 @@ from headrace.batching.resolved import ResolvedEngine
 from headrace.batching.requests import EmbedRequest, RerankRequest, VectorIngest, VectorSearch, VectorSearchText
 from headrace.graph.graph import LLM_MAX_TOKENS, Node, Op
 from headrace.graph.parsers import make_parser
-from headrace.graph.prompts import prompt_tokens
+from headrace.graph.prompts import prompt_documents, prompt_tokens
 from headrace.plugins.protocols import JsonSchemaConstraint, SamplingParams
 
 class NodeError(RuntimeError):
@@ -190,14 +190,17 @@ async def _prefill(node, scope, ctx, key):
     parent = scope[node.params["parent"]] if node.op == Op.FULL_PREFILL else None
     if node.op == Op.FULL_PREFILL and parent is None:  # its early prefill did not run: the whole prompt
         part = "whole"
+    documents: list[tuple[int, int]] = []  # the retrieved documents' spans, for an engine that places them
     # A request that arrives already tokenized (an OpenAI chat) carries its tokens.
     if "tokens" in node.params:
         tokens = node.params["tokens"]
+    elif node.params.get("placed_documents") and part != "prefix" and sched.places_documents:
+        tokens, documents = await anyio.to_thread.run_sync(prompt_documents, engine, node, scope, part)
     else:  # tokenizing a long prompt takes a while: off the event loop
         tokens = await anyio.to_thread.run_sync(prompt_tokens, engine, node, scope, part)
     context = engine.new_context_id()
     ctx.contexts.add((node.engine, context))
-    await sched.prefill(context, tokens, parent, ctx.meta(node, key))
+    await sched.prefill(context, tokens, parent, ctx.meta(node, key), documents)
     return {node.outputs[0]: context}
 
 

@@ -91,15 +91,48 @@ def chat_frame(engine: Any, system: str | None) -> tuple[str, str]:
     return head, tail
 
 
-def prompt_tokens(engine: Any, node: Node, scope: Mapping[str, Any], part: str) -> list[int]:
-    """Tokens of a prompt, or of its split-off prefix or rest (see the prefill-split pass)."""
+def _prompt_text(engine: Any, node: Node, scope: Mapping[str, Any], part: str) -> str:
     head, tail = chat_frame(engine, node.params.get("system"))
     prompt = node.params["prompt"]
     if part == "whole":  # the split-off prefix and the rest, as one prompt
         prompt, part = node.params["split_prefix"] + prompt, "all"
     text = PromptTemplate(prompt).render(scope)
     if part == "prefix":
-        return engine.encode(head + text)
+        return head + text
     if part == "rest":
-        return engine.encode(text + tail)
-    return engine.encode(head + text + tail)
+        return text + tail
+    return head + text + tail
+
+
+def prompt_tokens(engine: Any, node: Node, scope: Mapping[str, Any], part: str) -> list[int]:
+    """Tokens of a prompt, or of its split-off prefix or rest (see the prefill-split pass)."""
+    return engine.encode(_prompt_text(engine, node, scope, part))
+
+
+# Stands in for document i while the prompt is rendered, so the text around the documents can be cut out.
+DOCUMENT_MARK = re.compile("\x00HEADRACE-DOCUMENT-([0-9]+)\x00")
+
+
+def prompt_documents(engine: Any, node: Node, scope: Mapping[str, Any],
+                     part: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """A prompt whose retrieved documents (the variable ``node.params["placed_documents"]`` names: a text or a list of
+    texts) are tokenized alone, each where it stands, as their KV was computed (``PlacesDocuments``): the tokens
+    and each document's (start, length) in them. The text between them is tokenized in pieces too, so the
+    tokens may differ from ``prompt_tokens``' at the documents' edges."""
+    name = node.params["placed_documents"]
+    value = scope.get(name)
+    texts = [value] if isinstance(value, str) else list(value or ())
+    marked = dict(scope)
+    marks = [f"\x00HEADRACE-DOCUMENT-{i}\x00" if str(text) else "" for i, text in enumerate(texts)]
+    marked[name] = marks[0] if isinstance(value, str) else marks
+    pieces = DOCUMENT_MARK.split(_prompt_text(engine, node, marked, part))
+    tokens: list[int] = []
+    spans: list[tuple[int, int]] = []
+    for i, piece in enumerate(pieces):
+        if i % 2:  # a document's index
+            doc = list(engine.encode(str(texts[int(piece)])))
+            spans.append((len(tokens), len(doc)))
+            tokens += doc
+        elif piece:
+            tokens += engine.encode(piece)
+    return tokens, [s for s in spans if s[1]]

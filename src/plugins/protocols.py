@@ -362,6 +362,21 @@ class IsolatesCaches(Protocol):
 
 
 @runtime_checkable
+class PlacesDocuments(Protocol):
+    """An LLM engine that can put a retrieved document's KV, computed once, wherever the document stands in a
+    prompt (issue 49), when ``places_documents`` is true: ``prepare_documents`` computes and keeps documents' KV
+    (each tokenized alone) in a cache partition, and its ``prefill`` also takes a keyword-only ``documents``
+    tuple of (start, length) spans of the prompt, each a document tokenized alone. A placed document's KV is
+    shifted to its position and its first tokens computed again in place (EPIC), so the prompt's numbers are
+    close to a full prefill's, not equal (docs/benchmarks.md). A document it holds no KV for is prefilled."""
+
+    places_documents: bool
+
+    async def prepare_documents(self, documents: Sequence[Sequence[int]], *, cache_partition: str = "") -> int:
+        ...
+
+
+@runtime_checkable
 class ScheduledScoring(Protocol):
     """An LLM's scheduler, as an engine that scores with that LLM sees it."""
 

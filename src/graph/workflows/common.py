@@ -94,6 +94,12 @@ refine_context_first = Component("refine", "llm", prompt=(
 one_shot_context_first = Component("answer", "llm", prompt=(
     "Answer the question using the contexts.\nContexts:\n{{input:contexts}}\nQuestion: {{input:question}}\n"
     "Answer: {{output:answer}}"))
+PLACE_DOCUMENTS = {
+    "place_documents": {"type": "boolean", "default": False,
+                        "description": "place each retrieved context's KV, computed once at ingest, where it stands "
+                                       "in the prompt instead of prefilling it (an engine with place_documents "
+                                       "on; close to a full prefill, not equal: docs/benchmarks.md)"},
+}
 STEPS = {False: (answer, refine, one_shot),
          True: (answer_context_first, refine_context_first, one_shot_context_first)}  # by context_first
 
@@ -102,22 +108,29 @@ def synthesize(b: GraphBuilder, mode: str, contexts: str, n: int, config: dict[s
     """Emit the synthesis over ``n`` contexts in ``contexts``; the final text lands in ``answer``."""
     llm = {"max_tokens": config["max_tokens"]}
     answer, refine, one_shot = STEPS[bool(config.get("context_first"))]
+    place = bool(config.get("place_documents"))
+
+    def placed(variable: str) -> dict[str, str]:  # the prompt's documents, for an engine that places them
+        return {"placed_documents": variable} if place else {}
+
     if mode == "one_shot" or n <= 1:
-        b.emit(one_shot, rename={"contexts": contexts}, **llm)
+        b.emit(one_shot, rename={"contexts": contexts}, **llm, **placed(contexts))
         return [one_shot]
     spread = split_list("spread", contexts, n)
     b.emit(spread)
     if mode == "refine":
-        b.emit(answer, suffix="_0", rename={"context": f"{contexts}_0", "answer": "answer_0"}, **llm)
+        b.emit(answer, suffix="_0", rename={"context": f"{contexts}_0", "answer": "answer_0"}, **llm,
+               **placed(f"{contexts}_0"))
         for i in range(1, n):
             last = "answer" if i == n - 1 else f"answer_{i}"
             b.emit(refine, suffix=f"_{i}", rename={"context": f"{contexts}_{i}", "previous": f"answer_{i - 1}",
-                                                   "answer": last}, **llm)
+                                                   "answer": last}, **llm, **placed(f"{contexts}_{i}"))
         return [spread, answer, refine]
     # tree: one leaf per context, then combine fan_in at a time until one answer remains
     level = [f"leaf_{i}" for i in range(n)]
     for i in range(n):
-        b.emit(answer, suffix=f"_{i}", rename={"context": f"{contexts}_{i}", "answer": level[i]}, **llm)
+        b.emit(answer, suffix=f"_{i}", rename={"context": f"{contexts}_{i}", "answer": level[i]}, **llm,
+               **placed(f"{contexts}_{i}"))
     depth = 0
     while len(level) > 1:
         groups = [level[i : i + fan_in] for i in range(0, len(level), fan_in)]

@@ -8,8 +8,8 @@ from headrace.graph import collection_refs
 from headrace.graph.components import Component, GraphBuilder, Template
 from headrace.graph.workflow import Workflow
 from headrace.graph.workflows import common
-from headrace.graph.workflows.common import (CHUNK_CONFIG, COLLECTION, CONTEXT_FIRST, DOCUMENTS, QUESTION,
-                                             SYNTHESIS_MODES)
+from headrace.graph.workflows.common import (CHUNK_CONFIG, COLLECTION, CONTEXT_FIRST, DOCUMENTS, PLACE_DOCUMENTS,
+                                             QUESTION, SYNTHESIS_MODES)
 
 embed_question = Component("embed_question", "embed", inputs=("question",), outputs=("question_vector",),
                            batchable=True)
@@ -46,7 +46,7 @@ NAIVE = Workflow(
     description="Chunk, embed and index the documents (or use a collection); retrieve the top chunks for the question; tree synthesis.",
     inputs=RAG_INPUTS,
     required=("question",),
-    config={**CHUNK_CONFIG, **CONTEXT_FIRST, "top_k": {"type": "integer", "minimum": 1, "maximum": 16, "default": 3},
+    config={**CHUNK_CONFIG, **CONTEXT_FIRST, **PLACE_DOCUMENTS, "top_k": {"type": "integer", "minimum": 1, "maximum": 16, "default": 3},
             "synthesis": {"type": "string", "enum": list(SYNTHESIS_MODES), "default": "tree"}},
     build=build_naive,
     kinds=("llm", "embed", "vector_store"),
@@ -86,7 +86,7 @@ ADVANCED = Workflow(
     description="Query expansion (streamed line by line), multi-query retrieval, rerank, refine synthesis.",
     inputs=RAG_INPUTS,
     required=("question",),
-    config={**CHUNK_CONFIG, **CONTEXT_FIRST,
+    config={**CHUNK_CONFIG, **CONTEXT_FIRST, **PLACE_DOCUMENTS,
             "n_queries": {"type": "integer", "minimum": 1, "maximum": 8, "default": 3},
             "k_per_query": {"type": "integer", "minimum": 1, "maximum": 64, "default": 16},
             "top_n": {"type": "integer", "minimum": 1, "maximum": 16, "default": 3},

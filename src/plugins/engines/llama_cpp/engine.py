@@ -40,12 +40,13 @@ from headrace.plugins.engines.llama_cpp.batch import (DecodeFailed, Fill, Part, 
 from headrace.plugins.engines.llama_cpp.files import (ProbeModel, llama, load_tokenizer, model_footprint_bytes,
                                                       quantized_model)
 from headrace.plugins.engines.llama_cpp.options import SCORE_SEQUENCES, parse_options
+from headrace.plugins.engines.llama_cpp.placement import PLACED, Composed
 from headrace.plugins.engines.llama_cpp.sequences import ContextSequence, LlamaSequences
 from headrace.plugins.engines.llama_cpp.swa import window_of
 from headrace.plugins.engines.llama_cpp.tiers import SequenceTiers
 from headrace.plugins.engines.llm.core import LLMCore, Row, logprobs_row, sample_rows_numpy
 from headrace.plugins.engines.llm.front import LLMFront
-from headrace.plugins.engines.llm.messages import Decode, EngineError, Logits, Outbox, Prefill
+from headrace.plugins.engines.llm.messages import Decode, EngineError, Logits, Outbox, Prefill, PrepareDocuments
 from headrace.plugins.engines.llm.preemption import PausedRows, Want
 from headrace.plugins.engines.llm.prompt_scores import PromptScorer
 from headrace.plugins.hookspecs import hookimpl
@@ -70,6 +71,8 @@ class LlamaCppCore(LlamaSequences, LLMCore):
         self._tier_budgets = o.kv_host_bytes, o.kv_disk_bytes
         self._tiers: SequenceTiers | None = None  # host memory and disk below the cached prefixes' cells
         self._swa_option, self.window, self.swa_full = o.swa_full, 0, True  # swa: set by load()
+        self._place, self._placer = (o.place_documents, o.place_recompute_tokens), None  # placement
+        self.places_documents = o.place_documents
         super().__init__(spec.name, o.max_context_tokens)
         self.chat_template = o.chat_template  # the front sets it on the tokenizer once loaded
         self.model_file: Path | None = None  # what llama.cpp loaded (the converted copy)
@@ -254,10 +257,14 @@ class LlamaCppCore(LlamaSequences, LLMCore):
             if hit is not None and not self._window_holds(hit[0].kv, hit[1]):
                 hit = None  # its window layers lost what the prompt's next tokens attend: a miss (swa)
         seq = self._free_seqs.pop()
+        composed = self._placed(job, seq, hit[1] if hit else 0) if fresh and job.documents else None
+        if composed is not None:  # its documents placed (placement): the rest is prefilled below
+            hit, partition = None, PLACED + job.partition
         # Or a longer prefix from the tiers below the cells, restored rather than prefilled.
-        skip = self._tiers.restore(job.tokens, len(job.tokens) - 1, hit[1] if hit else 0, seq, job.partition) \
+        skip = composed.length if composed is not None else self._tiers.restore(
+            job.tokens, len(job.tokens) - 1, hit[1] if hit else 0, seq, job.partition) \
             if fresh and self._tiers is not None and self.prefix_cache is not None else 0
-        if fresh and self.prefix_cache is not None:  # hits: what the cells or a tier served (as torch counts)
+        if fresh and self.prefix_cache is not None and composed is None:  # hits: the cells' or a tier's
             self.prefix_cache.use(hit[0] if hit and not skip else None, len(job.tokens) - job.rebased,
                                   max(0, (skip or (hit[1] if hit else 0)) - job.rebased))
         if parent is not None:
@@ -266,12 +273,41 @@ class LlamaCppCore(LlamaSequences, LLMCore):
             entry, skip = hit
             self._copy_sequence(entry.kv, seq, skip)  # positions [0, skip)
         prompt = (parent.tokens if parent is not None else []) + list(job.tokens)
-        self._contexts[job.ctx] = ContextSequence(seq=seq, length=base + skip, tokens=prompt, partition=job.partition)
+        if composed is None:
+            partition = job.partition
+        self._contexts[job.ctx] = ContextSequence(seq=seq, length=base + skip, tokens=prompt, partition=partition)
         scorer = None
         if job.scoring is not None:
             scorer = PromptScorer(job.tokens, job.scoring, parent.next_logits if parent is not None else None)
         self._prefills.append(Fill(seq=seq, tokens=list(job.tokens[skip:]), start=base + skip, prefill=job,
-                                   cached=max(0, skip - job.rebased), scorer=scorer))
+                                   cached=composed.placed if composed is not None else max(0, skip - job.rebased),
+                                   scorer=scorer))
+
+    def _placed(self, job: Prefill, seq: int, in_cells: int) -> Composed | None:
+        """``job``'s documents placed in the empty ``seq`` (``placement``), when that covers more of the prompt than
+        the exact prefix the cells (``in_cells`` tokens) or the tiers hold; None: ``seq`` still empty."""
+        if self._placer is None or job.scoring is not None:
+            return None
+        exact = in_cells
+        if self._tiers is not None and self.prefix_cache is not None:
+            stored = self._tiers.store.match(job.tokens, len(job.tokens) - 1, job.partition)
+            exact = max(exact, stored.tokens if stored is not None else 0)
+        if exact >= job.documents[-1][0]:
+            return None  # every document but the last (at most) is an exact prefix already
+        try:
+            composed = self._placer.compose(job.tokens, job.documents, job.partition, self._ctx,
+                                            1 if self._kv_unified else self._n_sequences, seq)
+        except Exception:  # a fault of the placement path costs this prompt its reuse, not its answer
+            log.exception("engine %s: placing a prompt's documents failed; prefilling it", self.name)
+            self._clear_sequence(seq)
+            return None
+        if composed is not None and composed.length <= exact:
+            self._clear_sequence(seq)
+            return None
+        return composed
+
+    def prepare_documents(self, cmd: PrepareDocuments) -> int:
+        return self._placer.prepare(cmd.documents, cmd.partition) if self._placer is not None else 0
 
     def _rebased(self, job: Prefill, parent: ContextSequence) -> Prefill | None:
         """``job`` as a fresh prompt (its parent's tokens, then its own) when the cells or the tiers hold a prefix
@@ -281,6 +317,9 @@ class LlamaCppCore(LlamaSequences, LLMCore):
         if job.scoring is not None or cache is None or len(parent.tokens) != parent.length:
             return None
         whole = [*parent.tokens, *job.tokens]
+        if job.documents and self._placer is not None:  # placed whole: the head is short, the documents not
+            return replace(job, tokens=whole, parent=None, rebased=parent.length,
+                           documents=tuple((start + parent.length, n) for start, n in job.documents))
         hit = cache.match(whole, len(whole) - 1, job.partition)
         longest = hit[1] if hit else 0
         if self._tiers is not None:
@@ -335,6 +374,8 @@ class LlamaCppCore(LlamaSequences, LLMCore):
             stats.update(cache_stats(self._cache_stats, self.prefix_cache, self.prefix_cache_tokens, self._pins))
         if self._tiers is not None:
             stats.update(self._tiers.store.stats())
+        if self._placer is not None:
+            stats.update({f"placement_{k}": v for k, v in vars(self._placer.stats).items()})
         # Contexts and cached prefixes share the llama context's n_ctx cells (read on the event loop: list() copies).
         held = sum(seq.length for seq in list(self._contexts.values())) + stats.get("prefix_cache_tokens", 0)
         stats.update(kv_cache_tokens=held, kv_cache_capacity=self._n_ctx)

@@ -55,6 +55,11 @@ class LlamaCppOptions:
     # False, the window only (less memory; a reuse the window no longer covers is refused); None: "auto", True
     # while the prefix cache is on (``swa``).
     swa_full: bool | None = None
+    # Retrieved documents placed at any position from KV computed once (``placement``): off by default, as the
+    # placed KV is close to a full prefill's, not equal (docs/benchmarks.md). ``place_recompute_tokens``: each
+    # placed document's first tokens computed again in place (EPIC).
+    place_documents: bool = False
+    place_recompute_tokens: int = 16
 
     @property
     def sequences(self) -> int:
@@ -91,6 +96,12 @@ def parse_options(spec: EngineSpec) -> LlamaCppOptions:
     swa_full = opts.pop("swa_full", "auto")
     if not isinstance(swa_full, bool) and swa_full != "auto":
         raise ValueError(f"{key}.swa_full: must be true, false or \"auto\", not {swa_full!r}")
+    place_documents = opts.pop("place_documents", False)
+    if not isinstance(place_documents, bool):
+        raise ValueError(f"{key}.place_documents: must be true or false, not {place_documents!r}")
+    recompute = opts.pop("place_recompute_tokens", 16)
+    if isinstance(recompute, bool) or not isinstance(recompute, int) or recompute < 0:
+        raise ValueError(f"{key}.place_recompute_tokens: must be an integer >= 0, not {recompute!r}")
     if opts:
         raise ValueError(f"{key}: unknown option(s) {sorted(opts)}")
     if quantize != "none" and quantize not in QUANT_TYPES:
@@ -106,7 +117,8 @@ def parse_options(spec: EngineSpec) -> LlamaCppOptions:
                      f"{key}.n_ctx")
     return LlamaCppOptions(path, threads, kv_unified, max_contexts, max_batch_tokens, cache_tokens, cache_sequences,
                            pins, float(wait), float(max_pause), quantize, max_context_tokens, n_ctx,
-                           kv_host_bytes, kv_disk_bytes, chat_template, None if swa_full == "auto" else swa_full)
+                           kv_host_bytes, kv_disk_bytes, chat_template, None if swa_full == "auto" else swa_full,
+                           place_documents, recompute)
 
 
 def positive(value: Any, key: str) -> int:

@@ -21,6 +21,7 @@ from headrace.plugins.engines.llama_cpp.batch import Fill, ScoringQueue
 from headrace.plugins.engines.llama_cpp.files import llama
 from headrace.plugins.engines.llama_cpp.lazy_kv import anonymous_mappings, kv_buffer_sizes, release_kv_buffers
 from headrace.plugins.engines.llama_cpp.options import SCORE_SEQUENCES
+from headrace.plugins.engines.llama_cpp.placement import DocumentPlacer
 from headrace.plugins.engines.llama_cpp.swa import full_window, window_holds
 from headrace.plugins.engines.llama_cpp.tiers import SequenceTiers, open_tiers
 from headrace.plugins.protocols import EngineEnv
@@ -73,6 +74,8 @@ class LlamaSequences:
     _contexts: dict[ContextId, ContextSequence]
     _prefills: deque[Fill]
     _scoring: ScoringQueue
+    _place: tuple[bool, int]  # place_documents, place_recompute_tokens
+    _placer: DocumentPlacer | None
     kv_buffer_bytes: int  # the KV buffers llama.cpp made for the context, all its cells
     kv_released: list[tuple[int, int]]  # their pages handed back to the kernel once made (lazy_kv): address ranges
 
@@ -110,10 +113,20 @@ class LlamaSequences:
             if self._tiers is not None:
                 self._tiers.usable = self._window_holds
             self.set_prefix_caching(True)
+        if self._place[0]:
+            self._placer = DocumentPlacer(self.name, self._model, self._threads, self.max_batch_tokens,
+                                          2 * lc.llama_n_ctx_seq(ctx), self._place[1], BLOCK,
+                                          self._tiers.store if self._tiers is not None else None)
+            if self.window:
+                self._placer.cannot_place = (f"sliding-window attention ({self.window} tokens): a shifted document "
+                                             "would keep its window from the wrong positions")
 
     def _close(self) -> None:
         """Free every llama.cpp object, on the worker thread, once nothing runs any more."""
         lc = llama()
+        if self._placer is not None:
+            self._placer.close()
+            self._placer = None
         if self._tiers is not None:
             self._tiers.close(self.prefix_cache)
             self._tiers = None

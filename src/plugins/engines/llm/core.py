@@ -47,7 +47,7 @@ import torch
 from headrace.plugins.engines.kvreuse.prefix_cache import PinPolicy
 from headrace.plugins.engines.llm import constraints
 from headrace.plugins.engines.llm.messages import (CacheControl, Command, Decode, EngineError, Heartbeat, Logits,
-                                                   Outbox, Pin, Prefill, Stop)
+                                                   Outbox, Pin, Prefill, PrepareDocuments, Stop)
 from headrace.plugins.engines.llm.sampling import (NO_HISTORY, Detokenizer, History, is_greedy, make_generator, sample,
                                                    token_logprob)
 from headrace.plugins.protocols import SamplingParams, TokenDelta
@@ -98,6 +98,9 @@ class LLMCore(ABC):
     # prefill reuses, waits for and adds to only its own partition's. A core whose engine keeps a cache of its
     # own that it cannot partition says False, and the daemon refuses a salted request to it.
     isolates_caches = False
+    # True: the core may place a prefill's ``documents`` from KV computed once (``PrepareDocuments``) rather than
+    # prefill them (``PlacesDocuments``); False: documents are prefilled like any other tokens.
+    places_documents = False
     # A core with a prefix cache sets both in its __init__: its budget in tokens (0: none) and its pins' policy.
     prefix_cache_tokens = 0
     _pins: PinPolicy | None = None
@@ -216,6 +219,10 @@ class LLMCore(ABC):
         ttl = cmd.ttl if cmd.ttl is not None else cache.policy.retention_ttl(len(cmd.tokens), self.tokens_per_second)
         return cache.pin(cmd.tokens, ttl, owner=cmd.owner, next_use=cmd.next_use, partition=cmd.partition)
 
+    def prepare_documents(self, cmd: PrepareDocuments) -> int:
+        """``PrepareDocuments``: how many of the documents the core holds KV for now; 0 where it places none."""
+        return 0
+
     # ----- given to every core -------------------------------------------------------------
 
     def iterate(self, commands: list[Command], out: Outbox) -> None:
@@ -252,6 +259,8 @@ class LLMCore(ABC):
                     out.reply(cmd.reply)
                 elif isinstance(cmd, Pin):
                     out.reply(cmd.reply, self.pin_prefix(cmd))
+                elif isinstance(cmd, PrepareDocuments):
+                    out.reply(cmd.reply, self.prepare_documents(cmd))
                 elif isinstance(cmd, Heartbeat):
                     out.reply(cmd.reply)
             except Exception as exc:  # this command's request fails, no other
@@ -259,7 +268,7 @@ class LLMCore(ABC):
                 if isinstance(cmd, Decode):
                     out.fail_stream(cmd.send, self.error(exc))
                     self.release(cmd.ctx)
-                elif isinstance(cmd, (Logits, CacheControl, Pin)):
+                elif isinstance(cmd, (Logits, CacheControl, Pin, PrepareDocuments)):
                     out.reply(cmd.reply, error=self.error(exc))
         if prefills:
             self.add_prefills(prefills, out)

@@ -55,7 +55,8 @@ from headrace.plugins.engines.llm import chat
 from headrace.plugins.engines.llm.chat import ChatMessages, ToolSpecs
 from headrace.plugins.engines.llm.core import LLMCore
 from headrace.plugins.engines.llm.messages import (CacheControl, Command, Decode, EngineError, EngineFailed, Heartbeat,
-                                                   Logits, Outbox, Pin, Prefill, Reply, Stop, TokenStream,
+                                                   Logits, Outbox, Pin, Prefill, PrepareDocuments, Reply, Stop,
+                                                   TokenStream,
                                                    deliver_on_loop)
 from headrace.plugins.engines.llm.prompt_scores import PromptScoring
 from headrace.plugins.protocols import MAX_TOP_LOGPROBS, PromptLogprobs, SamplingParams, TokenDelta
@@ -79,6 +80,22 @@ def check_partition(partition: Any) -> None:
     """Refuse a cache partition that is not a short string before it reaches a core's cache keys."""
     if not isinstance(partition, str) or len(partition) > MAX_PARTITION:
         raise EngineError(f"cache_partition must be a string of at most {MAX_PARTITION} characters")
+
+
+def check_documents(documents: Any, n_tokens: int) -> tuple[tuple[int, int], ...]:
+    """Documents' spans ((start, length) each) in position order, not overlapping, inside the prompt."""
+    spans, end = [], 0
+    for span in documents:
+        if (not isinstance(span, (tuple, list)) or len(span) != 2
+                or any(isinstance(v, bool) or not isinstance(v, int) for v in span)):
+            raise EngineError(f"a document is a (start, length) pair of integers, not {span!r}")
+        start, length = span
+        if start < end or length < 1 or start + length > n_tokens:
+            raise EngineError(f"document ({start}, {length}) overlaps another or falls outside the prompt's "
+                              f"{n_tokens} tokens (documents go in position order)")
+        spans.append((start, length))
+        end = start + length
+    return tuple(spans)
 
 
 def check_priority(priority: Any) -> None:
@@ -201,9 +218,28 @@ class LLMFront:
         return f"{self.name}-ctx-{next(self._ctx_ids)}"
 
     async def prefill(self, ctx: ContextId, tokens: Sequence[int], parent: ContextId | None = None, *,
-                      priority: int = 0, preemptive: bool = False, cache_partition: str = "") -> int | None:
-        cached = await self._open(Prefill, ctx, tokens, parent, priority, preemptive, partition=cache_partition)
+                      priority: int = 0, preemptive: bool = False, cache_partition: str = "",
+                      documents: Sequence[tuple[int, int]] = ()) -> int | None:
+        cached = await self._open(Prefill, ctx, tokens, parent, priority, preemptive, partition=cache_partition,
+                                  documents=check_documents(documents, len(tokens)))
         return cached if isinstance(cached, int) else None
+
+    @property
+    def places_documents(self) -> bool:
+        """``PlacesDocuments``: whether a prefill's ``documents`` may be placed from KV computed once."""
+        return self.core.places_documents
+
+    async def prepare_documents(self, documents: Sequence[Sequence[int]], *, cache_partition: str = "") -> int:
+        """``PlacesDocuments``: compute and keep each document's KV (each tokenized alone) in the partition; how
+        many are held now (0 from an engine that places none)."""
+        self._require_running()
+        check_partition(cache_partition)
+        docs = [list(d) for d in documents]
+        for doc in docs:
+            self._check_tokens(doc)
+        reply = Reply()
+        self._commands.put(PrepareDocuments(docs, reply, cache_partition))
+        return await self._wait(reply)
 
     async def prompt_logprobs(self, tokens: Sequence[int], *, parent: ContextId | None = None, top: int = 0,
                               full: bool = False, priority: int = 0, cache_partition: str = "") -> PromptLogprobs:
@@ -220,7 +256,7 @@ class LLMFront:
 
     async def _open(self, command: type[Prefill], ctx: ContextId, tokens: Sequence[int], parent: ContextId | None,
                     priority: int, preemptive: bool = False, scoring: PromptScoring | None = None,
-                    partition: str = "") -> Any:
+                    partition: str = "", documents: tuple[tuple[int, int], ...] = ()) -> Any:
         """Queue the context's prefill and wait for it; the core's reply: the prompt tokens its prefix cache held
         (None: the core does not say), or a scored prefill's ``PromptLogprobs``."""
         self._require_running()
@@ -236,7 +272,7 @@ class LLMFront:
         reply = Reply()
         self._live.add(ctx)
         prefill = command(ctx, list(tokens), parent, reply, priority, preemptive=bool(preemptive))
-        prefill.scoring, prefill.partition = scoring, partition
+        prefill.scoring, prefill.partition, prefill.documents = scoring, partition, documents
         self._commands.put(prefill)
         try:
             return await self._wait(reply)

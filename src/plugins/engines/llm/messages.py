@@ -114,6 +114,9 @@ class Prefill:
     # held a longer prefix of that whole than the parent: the parent's length, which its reply's count of cached
     # tokens leaves out (the parent's prefill counted them).
     rebased: int = 0
+    # Retrieved documents in ``tokens``, each (start, length) and tokenized alone: a core that places documents
+    # (``PlacesDocuments``) may put their KV, computed once, there rather than prefill them; any other prefills all.
+    documents: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -177,7 +180,17 @@ class Heartbeat:
     reply: Reply
 
 
-Command = Prefill | Decode | Stop | Logits | CacheControl | Pin | Heartbeat
+@dataclass
+class PrepareDocuments:
+    """Compute and keep each document's KV (each tokenized alone) in ``partition``, so later prefills may place
+    it (``Prefill.documents``); the reply: how many are held now."""
+
+    documents: list[TokenIds]
+    reply: Reply
+    partition: str = ""
+
+
+Command = Prefill | Decode | Stop | Logits | CacheControl | Pin | Heartbeat | PrepareDocuments
 
 
 @dataclass

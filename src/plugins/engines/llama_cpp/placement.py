@@ -1,0 +1,206 @@
+"""Retrieved documents placed at any position of a prompt on llama.cpp (issue 49, part 2).
+
+A document's KV is computed once, alone from position 0 (``prepare``: at ingest), and kept in the engine's KV
+tiers (host memory, disk) in a partition of its own (``DOCUMENTS`` + the request's cache partition), under its
+block-aligned tokens. A prefill that marks documents (``Prefill.documents``) is then composed in a small
+unified llama context of its own (``kv_blend``: a document restored into a scratch sequence, shifted to where it
+stands, tagged into the target; each document's first ``recompute_first`` tokens and everything between the
+documents prefilled in place, EPIC's repair), and the composed sequence is handed to the engine's main context
+as a state restore (one copy, ~9 ms for 2,000 tokens), where the prompt's rest is prefilled as usual.
+
+Why a context of its own: joining several documents in one sequence needs a unified KV (``seq_cp`` tags cells;
+with a stream per sequence it copies whole streams, and a restore clears its target), while the engine's main
+context keeps a stream per sequence for decode speed (``engine``). Work that cannot place prefills instead: a
+document the tiers do not hold (or hold damaged: llama.cpp refuses the bytes), or a model whose KV cannot be
+shifted (sliding-window or M-RoPE attention: said once in the log).
+
+The composed KV is close to a full prefill, not equal (docs/benchmarks.md, "Documents placed"), so the context it
+leaves in the prefix cache is kept under ``PLACED`` + its partition: an exact prompt never reuses it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from headrace.plugins.engines.kvreuse.kv_store import KVStore
+from headrace.plugins.engines.llama_cpp import kv_blend
+from headrace.plugins.engines.llama_cpp.files import llama
+from headrace.plugins.engines.llama_cpp.lazy_kv import anonymous_mappings, kv_buffer_sizes, release_kv_buffers
+
+log = logging.getLogger("headrace.plugins.engines.llama_cpp")
+
+DOCUMENTS = "documents\0"  # the tiers' partition prefix for documents' KV, apart from prompts' prefixes
+PLACED = "placed\0"  # the prefix-cache partition prefix for contexts a placement composed
+TARGET, SCRATCH = 0, 1
+
+
+def restreamed(state: bytes, streams: int) -> bytes:
+    """A one-stream sequence state (the placement context's) as a context of ``streams`` streams reads it: a
+    sequence's state lists every stream of its context, the others empty, and llama.cpp restores the cells it
+    finds into the target sequence's own stream whichever entry holds them."""
+    # After llama.cpp's 8-byte header (a magic number, the saved sequence's id): the stream count, then each
+    # stream's cell count and cells.
+    if int.from_bytes(state[8:12], "little") != 1:
+        raise ValueError("not a one-stream sequence state")
+    return state[:8] + streams.to_bytes(4, "little") + state[12:] + b"\0\0\0\0" * (streams - 1)
+
+
+@dataclass
+class PlacementStats:
+    placements: int = 0  # prompts composed with at least one document placed
+    placed_tokens: int = 0  # document tokens restored rather than prefilled
+    recomputed_tokens: int = 0  # tokens prefilled in the placement context (head, repairs, between documents)
+    fallbacks: int = 0  # prompts with documents prefilled whole: none held, or a restore refused
+    documents_prepared: int = 0
+    seconds: float = 0.0  # composing and handing over
+
+
+@dataclass
+class Composed:
+    """What a placement left in the target sequence: positions [0, length), ``placed`` of them restored."""
+
+    length: int
+    placed: int
+
+
+@dataclass
+class DocumentPlacer:
+    name: str
+    model: Any
+    threads: int
+    n_batch: int
+    n_ctx: int  # the placement context's cells: a prompt and the document being placed
+    recompute_first: int
+    block: int
+    store: KVStore | None  # the engine's tiers; None: nothing kept, nothing placed
+    cannot_place: str | None = None  # why this model's documents are prefilled instead (said once)
+    stats: PlacementStats = field(default_factory=PlacementStats)
+    _ctx: Any = None
+    _batch: Any = None
+    _said: bool = False
+
+    # ----- the placement context -----------------------------------------------------------
+
+    def _context(self) -> Any:
+        """The unified context, made on first use (cells take memory once written: lazy_kv)."""
+        if self._ctx is None:
+            lc = llama()
+            params = lc.llama_context_default_params()
+            params.n_ctx, params.n_seq_max, params.kv_unified = self.n_ctx, 2, True
+            params.n_batch = params.n_ubatch = self.n_batch
+            params.n_threads = params.n_threads_batch = self.threads
+            params.no_perf = True
+            before, sizes = anonymous_mappings(), []
+            with kv_buffer_sizes(sizes):
+                ctx = lc.llama_init_from_model(self.model, params)
+            if not ctx:
+                raise RuntimeError(f"engine {self.name}: llama.cpp could not create a placement context")
+            release_kv_buffers(before, sizes, self.name)
+            if not lc.llama_memory_can_shift(lc.llama_get_memory(ctx)):
+                lc.llama_free(ctx)
+                self.cannot_place = "its KV cannot be shifted to a new position (M-RoPE or another layout)"
+                return None
+            self._ctx, self._batch = ctx, lc.llama_batch_init(self.n_batch, 0, 1)
+        return self._ctx
+
+    def close(self) -> None:
+        lc = llama()
+        if self._batch is not None:
+            lc.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx is not None:
+            lc.llama_free(self._ctx)
+            self._ctx = None
+
+    def usable(self) -> bool:
+        """Whether documents can be placed; says once in the log why not."""
+        if self.cannot_place is None and self.store is None:
+            self.cannot_place = "it keeps no KV tiers (prefix cache off, or kv_host_mib and kv_disk_mib 0)"
+        if self.cannot_place is None:
+            self._context()
+        if self.cannot_place is not None and not self._said:
+            self._said = True
+            log.warning("engine %s: documents are prefilled, not placed: %s", self.name, self.cannot_place)
+        return self.cannot_place is None
+
+    # ----- documents ----------------------------------------------------------------------
+
+    def _aligned(self, doc: Sequence[int]) -> list[int]:
+        """The tokens a document is kept under: its whole blocks (the rest is prefilled in place)."""
+        return list(doc[:len(doc) // self.block * self.block])
+
+    def prepare(self, documents: Sequence[Sequence[int]], partition: str) -> int:
+        """Compute and keep each document's KV, alone from position 0; how many are held now."""
+        if not documents or not self.usable():
+            return 0
+        assert self.store is not None
+        lc, held = llama(), 0
+        for doc in documents:
+            tokens = self._aligned(doc)
+            if not tokens:
+                continue
+            if self.store.holds(tokens, DOCUMENTS + partition):
+                held += 1
+                continue
+            if len(tokens) > self.n_ctx // 2:
+                continue  # longer than a context: never placed whole
+            cached = kv_blend.compute_doc(self._ctx, self._batch, SCRATCH, tokens, self.n_batch)
+            self.store.put(tokens, bytearray(cached.state), DOCUMENTS + partition)
+            self.stats.documents_prepared += 1
+            held += self.store.holds(tokens, DOCUMENTS + partition)
+        lc.llama_memory_seq_rm(lc.llama_get_memory(self._ctx), SCRATCH, -1, -1)
+        return held
+
+    def compose(self, tokens: Sequence[int], documents: Sequence[tuple[int, int]], partition: str, main_ctx: Any,
+                main_streams: int, seq: int) -> Composed | None:
+        """Fill the empty ``seq`` of ``main_ctx`` (of ``main_streams`` KV streams) with ``tokens``' prefix through the last document the tiers
+        hold (of the leading run of held documents), placed; None (``seq`` still empty) when none is held or a
+        restore is refused: the caller prefills."""
+        if not documents or not self.usable():
+            return None
+        assert self.store is not None
+        start = time.perf_counter()
+        found: list[tuple[kv_blend.CachedDoc, int]] = []
+        for pos, length in documents:
+            doc = self._aligned(tokens[pos:pos + length])
+            hit = self.store.match(doc, len(doc), DOCUMENTS + partition) if doc else None
+            if hit is None or hit.tokens != len(doc) or pos + len(doc) >= len(tokens):
+                break  # this document and those after it are prefilled with the prompt's rest
+            data = self.store.payload(hit)
+            if data is None:
+                break
+            found.append((kv_blend.CachedDoc(data, len(doc), 0), pos))
+        if not found:
+            self.stats.fallbacks += 1
+            return None
+        end = found[-1][1] + found[-1][0].length
+        lc = llama()
+        mem = lc.llama_get_memory(self._ctx)
+        try:
+            prefilled = kv_blend.build(self._ctx, self._batch, TARGET, SCRATCH, tokens[:end], found, self.n_batch,
+                                       self.recompute_first)
+            state = kv_blend.save_state(self._ctx, TARGET)
+        except (RuntimeError, ValueError) as exc:  # a document's bytes refused (damaged, or another layout)
+            log.warning("engine %s: a document's stored KV could not be placed (%s); prefilling the prompt",
+                        self.name, exc)
+            self.stats.fallbacks += 1
+            return None
+        finally:
+            lc.llama_memory_seq_rm(mem, TARGET, -1, -1)
+            lc.llama_memory_seq_rm(mem, SCRATCH, -1, -1)
+        state = restreamed(state, main_streams)
+        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        if lc.llama_state_seq_set_data_ext(main_ctx, buf, len(state), seq, 0) == 0:
+            lc.llama_memory_seq_rm(lc.llama_get_memory(main_ctx), seq, -1, -1)
+            log.warning("engine %s: the main context refused a composed prompt's KV; prefilling it", self.name)
+            self.stats.fallbacks += 1
+            return None
+        self.stats.placements += 1
+        self.stats.placed_tokens += end - prefilled
+        self.stats.recomputed_tokens += prefilled
+        self.stats.seconds += time.perf_counter() - start
+        return Composed(end, end - prefilled)
