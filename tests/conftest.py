@@ -11,6 +11,7 @@ def anyio_backend():
     return "asyncio"
 
 
+import contextlib
 import socket
 import subprocess
 import sys
@@ -122,23 +123,20 @@ class InProcessServer:
         return httpx.get(f"{self.base_url}/metrics").text
 
 
-@pytest.fixture(scope="session")
-def shared_daemon(tmp_path_factory):
+@contextlib.contextmanager
+def serve_in_process(config, api_key: str = API_KEY):
+    """``config``'s daemon served by uvicorn in this process, on a portal's event loop, once ready."""
     import uvicorn
     from anyio.from_thread import start_blocking_portal
 
     from headrace.daemon.app import create_app
-    from headrace.daemon.config import load_config
 
-    data = tmp_path_factory.mktemp("daemon")
-    config = load_config(ROOT / "configs" / "default.toml", env={"HEADRACE_SERVER_API_KEYS": OTHER_API_KEY},
-                         overrides={"data.dir": str(data), "server.api_key": API_KEY})
     app, port = create_app(config), free_port()
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                        timeout_keep_alive=config.server.keep_alive_seconds))
     with start_blocking_portal() as portal:
         serving = portal.start_task_soon(uv.serve)
-        srv = InProcessServer(app, portal, port, API_KEY)
+        srv = InProcessServer(app, portal, port, api_key)
         try:
             deadline = time.monotonic() + 600
             with httpx.Client(timeout=5) as http:  # one client for every poll (see headrace.bench.client.poll_ready)
@@ -152,6 +150,17 @@ def shared_daemon(tmp_path_factory):
         finally:
             uv.should_exit = True
             serving.result(timeout=120)
+
+
+@pytest.fixture(scope="session")
+def shared_daemon(tmp_path_factory):
+    from headrace.daemon.config import load_config
+
+    data = tmp_path_factory.mktemp("daemon")
+    config = load_config(ROOT / "configs" / "default.toml", env={"HEADRACE_SERVER_API_KEYS": OTHER_API_KEY},
+                         overrides={"data.dir": str(data), "server.api_key": API_KEY})
+    with serve_in_process(config) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="session")

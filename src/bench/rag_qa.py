@@ -16,12 +16,18 @@ Modes:
 - ``canonical``: ``context-first`` with the chunks in a canonical order (sorted by their text's hash) rather than
   the retriever's rank: the same chunks then make the same prefix whatever their rank (RAGBoost's lossless
   reuse).
+- ``pieces``: ``question-first`` with each chunk tokenized alone where it stands (as a workflow with
+  ``place_documents`` tokenizes it), prefilled whole: the tokenization's own effect;
+- ``placed``: those tokens with the chunks placed from KV computed alone beforehand (the llama-cpp engine's
+  ``place_documents``: restored, shifted, each chunk's first 16 tokens recomputed in place), scored against
+  ``question-first`` and, for the placement alone, ``pieces``;
 - ``leaf-question-first`` / ``leaf-context-first``: ``naive_rag``'s tree leaf (its default synthesis: one prompt
   per context, then a combine that sees no context), over the answer's chunk alone, in either order: the
   leaves' layout scored apart from the one-shot's, each against ``leaf-question-first``.
 
 Runs the config's LLM engine in this process, its prefix cache off: every prompt is prefilled whole, so the
-answers differ by layout alone.
+answers differ by layout alone. With ``placed`` the cache is on (the chunks' KV is kept in its KV tiers) and
+every other prompt is prefilled in a cache partition of its own, so nothing else is reused.
 """
 
 from __future__ import annotations
@@ -38,7 +44,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 RAG_QA = "rag-qa"  # the benchmark's name on the ``headrace bench`` command line
-MODES = ("question-first", "context-first", "canonical", "leaf-question-first", "leaf-context-first")
+MODES = ("question-first", "context-first", "canonical", "pieces", "placed", "leaf-question-first",
+         "leaf-context-first")
+PLACED, PIECES = "placed", "pieces"
+PLACED_PARTITION = "rag-qa-placed"
+DEFAULT_MODES = ("question-first", "context-first", "canonical", "leaf-question-first", "leaf-context-first")
 LEAF = "leaf-"  # a leaf mode's prefix: scored against leaf-question-first
 # Pure-Python modules beside the corpus's whose docstrings give more "Return X." questions (those that have any).
 EXTRA_MODULES = ("posixpath", "ipaddress", "secrets", "platform", "sysconfig", "traceback", "locale", "codecs",
@@ -50,7 +60,7 @@ BOOTSTRAP = 2000
 
 @dataclass
 class QAOptions:
-    modes: list[str] = field(default_factory=lambda: list(MODES))
+    modes: list[str] = field(default_factory=lambda: list(DEFAULT_MODES))
     questions: int = 0  # 0: all
     tokens: int = 32
 
@@ -65,7 +75,8 @@ class QAOptions:
 def add_arguments(p: Any) -> None:
     d = QAOptions()
     p.add_argument("--qa-modes", nargs="+", default=d.modes, metavar="MODE",
-                   help=f"{RAG_QA}: the prompt layouts scored (default {' '.join(MODES)})")
+                   help=f"{RAG_QA}: the prompt layouts scored, of {' '.join(MODES)} "
+                        f"(default {' '.join(DEFAULT_MODES)})")
     p.add_argument("--qa-questions", type=int, default=d.questions, metavar="N",
                    help=f"{RAG_QA}: questions asked (default 0: all)")
     p.add_argument("--qa-tokens", type=int, default=d.tokens, metavar="N",
@@ -116,13 +127,16 @@ def render(prompt: QAPrompt, mode: str, frame: tuple[str, str]) -> str:
         values = {"question": prompt.item.question, "context": prompt.contexts[prompt.home]}
         return head + PromptTemplate(template).render(values) + tail
     contexts = list(prompt.contexts)
+    if mode in (PIECES, PLACED):  # marks where each chunk goes: tokenized alone (``tokenize_documents``)
+        from headrace.graph.prompts import document_marks
+        contexts = document_marks(contexts)
     if mode == "canonical":
         contexts.sort(key=lambda c: hashlib.sha256(c.encode()).hexdigest())
-    template = ONE_SHOT if mode == "question-first" else one_shot_context_first.prompt
+    template = ONE_SHOT if mode in ("question-first", PIECES, PLACED) else one_shot_context_first.prompt
     return head + PromptTemplate(template).render({"question": prompt.item.question, "contexts": contexts}) + tail
 
 
-async def answer(engine: Any, tokens: list[int], max_tokens: int) -> tuple[str, float]:
+async def answer(engine: Any, tokens: list[int], max_tokens: int, **prefill: Any) -> tuple[str, float]:
     from contextlib import aclosing
 
     from headrace.plugins.protocols import SamplingParams
@@ -130,7 +144,7 @@ async def answer(engine: Any, tokens: list[int], max_tokens: int) -> tuple[str, 
     ctx = engine.new_context_id()
     t0 = time.perf_counter()
     try:
-        await engine.prefill(ctx, tokens, None)
+        await engine.prefill(ctx, tokens, None, **prefill)
         text = []
         async with aclosing(engine.decode(ctx, SamplingParams(max_tokens=max_tokens, temperature=0))) as stream:
             async for delta in stream:
@@ -167,7 +181,7 @@ def own_engine(config_path: Path, cache_dir: Path) -> Any:
 async def qa_phase(config_path: Path, cache_dir: Path, opts: QAOptions, seed: int,
                    log: Callable[[str], None]) -> dict[str, Any]:
     from headrace.bench.quality_engines import cold_overrides, make_engine, serving
-    from headrace.graph.prompts import chat_frame
+    from headrace.graph.prompts import chat_frame, tokenize_documents
     from headrace.quality.qa import answer_text, exact_match, mean, token_f1
 
     cfg = own_engine(config_path, cache_dir)
@@ -175,23 +189,42 @@ async def qa_phase(config_path: Path, cache_dir: Path, opts: QAOptions, seed: in
     if opts.questions:
         prompts = prompts[: opts.questions]
     data = Path(os.environ.get("TMPDIR", "/tmp")) / f"headrace-rag-qa-{os.getpid()}"
-    engine = make_engine(cfg.spec, data, cache_dir, **cold_overrides(cfg.plugin))
+    overrides = cold_overrides(cfg.plugin)
+    if PLACED in opts.modes:  # the chunks' KV kept in the tiers; everything else in a partition of its own
+        if cfg.plugin != "llama-cpp":
+            raise ValueError(f"--qa-modes {PLACED}: only the llama-cpp engine places documents, not {cfg.plugin}")
+        overrides.update({"prefix_cache_tokens": None, "prefix_cache_sequences": None, "kv_host_mib": 2048,
+                          "kv_disk_mib": 0, "place_documents": True})
+    engine = make_engine(cfg.spec, data, cache_dir, **overrides)
     rows: dict[str, list[dict[str, Any]]] = {m: [] for m in opts.modes}
+    placement: dict[str, Any] = {}  # the engine's placement counters, with ``placed``
 
     async def scenario() -> None:
         frame = chat_frame(engine, None)
         t0 = time.perf_counter()
         for i, p in enumerate(prompts, 1):
             for mode in opts.modes:
-                tokens = list(engine.prompt_tokens(render(p, mode, frame)))
-                text, seconds = await answer(engine, tokens, opts.tokens)
+                prefill: dict[str, Any] = {}
+                if mode in (PIECES, PLACED):
+                    tokens, spans = tokenize_documents(engine, render(p, mode, frame), list(p.contexts))
+                else:
+                    tokens = list(engine.prompt_tokens(render(p, mode, frame)))
+                if mode == PLACED:  # the chunks computed beforehand, as an ingest does (not timed)
+                    await engine.prepare_documents([tokens[s:s + n] for s, n in spans],
+                                                   cache_partition=PLACED_PARTITION)
+                    prefill = {"documents": spans, "cache_partition": PLACED_PARTITION}
+                elif PLACED in opts.modes:
+                    prefill = {"cache_partition": f"rag-qa-{mode}-{i}"}
+                text, seconds = await answer(engine, tokens, opts.tokens, **prefill)
                 said = answer_text(text)
                 rows[mode].append({"topic": p.item.topic, "answer": said, "em": exact_match(said, p.item.gold),
                                    "f1": token_f1(said, p.item.gold), "prompt_tokens": len(tokens), "s": seconds})
             if i % 10 == 0 or i == len(prompts):
                 log(f"  {i}/{len(prompts)} questions ({time.perf_counter() - t0:.0f} s)")
+        placement.update({k: v for k, v in engine.stats().items() if k.startswith("placement_")})
 
-    log(f"{cfg.label}: {len(prompts)} questions x {len(opts.modes)} modes, prefix cache off")
+    log(f"{cfg.label}: {len(prompts)} questions x {len(opts.modes)} modes, "
+        + ("placed chunks kept in the KV tiers, nothing else reused" if PLACED in opts.modes else "prefix cache off"))
     try:
         await serving(engine, scenario)
     finally:
@@ -207,13 +240,15 @@ async def qa_phase(config_path: Path, cache_dir: Path, opts: QAOptions, seed: in
             row.update({"f1_vs": base, "f1_diff": d, "f1_diff_lo": lo, "f1_diff_hi": hi,
                         "same_answer": mean([float(a["answer"] == b["answer"]) for a, b in zip(rows[base], rows[mode])])})
         summary.append(row)
-    return {"engine": cfg.label, "summary": summary, "rows": rows,
+    return {"engine": cfg.label, "summary": summary, "rows": rows, "placement": placement,
             "gold": [{"topic": p.item.topic, "question": p.item.question, "gold": p.item.gold} for p in prompts]}
 
 
 def baseline(mode: str, modes: list[str]) -> str:
     """The mode ``mode`` is compared with: its family's question-first layout where it was run, else the first."""
     own = "leaf-question-first" if mode.startswith(LEAF) else "question-first"
+    if mode == PLACED and PIECES in modes:  # the placement's own effect: the same tokens, prefilled whole
+        own = PIECES
     return own if own in modes else modes[0]
 
 
@@ -224,13 +259,16 @@ def text_report(results: dict[str, Any]) -> str:
     lines = [f"# headrace bench rag-qa, {meta['time'].replace('T', ' ')}", "",
              f"CPU: {cpu_line(meta['cpu'])}; other processes used {meta['cpu_cores'].get('other_processes', 0):.2f} "
              "cores on average meanwhile.", f"Command: `{meta['command']}`", "",
-             f"Engine: {results['engine']}, prefix cache off; {results['summary'][0]['questions']} questions, "
+             f"Engine: {results['engine']}, "
+             + ("placed chunks from the KV tiers, nothing else reused" if results.get("placement") else "prefix cache off")
+             + f"; {results['summary'][0]['questions']} questions, "
              "3 chunks each (naive_rag's one-shot synthesis; a leaf mode: the answer's chunk alone, as a tree leaf), "
              "greedy, the answer's first line scored.", "",
-             "| mode | EM | token F1 | F1 vs its question-first (95% CI) | same answer | prompt tokens |",
+             "| mode | EM | token F1 | F1 vs its baseline (95% CI) | same answer | prompt tokens |",
              "|---|---|---|---|---|---|"]
     for r in results["summary"]:
-        vs = (f"{100 * r['f1_diff']:+.1f} ({100 * r['f1_diff_lo']:+.1f} to {100 * r['f1_diff_hi']:+.1f})"
+        vs = (f"{100 * r['f1_diff']:+.1f} ({100 * r['f1_diff_lo']:+.1f} to {100 * r['f1_diff_hi']:+.1f}) "
+              f"vs {r['f1_vs']}"
               if "f1_diff" in r else "-")
         same = f"{r['same_answer']:.0%}" if "same_answer" in r else "-"
         lines.append(f"| {r['mode']} | {100 * r['em']:.1f} | {100 * r['f1']:.1f} | {vs} | {same} | "

@@ -17,7 +17,9 @@ config) overridden, on a fresh data dir, so every mode's KV tiers start empty (`
   is an exact prefix of every later prompt that retrieves it;
 - ``chunk-kv``: as ``tiers-context-first``, and the collection's ``chunk_kv`` on: every chunk prefilled when it
   is ingested (the ingest's time and tokens reported), so a chunk's first retrieval is a hit too;
-- ``any-position``: documents' KV reused wherever they stand: a slot, skipped until the engine has it;
+- ``placed``: the question first, the tiers, ``chunk_kv`` on an engine with ``place_documents``: each chunk's KV
+  computed alone at ingest and placed wherever a prompt puts it, its first 16 tokens recomputed (close to a
+  full prefill, not equal: the report's same-answer share says how close);
 - ``llama-server``: the peer a user would assemble (``rag_repeat_peer``): the same pipelines driven from the
   client against llama.cpp's ``llama-server -np 16 --cache-ram 8192 --cache-reuse 256``.
 
@@ -82,10 +84,9 @@ MODES: dict[str, ModeSpec] = {
     "tiers-context-first": ModeSpec(TIERS_ON, {"context_first": True}),
     # Each chunk prefilled at ingest behind the chunk-first prompts, so even its first retrieval is a hit.
     "chunk-kv": ModeSpec(TIERS_ON, {"context_first": True}, chunk_kv=True),
-    # The slot for issue 42's item 3: fill in its engine option (and drop ``skip``) once the engine has it.
-    "any-position": ModeSpec(TIERS_ON, skip="the engine cannot reuse a document's KV away from the prompt's start "
-                                            "yet (issue 42, item 3; scripts/bench/kv_any_position.py measures its "
-                                            "quality)"),
+    # Question first, each chunk's KV computed alone at ingest and placed where the prompt puts it (issue 49).
+    "placed": ModeSpec({**TIERS_ON, "place_documents": True}, {**QUESTION_FIRST, "place_documents": True},
+                       chunk_kv=True),
     PEER: ModeSpec({"kv_host_mib": 0, "kv_disk_mib": 0}),  # the helper daemon: embeddings and rerank only
 }
 RESTART_MODES = ("tiers-context-first", "tiers")  # the restart phase runs the first of these the run has

@@ -113,22 +113,18 @@ def prompt_tokens(engine: Any, node: Node, scope: Mapping[str, Any], part: str) 
 DOCUMENT_MARK = re.compile("\x00HEADRACE-DOCUMENT-([0-9]+)\x00")
 
 
-def prompt_documents(engine: Any, node: Node, scope: Mapping[str, Any],
-                     part: str) -> tuple[list[int], list[tuple[int, int]]]:
-    """A prompt whose retrieved documents (the variable ``node.params["placed_documents"]`` names: a text or a list of
-    texts) are tokenized alone, each where it stands, as their KV was computed (``PlacesDocuments``): the tokens
-    and each document's (start, length) in them. The text between them is tokenized in pieces too, so the
-    tokens may differ from ``prompt_tokens``' at the documents' edges."""
-    name = node.params["placed_documents"]
-    value = scope.get(name)
-    texts = [value] if isinstance(value, str) else list(value or ())
-    marked = dict(scope)
-    marks = [f"\x00HEADRACE-DOCUMENT-{i}\x00" if str(text) else "" for i, text in enumerate(texts)]
-    marked[name] = marks[0] if isinstance(value, str) else marks
-    pieces = DOCUMENT_MARK.split(_prompt_text(engine, node, marked, part))
+def document_marks(texts: list[Any]) -> list[str]:
+    """What stands in for each document while the prompt is rendered (an empty text stays empty: no document)."""
+    return [f"\x00HEADRACE-DOCUMENT-{i}\x00" if str(text) else "" for i, text in enumerate(texts)]
+
+
+def tokenize_documents(engine: Any, marked: str, texts: list[Any]) -> tuple[list[int], list[tuple[int, int]]]:
+    """``marked`` (a prompt rendered with ``document_marks``) tokenized with each document alone, where it stands,
+    as its KV was computed (``PlacesDocuments``), the text between them in pieces: the tokens, and each document's
+    (start, length) in them. The tokens may differ from the whole text's at the documents' edges."""
     tokens: list[int] = []
     spans: list[tuple[int, int]] = []
-    for i, piece in enumerate(pieces):
+    for i, piece in enumerate(DOCUMENT_MARK.split(marked)):
         if i % 2:  # a document's index
             doc = list(engine.encode(str(texts[int(piece)])))
             spans.append((len(tokens), len(doc)))
@@ -136,3 +132,15 @@ def prompt_documents(engine: Any, node: Node, scope: Mapping[str, Any],
         elif piece:
             tokens += engine.encode(piece)
     return tokens, [s for s in spans if s[1]]
+
+
+def prompt_documents(engine: Any, node: Node, scope: Mapping[str, Any],
+                     part: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """A prompt whose retrieved documents (the variable ``node.params["placed_documents"]`` names: a text or a list
+    of texts) are tokenized alone (``tokenize_documents``): the tokens and the documents' spans."""
+    name = node.params["placed_documents"]
+    value = scope.get(name)
+    texts = [value] if isinstance(value, str) else list(value or ())
+    marks = document_marks(texts)
+    marked = {**scope, name: marks[0] if isinstance(value, str) else marks}
+    return tokenize_documents(engine, _prompt_text(engine, node, marked, part), texts)

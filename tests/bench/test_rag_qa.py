@@ -70,3 +70,19 @@ def test_a_smoke_run_scores_every_mode(tmp_path):
     assert "f1_vs" not in summary["leaf-question-first"] and "CPU:" in (out / "results.md").read_text()
     bad = in_process(main, "bench", "rag-qa", "--qa-modes", "sideways", "--out", str(out))
     assert bad.returncode == 2 and "--qa-modes" in bad.stderr
+
+
+def test_a_placed_run_scores_the_placement_against_the_same_tokens_prefilled(tmp_path):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/setup builds it)")
+    out = tmp_path / "qa"
+    result = in_process(main, "bench", "rag-qa", "--qa-questions", "2", "--qa-tokens", "6",
+                        "--qa-modes", "question-first", "pieces", "placed", "--out", str(out))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    summary = {r["mode"]: r for r in results["summary"]}
+    assert summary["placed"]["f1_vs"] == "pieces" and summary["pieces"]["f1_vs"] == "question-first"
+    # Every placed prompt restored its three chunks' blocks past their first 16 tokens.
+    placement = results["placement"]
+    assert placement["placement_placements"] == 2 and placement["placement_fallbacks"] == 0
+    assert placement["placement_placed_tokens"] > 2 * 3 * 64, placement
+    assert "placed chunks from the KV tiers" in (out / "results.md").read_text()

@@ -100,7 +100,7 @@ def test_smoke_the_report_holds_together_and_the_tokens_agree(server, tmp_path):
     assert point["vs"]["same_as_engine_cache"]["share"] == 1.0 and point["vs"]["latency_vs_engine_cache"] == 1.0
     assert results["workflows"]["naive_rag"]["engine-cache"]["indexing"]["chunk_kv"] is None
     text = (out / "results.txt").read_text()
-    assert "== naive_rag at 2 x capacity" in text and "prefill/q" in text and "any-position" not in text
+    assert "== naive_rag at 2 x capacity" in text and "prefill/q" in text and "placed" not in text
 
 
 def test_smoke_the_chunk_kv_mode_prefills_every_chunk_at_ingest(server, tmp_path):

@@ -103,3 +103,31 @@ def test_prefix_hash_depends_only_on_the_static_prefix():
 def test_prefix_hash_without_placeholders_hashes_everything():
     assert PromptTemplate("abc").prefix_hash() != PromptTemplate("abd").prefix_hash()
     assert PromptTemplate("abc").prefix_hash() == PromptTemplate("abc{{input:x}}").prefix_hash()
+
+
+def test_a_prompts_documents_are_tokenized_alone_where_they_stand():
+    """What a workflow with ``place_documents`` sends: each retrieved document's tokens are the document's own
+    (as its KV was computed at ingest), at the span the prompt says; the rest is the prompt's text."""
+    import types
+
+    from headrace.graph.graph import Node, Op
+    from headrace.graph.prompts import prompt_documents, prompt_tokens
+    from headrace.graph.workflows.common import ONE_SHOT
+    from headrace.plugins.engines.llama_cpp.files import default_cache_dir, load_tokenizer
+    from headrace.plugins.engines.llama_cpp.options import DEFAULT_MODEL
+    from headrace.plugins.engines.llm.front import LLMFront
+    from headrace.plugins.engines.models.paths import resolve_model
+
+    engine = LLMFront("m", types.SimpleNamespace(tokenizer=load_tokenizer(resolve_model(DEFAULT_MODEL),
+                                                                          default_cache_dir())))
+    docs = ["The weir holds the river back.", "", "Locks lift boats between levels."]
+    node = Node("answer.prefill", Op.PREFILL, params={"prompt": ONE_SHOT, "placed_documents": "contexts"})
+    scope = {"question": "What holds the river?", "contexts": docs}
+    tokens, spans = prompt_documents(engine, node, scope, "all")
+    assert [tokens[s:s + n] for s, n in spans] == [engine.encode(docs[0]), engine.encode(docs[2])]  # "" is none
+    text = engine.tokenizer.decode  # the same text, tokenized in pieces
+    assert text(tokens) == text(prompt_tokens(engine, node, scope, "all"))
+    one = {"question": "Why?", "context": docs[2]}  # a single text is one document
+    leaf = Node("leaf.prefill", Op.PREFILL, params={"prompt": ANSWER, "placed_documents": "context"})
+    tokens, spans = prompt_documents(engine, leaf, one, "all")
+    assert len(spans) == 1 and tokens[spans[0][0]:sum(spans[0])] == engine.encode(docs[2])

@@ -38,15 +38,23 @@ PLACED = "placed\0"  # the prefix-cache partition prefix for contexts a placemen
 TARGET, SCRATCH = 0, 1
 
 
-def restreamed(state: bytes, streams: int) -> bytes:
-    """A one-stream sequence state (the placement context's) as a context of ``streams`` streams reads it: a
-    sequence's state lists every stream of its context, the others empty, and llama.cpp restores the cells it
-    finds into the target sequence's own stream whichever entry holds them."""
+def saved_for(ctx: Any, seq: int, streams: int) -> Any:
+    """Sequence ``seq`` of a one-stream context (the placement context) saved as a context of ``streams`` streams
+    reads it, in a ctypes buffer: a sequence's state lists every stream of its context, the others empty, and
+    llama.cpp restores the cells it finds into the target sequence's own stream whichever entry holds them.
+    Written once, in place: a composed prompt's state is ~23 KiB a token."""
+    lc = llama()
+    size = lc.llama_state_seq_get_size_ext(ctx, seq, 0)
+    out = (ctypes.c_uint8 * (size + 4 * (streams - 1)))()  # zeroed: the other streams' empty cell counts
+    if lc.llama_state_seq_get_data_ext(ctx, out, size, seq, 0) != size:
+        raise RuntimeError(f"llama.cpp saved less than the {size} state bytes of sequence {seq}")
     # After llama.cpp's 8-byte header (a magic number, the saved sequence's id): the stream count, then each
     # stream's cell count and cells.
-    if int.from_bytes(state[8:12], "little") != 1:
+    view = memoryview(out).cast("B")
+    if int.from_bytes(view[8:12], "little") != 1:
         raise ValueError("not a one-stream sequence state")
-    return state[:8] + streams.to_bytes(4, "little") + state[12:] + b"\0\0\0\0" * (streams - 1)
+    view[8:12] = streams.to_bytes(4, "little")
+    return out
 
 
 @dataclass
@@ -183,7 +191,7 @@ class DocumentPlacer:
         try:
             prefilled = kv_blend.build(self._ctx, self._batch, TARGET, SCRATCH, tokens[:end], found, self.n_batch,
                                        self.recompute_first)
-            state = kv_blend.save_state(self._ctx, TARGET)
+            state = saved_for(self._ctx, TARGET, main_streams)
         except (RuntimeError, ValueError) as exc:  # a document's bytes refused (damaged, or another layout)
             log.warning("engine %s: a document's stored KV could not be placed (%s); prefilling the prompt",
                         self.name, exc)
@@ -192,9 +200,7 @@ class DocumentPlacer:
         finally:
             lc.llama_memory_seq_rm(mem, TARGET, -1, -1)
             lc.llama_memory_seq_rm(mem, SCRATCH, -1, -1)
-        state = restreamed(state, main_streams)
-        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
-        if lc.llama_state_seq_set_data_ext(main_ctx, buf, len(state), seq, 0) == 0:
+        if lc.llama_state_seq_set_data_ext(main_ctx, state, len(state), seq, 0) == 0:
             lc.llama_memory_seq_rm(lc.llama_get_memory(main_ctx), seq, -1, -1)
             log.warning("engine %s: the main context refused a composed prompt's KV; prefilling it", self.name)
             self.stats.fallbacks += 1
