@@ -4,7 +4,7 @@ whose retrieved chunks are placed from KV computed at ingest, against a full pre
 Each query is naive_rag's one-shot synthesis in its question-first layout (the question before the contexts, so
 no chunk is an exact prefix) over ``--chunks`` chunks of ~500 tokens of standard-library docstrings, each chunk
 tokenized alone where it stands (``graph.prompts.tokenize_documents``, as a workflow with ``place_documents``
-renders it). Per query, on one llama.cpp engine (the default model and weights, ``place_documents`` on):
+renders it). Per query, on one engine (``--engine``: llama-cpp or torch; the default model and weights, ``place_documents`` on):
 
 - ``full``: the prompt prefilled whole in a partition of its own (nothing reused): the reference;
 - ``placed``: the same tokens with the chunks placed (each chunk's KV computed alone beforehand, as an ingest does:
@@ -38,6 +38,7 @@ from headrace.graph.prompts import PromptTemplate, chat_frame, document_marks, t
 from headrace.graph.workflows.common import ONE_SHOT
 from headrace.plugins.engines.llama_cpp.engine import LlamaCppLLM
 from headrace.plugins.engines.llama_cpp.files import default_cache_dir
+from headrace.plugins.engines.torch_engine.engine import TorchLLM
 from headrace.plugins.protocols import EngineEnv, EngineSpec, SamplingParams
 from headrace.quality.metrics import compare
 from headrace.quality.qa import returns_items
@@ -100,6 +101,13 @@ async def measure(engine, n_chunks: int, queries: int, answer_tokens: int, seed:
             "top1": sum(top1) / len(top1), "rows": rows}
 
 
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.machine()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--chunks", type=int, nargs="+", default=[4, 8])
@@ -107,18 +115,23 @@ def main() -> None:
     p.add_argument("--answer-tokens", type=int, default=32)
     p.add_argument("--recompute", type=int, default=16, help="place_recompute_tokens")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--engine", choices=["llama-cpp", "torch"], default="llama-cpp")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     longest = max(args.chunks) * CHUNK_TOKENS[1] + 256
-    spec = EngineSpec(name="smollm2", plugin="llama-cpp", options={
-        "threads": args.threads, "n_seq_max": 4, "prefix_cache_sequences": 2, "max_context_tokens": longest,
-        "kv_host_mib": 4096, "kv_disk_mib": 0, "place_documents": True, "place_recompute_tokens": args.recompute})
+    options = {"threads": args.threads, "max_context_tokens": longest, "kv_host_mib": 4096, "kv_disk_mib": 0,
+               "place_documents": True, "place_recompute_tokens": args.recompute}
+    if args.engine == "llama-cpp":
+        options.update(n_seq_max=4, prefix_cache_sequences=2)
+    else:
+        options.update(max_batch_size=4)
+    spec = EngineSpec(name="smollm2", plugin=args.engine, options=options)
     results = []
     with tempfile.TemporaryDirectory() as data:
-        engine = LlamaCppLLM(spec, EngineEnv(data_dir=Path(data), cache_dir=default_cache_dir(),
-                                             lookup=lambda name: None))
+        env = EngineEnv(data_dir=Path(data), cache_dir=default_cache_dir(), lookup=lambda name: None)
+        engine = LlamaCppLLM(spec, env) if args.engine == "llama-cpp" else TorchLLM(spec, env)
 
         async def scenario() -> None:
             async with anyio.create_task_group() as tg:
@@ -130,7 +143,7 @@ def main() -> None:
                 tg.cancel_scope.cancel()
 
         anyio.run(scenario)
-    print(f"\nCPU: {platform.processor() or platform.machine()}, {args.threads} threads; recompute {args.recompute}")
+    print(f"\nCPU: {cpu_name()}, {args.threads} threads; engine {args.engine}; recompute {args.recompute}")
     print("| chunks | prompt tokens | placed | TTFT full ms | TTFT placed ms | speed-up | mean KL | p99 KL | top-1 |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:

@@ -34,13 +34,14 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from headrace.plugins.engines.kvreuse.documents import PLACED
 from headrace.plugins.engines.kvreuse.prefix_cache import PrefixCache, PrefixCacheStats, cache_stats
 from headrace.plugins.engines.llama_cpp.batch import (DecodeFailed, Fill, Part, ScoringQueue, batch_entries,
                                                       common_length, plan, write_batch)
 from headrace.plugins.engines.llama_cpp.files import (ProbeModel, llama, load_tokenizer, model_footprint_bytes,
                                                       quantized_model)
 from headrace.plugins.engines.llama_cpp.options import SCORE_SEQUENCES, parse_options
-from headrace.plugins.engines.llama_cpp.placement import PLACED, Composed
+from headrace.plugins.engines.llama_cpp.placement import Composed
 from headrace.plugins.engines.llama_cpp.sequences import ContextSequence, LlamaSequences
 from headrace.plugins.engines.llama_cpp.swa import window_of
 from headrace.plugins.engines.llama_cpp.tiers import SequenceTiers

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from headrace.plugins.engines.kvreuse.documents import place_options
 from headrace.plugins.engines.kvreuse.kv_store import mebibytes
 from headrace.plugins.engines.kvreuse.prefix_cache import PinPolicy, pin_policy
 from headrace.plugins.engines.llama_cpp.files import QUANT_TYPES
@@ -96,12 +97,7 @@ def parse_options(spec: EngineSpec) -> LlamaCppOptions:
     swa_full = opts.pop("swa_full", "auto")
     if not isinstance(swa_full, bool) and swa_full != "auto":
         raise ValueError(f"{key}.swa_full: must be true, false or \"auto\", not {swa_full!r}")
-    place_documents = opts.pop("place_documents", False)
-    if not isinstance(place_documents, bool):
-        raise ValueError(f"{key}.place_documents: must be true or false, not {place_documents!r}")
-    recompute = opts.pop("place_recompute_tokens", 16)
-    if isinstance(recompute, bool) or not isinstance(recompute, int) or recompute < 0:
-        raise ValueError(f"{key}.place_recompute_tokens: must be an integer >= 0, not {recompute!r}")
+    place_documents, recompute = place_options(opts, key)
     if opts:
         raise ValueError(f"{key}: unknown option(s) {sorted(opts)}")
     if quantize != "none" and quantize not in QUANT_TYPES:

@@ -1,8 +1,7 @@
 """Retrieved documents placed at any position of a prompt on llama.cpp (issue 49, part 2).
 
 A document's KV is computed once, alone from position 0 (``prepare``: at ingest), and kept in the engine's KV
-tiers (host memory, disk) in a partition of its own (``DOCUMENTS`` + the request's cache partition), under its
-block-aligned tokens. A prefill that marks documents (``Prefill.documents``) is then composed in a small
+tiers (host memory, disk) as ``kvreuse.documents`` says. A prefill that marks documents (``Prefill.documents``) is then composed in a small
 unified llama context of its own (``kv_blend``: a document restored into a scratch sequence, shifted to where it
 stands, tagged into the target; each document's first ``recompute_first`` tokens and everything between the
 documents prefilled in place, EPIC's repair), and the composed sequence is handed to the engine's main context
@@ -15,7 +14,7 @@ document the tiers do not hold (or hold damaged: llama.cpp refuses the bytes), o
 shifted (sliding-window or M-RoPE attention: said once in the log).
 
 The composed KV is close to a full prefill, not equal (docs/benchmarks.md, "Documents placed"), so the context it
-leaves in the prefix cache is kept under ``PLACED`` + its partition: an exact prompt never reuses it.
+leaves in the prefix cache is kept under ``documents.PLACED`` + its partition: an exact prompt never reuses it.
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from headrace.plugins.engines.kvreuse.documents import DOCUMENTS, PlacementStats, held_documents, kept_tokens
 from headrace.plugins.engines.kvreuse.kv_store import KVStore
 from headrace.plugins.engines.llama_cpp import kv_blend
 from headrace.plugins.engines.llama_cpp.files import llama
@@ -33,8 +33,6 @@ from headrace.plugins.engines.llama_cpp.lazy_kv import anonymous_mappings, kv_bu
 
 log = logging.getLogger("headrace.plugins.engines.llama_cpp")
 
-DOCUMENTS = "documents\0"  # the tiers' partition prefix for documents' KV, apart from prompts' prefixes
-PLACED = "placed\0"  # the prefix-cache partition prefix for contexts a placement composed
 TARGET, SCRATCH = 0, 1
 
 
@@ -55,16 +53,6 @@ def saved_for(ctx: Any, seq: int, streams: int) -> Any:
         raise ValueError("not a one-stream sequence state")
     view[8:12] = streams.to_bytes(4, "little")
     return out
-
-
-@dataclass
-class PlacementStats:
-    placements: int = 0  # prompts composed with at least one document placed
-    placed_tokens: int = 0  # document tokens restored rather than prefilled
-    recomputed_tokens: int = 0  # tokens prefilled in the placement context (head, repairs, between documents)
-    fallbacks: int = 0  # prompts with documents prefilled whole: none held, or a restore refused
-    documents_prepared: int = 0
-    seconds: float = 0.0  # composing and handing over
 
 
 @dataclass
@@ -137,10 +125,6 @@ class DocumentPlacer:
 
     # ----- documents ----------------------------------------------------------------------
 
-    def _aligned(self, doc: Sequence[int]) -> list[int]:
-        """The tokens a document is kept under: its whole blocks (the rest is prefilled in place)."""
-        return list(doc[:len(doc) // self.block * self.block])
-
     def prepare(self, documents: Sequence[Sequence[int]], partition: str) -> int:
         """Compute and keep each document's KV, alone from position 0; how many are held now."""
         if not documents or not self.usable():
@@ -148,7 +132,7 @@ class DocumentPlacer:
         assert self.store is not None
         lc, held = llama(), 0
         for doc in documents:
-            tokens = self._aligned(doc)
+            tokens = kept_tokens(doc, self.block)
             if not tokens:
                 continue
             if self.store.holds(tokens, DOCUMENTS + partition):
@@ -172,16 +156,8 @@ class DocumentPlacer:
             return None
         assert self.store is not None
         start = time.perf_counter()
-        found: list[tuple[kv_blend.CachedDoc, int]] = []
-        for pos, length in documents:
-            doc = self._aligned(tokens[pos:pos + length])
-            hit = self.store.match(doc, len(doc), DOCUMENTS + partition) if doc else None
-            if hit is None or hit.tokens != len(doc) or pos + len(doc) >= len(tokens):
-                break  # this document and those after it are prefilled with the prompt's rest
-            data = self.store.payload(hit)
-            if data is None:
-                break
-            found.append((kv_blend.CachedDoc(data, len(doc), 0), pos))
+        found = [(kv_blend.CachedDoc(d.payload, d.length, 0), d.position)
+                 for d in held_documents(self.store, tokens, documents, partition, self.block)]
         if not found:
             self.stats.fallbacks += 1
             return None

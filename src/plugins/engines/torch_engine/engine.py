@@ -28,6 +28,7 @@ from typing import Any, Iterator
 
 import torch
 
+from headrace.plugins.engines.kvreuse.documents import PLACED, place_options
 from headrace.plugins.engines.kvreuse.kv_store import mebibytes
 from headrace.plugins.engines.kvreuse.prefix_cache import (
     BLOCK,
@@ -42,11 +43,12 @@ from headrace.plugins.engines.kvreuse.prefix_cache import (
 from headrace.plugins.engines.llm.chat import read_template
 from headrace.plugins.engines.llm.core import LLMCore, Row, sample_row, sample_rows
 from headrace.plugins.engines.llm.front import LLMFront
-from headrace.plugins.engines.llm.messages import Decode, EngineError, Logits, Outbox, Prefill
+from headrace.plugins.engines.llm.messages import Decode, EngineError, Logits, Outbox, Prefill, PrepareDocuments
 from headrace.plugins.engines.llm.prompt_scores import PromptScorer
 from headrace.plugins.engines.models.loading import AUTO, load_causal_lm, parse_dtype
 from headrace.plugins.engines.models.paths import resolve_model
 from headrace.plugins.engines.torch_engine import kv
+from headrace.plugins.engines.torch_engine.placement import TensorPlacer
 from headrace.plugins.engines.torch_engine.tiers import TensorTiers, open_tensor_tiers
 from headrace.plugins.hookspecs import hookimpl
 from headrace.plugins.protocols import EngineEnv, EngineSpec
@@ -90,6 +92,7 @@ class TorchLLM(LLMFront):
             pins=pin_policy(opts, f"{key}.options", cache_tokens),
             tier_dir=env.data_dir / "kv" / spec.name,
             tier_budgets=tuple(mebibytes(opts.pop(n, None), f"{key}.options.{n}") for n in ("kv_host_mib", "kv_disk_mib")),
+            place=place_options(opts, f"{key}.options"),
         )
         # Over the model's chat template: the front sets it on the tokenizer once loaded.
         core.chat_template = read_template(opts.pop("chat_template", None), f"{key}.options.chat_template")
@@ -108,8 +111,11 @@ class TorchCore(LLMCore):
                  threads: int, max_batch_size: int, max_context_tokens: int, max_prefill_tokens: int,
                  max_iteration_tokens: int = 2048, prefix_cache_tokens: int = 0,
                  pins: PinPolicy = PinPolicy(), tier_dir: Path | None = None,
-                 tier_budgets: tuple[int | None, int | None] = (0, 0)) -> None:
+                 tier_budgets: tuple[int | None, int | None] = (0, 0), place: tuple[bool, int] = (False, 16)) -> None:
         super().__init__(name, max_context_tokens)
+        # Documents placed at any position (``placement``): the option and each document's tokens recomputed.
+        self.places_documents, self._place_first = place
+        self._placer: TensorPlacer | None = None  # made by load(), with the tiers
         self._path, self._cache_dir, self._dtype, self._threads = path, cache_dir, dtype, threads
         self._observe_batch = observe_batch
         self.max_batch_size = max_batch_size
@@ -152,6 +158,8 @@ class TorchCore(LLMCore):
         if self.prefix_cache_tokens > 0 and self._tier_dir is not None and self._tiers is None:
             self._tiers = open_tensor_tiers(self._path, self.model.config, self.model.dtype, BLOCK, self._tier_dir,
                                             *self._tier_budgets, self.name)
+        if self.places_documents:
+            self._placer = TensorPlacer(self.name, self.model, self._tiers, self._place_first, BLOCK)
 
     @contextlib.contextmanager
     def serving(self) -> Iterator[None]:
@@ -225,7 +233,38 @@ class TorchCore(LLMCore):
             stats.update(cache_stats(self._cache_stats, self.prefix_cache, self.prefix_cache_tokens, self._pins))
         if self._tiers is not None:
             stats.update(self._tiers.store.stats())
+        if self._placer is not None:
+            stats.update({f"placement_{k}": v for k, v in vars(self._placer.stats).items()})
         return stats
+
+    def prepare_documents(self, cmd: PrepareDocuments) -> int:
+        return self._placer.prepare(cmd.documents, cmd.partition) if self._placer is not None else 0
+
+    def _placed(self, job: Prefill, out: Outbox) -> int:
+        """``job`` filled with its documents placed (``placement``) unless the cache's exact prefix reaches its last
+        document: the tokens computed; 0 when it was not (the caller prefills)."""
+        if self._placer is None or job.parent is not None or job.scoring is not None or not job.documents:
+            return 0
+        cache = self.prefix_cache
+        hit = cache.match(job.tokens, len(job.tokens) - 1, job.partition) if cache is not None else None
+        if (hit is not None and hit[1] >= job.documents[-1][0]) or self.context_too_long(len(job.tokens)):
+            return 0
+        try:
+            placed = self._placer.compose(job.tokens, job.documents, job.partition)
+        except Exception:  # a fault of the placement path costs this prompt its reuse, not its answer
+            log.exception("engine %s: placing a prompt's documents failed; prefilling it", self.name)
+            return 0
+        if placed is None:
+            return 0
+        self._take([job])
+        self.token_counts["prefill"] += len(job.tokens) - placed.placed
+        ctx = _Context(kv=placed.kv, length=len(job.tokens), next_logits=placed.next_logits, tokens=list(job.tokens))
+        self.contexts[job.ctx] = ctx
+        if cache is not None:  # cached apart: an exact prompt never reuses a placed context
+            cache.insert(ctx.tokens, lambda n: [(k[:, :, :n], v[:, :, :n]) for k, v in placed.kv],
+                         PLACED + job.partition)
+        out.replies.append((job.reply, max(0, placed.placed - job.rebased), None))
+        return len(job.tokens) - placed.placed
 
     def step(self, out: Outbox) -> None:
         self._fill(out)
@@ -296,6 +335,9 @@ class TorchCore(LLMCore):
         """
         if first.parent is not None:
             first = self._rebased(first)
+        spent = self._placed(first, out)
+        if spent:
+            return spent
         parent = first.parent
         # A scored prefill runs alone (its forward pass keeps every position's logits), never with a cache hit.
         scored = first.scoring is not None
@@ -383,6 +425,11 @@ class TorchCore(LLMCore):
             return job
         whole = [*base.tokens, *job.tokens]
         fresh = replace(job, tokens=whole, parent=None, rebased=base.length)
+        if job.documents and self._placer is not None and self._placer.cannot_place is None:
+            # Placed whole: the head is short, the documents not.
+            fresh = replace(fresh, documents=tuple((start + base.length, n) for start, n in job.documents))
+            self._prefills = [(key, fresh if queued is job else queued) for key, queued in self._prefills]
+            return fresh
         if self._tiers is not None:
             self._promote(fresh)
         hit = cache.match(whole, len(whole) - 1, job.partition)

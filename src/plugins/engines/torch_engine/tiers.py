@@ -46,12 +46,14 @@ class TensorTiers(EngineTiers):
         data = self.store.payload(hit)
         if data is None:
             return None
-        n = len(hit.entry.tokens)
-        packed = torch.frombuffer(data, dtype=self._dtype).view(self._layers, 2, self._heads, n, self._head_dim)
-        layers = [(packed[i, 0, None, :, : hit.tokens], packed[i, 1, None, :, : hit.tokens])
-                  for i in range(self._layers)]
+        layers = [(k[:, :, : hit.tokens], v[:, :, : hit.tokens]) for k, v in self.unpack(data, len(hit.entry.tokens))]
         self.store.used(hit, time.perf_counter() - start)
         return list(tokens[: hit.tokens]), layers
+
+    def unpack(self, data: bytearray, n: int) -> LayerKV:
+        """An entry's payload, the KV of ``n`` tokens, as per-layer views (no copy)."""
+        packed = torch.frombuffer(data, dtype=self._dtype).view(self._layers, 2, self._heads, n, self._head_dim)
+        return [(packed[i, 0, None], packed[i, 1, None]) for i in range(self._layers)]
 
 
 def open_tensor_tiers(model_file: Path, config, dtype: torch.dtype, block: int, directory: Path,

