@@ -63,13 +63,14 @@ class QAOptions:
     modes: list[str] = field(default_factory=lambda: list(DEFAULT_MODES))
     questions: int = 0  # 0: all
     tokens: int = 32
+    recompute: int = 16  # ``placed``: each chunk's first tokens computed in place (place_recompute_tokens)
 
     def check(self) -> None:
         bad = [m for m in self.modes if m not in MODES]
         if bad or not self.modes:
             raise ValueError(f"--qa-modes: unknown {bad or 'none'}; choose from {', '.join(MODES)}")
-        if self.questions < 0 or self.tokens < 1:
-            raise ValueError("--qa-questions must be >= 0 (0: all) and --qa-tokens >= 1")
+        if self.questions < 0 or self.tokens < 1 or self.recompute < 0:
+            raise ValueError("--qa-questions must be >= 0 (0: all), --qa-tokens >= 1 and --qa-recompute >= 0")
 
 
 def add_arguments(p: Any) -> None:
@@ -81,6 +82,8 @@ def add_arguments(p: Any) -> None:
                    help=f"{RAG_QA}: questions asked (default 0: all)")
     p.add_argument("--qa-tokens", type=int, default=d.tokens, metavar="N",
                    help=f"{RAG_QA}: the longest answer decoded (default {d.tokens})")
+    p.add_argument("--qa-recompute", type=int, default=d.recompute, metavar="N",
+                   help=f"{RAG_QA}: placed: each chunk's first tokens computed in place (default {d.recompute})")
 
 
 @dataclass(frozen=True)
@@ -194,7 +197,7 @@ async def qa_phase(config_path: Path, cache_dir: Path, opts: QAOptions, seed: in
         if cfg.plugin != "llama-cpp":
             raise ValueError(f"--qa-modes {PLACED}: only the llama-cpp engine places documents, not {cfg.plugin}")
         overrides.update({"prefix_cache_tokens": None, "prefix_cache_sequences": None, "kv_host_mib": 2048,
-                          "kv_disk_mib": 0, "place_documents": True})
+                          "kv_disk_mib": 0, "place_documents": True, "place_recompute_tokens": opts.recompute})
     engine = make_engine(cfg.spec, data, cache_dir, **overrides)
     rows: dict[str, list[dict[str, Any]]] = {m: [] for m in opts.modes}
     placement: dict[str, Any] = {}  # the engine's placement counters, with ``placed``
@@ -290,7 +293,7 @@ def run_command(args: Any) -> int:
         print(f"headrace bench: {RAG_QA} runs alone, its engine in this process: drop "
               f"{' '.join(others) or '--url'}", file=sys.stderr)
         return 2
-    opts = QAOptions(list(args.qa_modes), args.qa_questions, args.qa_tokens)
+    opts = QAOptions(list(args.qa_modes), args.qa_questions, args.qa_tokens, args.qa_recompute)
     try:
         opts.check()
     except ValueError as exc:
@@ -303,6 +306,7 @@ def run_command(args: Any) -> int:
                         lambda line: print(line, flush=True))
     command = (f"headrace bench {RAG_QA} --qa-modes {' '.join(opts.modes)} --qa-tokens {opts.tokens}"
                + (f" --qa-questions {opts.questions}" if opts.questions else "")
+               + (f" --qa-recompute {opts.recompute}" if PLACED in opts.modes else "")
                + (f" --seed {args.seed}" if args.seed else "") + f" --out {args.out}")
     results["meta"] = {"machine": machine(), "cpu": describe_cpu(), "cpu_cores": cpu.cores(), "time": started,
                        "elapsed_s": time.perf_counter() - t0, "command": command}

@@ -1,17 +1,22 @@
 """Retrieved documents placed at any position of a prompt on llama.cpp (issue 49, part 2).
 
 A document's KV is computed once, alone from position 0 (``prepare``: at ingest), and kept in the engine's KV
-tiers (host memory, disk) as ``kvreuse.documents`` says. A prefill that marks documents (``Prefill.documents``) is then composed in a small
-unified llama context of its own (``kv_blend``: a document restored into a scratch sequence, shifted to where it
+tiers (host memory, disk) as ``kvreuse.documents`` says. A prefill that marks documents (``Prefill.documents``)
+is then composed in a small unified llama context of its own (``kv_blend``: a document restored into a scratch sequence, shifted to where it
 stands, tagged into the target; each document's first ``recompute_first`` tokens and everything between the
 documents prefilled in place, EPIC's repair), and the composed sequence is handed to the engine's main context
-as a state restore (one copy, ~9 ms for 2,000 tokens), where the prompt's rest is prefilled as usual.
+as a state restore (``saved_for``), where the prompt's rest is prefilled as usual.
 
 Why a context of its own: joining several documents in one sequence needs a unified KV (``seq_cp`` tags cells;
 with a stream per sequence it copies whole streams, and a restore clears its target), while the engine's main
 context keeps a stream per sequence for decode speed (``engine``). Work that cannot place prefills instead: a
 document the tiers do not hold (or hold damaged: llama.cpp refuses the bytes), or a model whose KV cannot be
 shifted (sliding-window or M-RoPE attention: said once in the log).
+
+Between a placement and the next prefill, nothing but the prompt's own cells is in the placement context: in a
+unified KV another sequence's cells changed a prompt's logits (docs/benchmarks.md, "Documents placed"), so each
+document is restored into the scratch sequence, tagged into the target and dropped from the scratch before
+anything is computed (``kv_blend.build``), which costs one K-shift pass per document.
 
 The composed KV is close to a full prefill, not equal (docs/benchmarks.md, "Documents placed"), so the context it
 leaves in the prefix cache is kept under ``documents.PLACED`` + its partition: an exact prompt never reuses it.
@@ -149,9 +154,9 @@ class DocumentPlacer:
 
     def compose(self, tokens: Sequence[int], documents: Sequence[tuple[int, int]], partition: str, main_ctx: Any,
                 main_streams: int, seq: int) -> Composed | None:
-        """Fill the empty ``seq`` of ``main_ctx`` (of ``main_streams`` KV streams) with ``tokens``' prefix through the last document the tiers
-        hold (of the leading run of held documents), placed; None (``seq`` still empty) when none is held or a
-        restore is refused: the caller prefills."""
+        """Fill the empty ``seq`` of ``main_ctx`` (of ``main_streams`` KV streams) with ``tokens``' prefix through
+        the last of the leading run of documents the tiers hold, placed; None (``seq`` still empty) when none is
+        held or a restore is refused: the caller prefills."""
         if not documents or not self.usable():
             return None
         assert self.store is not None
