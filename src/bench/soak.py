@@ -3,6 +3,8 @@
 Issue 41's soak. One seeded Poisson stream carries every kind of traffic the daemon serves, in ``SHARES``:
 
 - ``chat``: a plain (unstreamed) ``/v1/chat/completions`` call;
+- ``responses``: a stored ``/v1/responses`` turn and a second one continuing it (``previous_response_id``): the
+  Responses store grows with every pair, as a real deployment's does, within its age limit;
 - ``chat_dropped``: a streamed chat the client closes after reading about half its tokens, as a client that goes
   away; it counts as ``dropped``, never as lost, and the daemon must free its work and serve on;
 - ``naive_rag``, ``map_reduce_summary``: the built-in workflows over one corpus document, run server-side;
@@ -38,8 +40,8 @@ from headrace.bench.phases import LABEL, SAMPLE
 from headrace.bench.workloads import WORKLOADS
 
 SOAK = "soak"  # the benchmark's name on the ``headrace bench`` command line
-KINDS = ("chat", "chat_dropped", "naive_rag", "map_reduce_summary", "embeddings", "ingest", "query")
-SHARES = {"chat": 0.25, "chat_dropped": 0.10, "naive_rag": 0.15, "map_reduce_summary": 0.10, "embeddings": 0.15,
+KINDS = ("chat", "chat_dropped", "responses", "naive_rag", "map_reduce_summary", "embeddings", "ingest", "query")
+SHARES = {"chat": 0.20, "chat_dropped": 0.10, "responses": 0.05, "naive_rag": 0.15, "map_reduce_summary": 0.10, "embeddings": 0.15,
           "ingest": 0.05, "query": 0.20}
 WORKFLOW_OF = {"naive_rag": "naive_rag", "map_reduce_summary": "map_reduce_summary", "query": "naive_rag"}
 SOAK_COLLECTION = "soak_corpus"  # its own, so a shared daemon's bench_corpus is left alone
@@ -192,6 +194,24 @@ class SoakRunner:
             "max_tokens": self.max_tokens or CHAT_TOKENS, "temperature": 0})
         if body is not None and not body["choices"][0].get("finish_reason"):
             record.fail(LOST, f"chat answered without a finish_reason: {json.dumps(body)[:200]}")
+
+    async def _responses(self, arrival: SoakArrival, record: SoakRecord) -> None:
+        turn = {"model": self.llm, "max_output_tokens": self.max_tokens or CHAT_TOKENS, "temperature": 0}
+        first = await self._post(record, "/v1/responses", {**turn, "input": self._question(arrival)})
+        if first is None or not self._answered(record, first, "first"):
+            return
+        second = await self._post(record, "/v1/responses", {**turn, "input": "Say it again in one short sentence.",
+                                                            "previous_response_id": first["id"]})
+        if second is not None:
+            self._answered(record, second, "continued")
+
+    @staticmethod
+    def _answered(record: SoakRecord, body: dict[str, Any], turn: str) -> bool:
+        """Whether a response ended (``incomplete``: at ``max_output_tokens``); if not, the arrival is lost."""
+        if body.get("status") in ("completed", "incomplete") and body.get("output"):
+            return True
+        record.fail(LOST, f"{turn} response {body.get('id')} {body.get('status')}: {json.dumps(body)[:200]}")
+        return False
 
     async def _chat_dropped(self, arrival: SoakArrival, record: SoakRecord) -> None:
         tokens = self.max_tokens or CHAT_TOKENS

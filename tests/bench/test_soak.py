@@ -96,6 +96,11 @@ async def test_the_runner_tells_a_dropped_stream_from_lost_runs_and_error_answer
             return httpx.Response(200, content=_sse(*served))
         if path == "/v1/chat/completions":
             return httpx.Response(200, json={"choices": [{"message": {"content": "x"}, "finish_reason": "length"}]})
+        if path == "/v1/responses":  # a continued turn names the first; a stuck one has no output
+            assert body.get("previous_response_id") in (None, "resp-1"), body
+            status = how or "completed"
+            return httpx.Response(200, json={"id": "resp-1", "status": status,
+                                             "output": [] if status == "in_progress" else [{"type": "message"}]})
         if path.startswith("/v1/workflows/"):
             return httpx.Response(200, json={"id": "run-1", "status": how or "succeeded", "error": None})
         if path == "/v1/embeddings":
@@ -138,6 +143,9 @@ async def test_the_runner_tells_a_dropped_stream_from_lost_runs_and_error_answer
                 failed = await outcome(kind, status)
                 assert failed.outcome == LOST and f"run-1 {status}" in failed.error
         assert (await outcome("embeddings", "short")).outcome == LOST
+        assert (await outcome("responses", "incomplete")).outcome == OK  # stopped at max_output_tokens
+        stuck = await outcome("responses", "in_progress")
+        assert stuck.outcome == LOST and "first response resp-1 in_progress" in stuck.error
     finally:
         await daemon.aclose()
     counts = progress([SoakRecord(0, "chat", started=True, outcome=OK), SoakRecord(1, "chat", started=True),
