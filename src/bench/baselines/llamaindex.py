@@ -100,6 +100,8 @@ def validate(workflow: str, inputs: Any, config: Any) -> tuple[dict[str, Any], d
     inputs, config = client_validate(WHAT, WORKFLOWS, workflow, inputs, config)
     if config["synthesis"] != SYNTHESIS[workflow]:
         raise ValueError(f"config.synthesis: {WHAT}'s {workflow} implements {SYNTHESIS[workflow]!r} only")
+    if config.get("place_documents"):
+        raise ValueError(f"config.place_documents: {WHAT} prefills every chunk; it places none")
     if "documents" in inputs:
         common.count_chunks(inputs, "documents", config)  # the same errors for a bad split
     return inputs, config
