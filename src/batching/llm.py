@@ -246,6 +246,13 @@ class LLMScheduler:
                                               cached=cached if isinstance(cached, int) else 0)
             self.run_gate.hold(run)
 
+    async def prepare_documents(self, documents: Sequence[Sequence[int]], meta: PrimitiveMeta | None = None) -> int:
+        """Documents' KV computed for placement, in ``meta``'s cache partition, on an engine that ``PlacesDocuments``;
+        how many it holds (0 on any other engine)."""
+        if not self.places_documents:
+            return 0
+        return await self.engine.prepare_documents(documents, **self._partition(meta))
+
     async def decode(self, ctx: str, params: SamplingParams,
                      meta: PrimitiveMeta | None = None) -> AsyncIterator[TokenDelta]:
         """A decode primitive on a prefilled context; the context is freed when the iterator closes."""

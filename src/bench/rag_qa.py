@@ -48,7 +48,7 @@ MODES = ("question-first", "context-first", "canonical", "pieces", "placed", "le
          "leaf-context-first")
 PLACED, PIECES = "placed", "pieces"
 PLACED_PARTITION = "rag-qa-placed"
-DEFAULT_MODES = ("question-first", "context-first", "canonical", "leaf-question-first", "leaf-context-first")
+DEFAULT_MODES = tuple(m for m in MODES if m not in (PIECES, PLACED))  # placement needs its own engine options
 LEAF = "leaf-"  # a leaf mode's prefix: scored against leaf-question-first
 # Pure-Python modules beside the corpus's whose docstrings give more "Return X." questions (those that have any).
 EXTRA_MODULES = ("posixpath", "ipaddress", "secrets", "platform", "sysconfig", "traceback", "locale", "codecs",

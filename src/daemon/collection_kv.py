@@ -72,9 +72,9 @@ async def prefill_chunks(request: Request, collection: str, texts: list[str]) ->
         log.exception("collection %s: prefilling its chunks' KV on %s failed", collection, name)
         return {"model": name, "error": f"{type(exc).__name__}: {exc}"}
     done: dict[str, Any] = {"model": name, "prompts": len(prompts), "tokens": sum(map(len, prompts))}
-    if getattr(engine, "places_documents", False):
+    if sched.places_documents:
         try:
-            done["documents_placeable"] = await prepare_documents(engine, texts, meta.cache_partition)
+            done["documents_placeable"] = await prepare_documents(engine, sched, texts, meta)
         except Exception as exc:
             log.exception("collection %s: computing its chunks' KV for placement on %s failed", collection, name)
             done["documents_error"] = f"{type(exc).__name__}: {exc}"
@@ -82,10 +82,9 @@ async def prefill_chunks(request: Request, collection: str, texts: list[str]) ->
     return done
 
 
-async def prepare_documents(engine: Any, texts: list[str], partition: str) -> int:
+async def prepare_documents(engine: Any, sched: Any, texts: list[str], meta: PrimitiveMeta) -> int:
     """Each chunk's KV computed alone, for placement at any position of a prompt (``PlacesDocuments``); how many
     the engine holds. One chunk a command: the engine's worker computes it between its iterations, so requests
     being served wait at most one chunk's prefill."""
     docs = await anyio.to_thread.run_sync(lambda: [list(engine.encode(text)) for text in texts])
-    keyword = {"cache_partition": partition} if partition and getattr(engine, "isolates_caches", False) else {}
-    return sum([await engine.prepare_documents([doc], **keyword) for doc in docs])
+    return sum([await sched.prepare_documents([doc], meta) for doc in docs])

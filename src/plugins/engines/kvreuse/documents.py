@@ -9,13 +9,17 @@ prompt never reuses it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from headrace.plugins.engines.kvreuse.kv_store import KVStore
 
+log = logging.getLogger(__name__)
+
 DOCUMENTS = "documents\0"
 PLACED = "placed\0"
+NO_TIERS = "it keeps no KV tiers (prefix cache off, or kv_host_mib and kv_disk_mib 0)"
 
 
 def place_options(opts: dict[str, Any], key: str) -> tuple[bool, int]:
@@ -56,6 +60,60 @@ class PlacementStats:
     fallbacks: int = 0  # prompts with documents prefilled whole: none held, or a restore refused
     documents_prepared: int = 0
     seconds: float = 0.0  # composing (and, on llama.cpp, handing over)
+
+    def as_stats(self) -> dict[str, float]:
+        return {f"placement_{k}": v for k, v in vars(self).items()}
+
+
+@dataclass(kw_only=True)
+class DocumentPlacement:
+    """What an engine's placer shares: whether it can place (said once in the log when it cannot), and ``prepare``.
+    An engine's placer says what stops it (``_refusal``), computes and keeps one document (``_keep``) and
+    composes prompts."""
+
+    name: str
+    recompute_first: int
+    block: int
+    store: KVStore | None  # the engine's tiers; None: nothing kept, nothing placed
+    cannot_place: str | None = None  # why this engine's documents are prefilled instead
+    stats: PlacementStats = field(default_factory=PlacementStats)
+    _said: bool = False
+
+    def _refusal(self) -> str | None:
+        """Why this model's documents cannot be placed (None: they can); asked while nothing has refused yet."""
+        return None
+
+    def _fits(self, tokens: list[int]) -> bool:
+        return True
+
+    def _keep(self, tokens: list[int], partition: str) -> None:
+        """Compute ``tokens``' KV alone, from position 0, and put it in ``store`` under ``partition``."""
+        raise NotImplementedError
+
+    def usable(self) -> bool:
+        """Whether documents can be placed; says once in the log why not."""
+        if self.cannot_place is None:
+            self.cannot_place = NO_TIERS if self.store is None else self._refusal()
+        if self.cannot_place is not None and not self._said:
+            self._said = True
+            log.warning("engine %s: documents are prefilled, not placed: %s", self.name, self.cannot_place)
+        return self.cannot_place is None
+
+    def prepare(self, documents: Sequence[Sequence[int]], partition: str) -> int:
+        """Compute and keep each document's KV, alone from position 0; how many are held now."""
+        if not documents or not self.usable():
+            return 0
+        assert self.store is not None
+        key, held = DOCUMENTS + partition, 0
+        for doc in documents:
+            tokens = kept_tokens(doc, self.block)
+            if not tokens:
+                continue
+            if not self.store.holds(tokens, key) and self._fits(tokens):
+                self._keep(tokens, key)
+                self.stats.documents_prepared += 1
+            held += self.store.holds(tokens, key)
+        return held
 
 
 def held_documents(store: KVStore, tokens: Sequence[int], documents: Sequence[tuple[int, int]], partition: str,

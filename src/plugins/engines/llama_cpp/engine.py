@@ -47,7 +47,7 @@ from headrace.plugins.engines.llama_cpp.swa import window_of
 from headrace.plugins.engines.llama_cpp.tiers import SequenceTiers
 from headrace.plugins.engines.llm.core import LLMCore, Row, logprobs_row, sample_rows_numpy
 from headrace.plugins.engines.llm.front import LLMFront
-from headrace.plugins.engines.llm.messages import Decode, EngineError, Logits, Outbox, Prefill, PrepareDocuments
+from headrace.plugins.engines.llm.messages import Decode, EngineError, Logits, Outbox, Prefill
 from headrace.plugins.engines.llm.preemption import PausedRows, Want
 from headrace.plugins.engines.llm.prompt_scores import PromptScorer
 from headrace.plugins.hookspecs import hookimpl
@@ -259,12 +259,12 @@ class LlamaCppCore(LlamaSequences, LLMCore):
                 hit = None  # its window layers lost what the prompt's next tokens attend: a miss (swa)
         seq = self._free_seqs.pop()
         composed = self._placed(job, seq, hit[1] if hit else 0) if fresh and job.documents else None
+        skip = 0
         if composed is not None:  # its documents placed (placement): the rest is prefilled below
-            hit, partition = None, PLACED + job.partition
-        # Or a longer prefix from the tiers below the cells, restored rather than prefilled.
-        skip = composed.length if composed is not None else self._tiers.restore(
-            job.tokens, len(job.tokens) - 1, hit[1] if hit else 0, seq, job.partition) \
-            if fresh and self._tiers is not None and self.prefix_cache is not None else 0
+            hit, skip = None, composed.length
+        elif fresh and self._tiers is not None and self.prefix_cache is not None:
+            # Or a longer prefix from the tiers below the cells, restored rather than prefilled.
+            skip = self._tiers.restore(job.tokens, len(job.tokens) - 1, hit[1] if hit else 0, seq, job.partition)
         if fresh and self.prefix_cache is not None and composed is None:  # hits: the cells' or a tier's
             self.prefix_cache.use(hit[0] if hit and not skip else None, len(job.tokens) - job.rebased,
                                   max(0, (skip or (hit[1] if hit else 0)) - job.rebased))
@@ -274,8 +274,8 @@ class LlamaCppCore(LlamaSequences, LLMCore):
             entry, skip = hit
             self._copy_sequence(entry.kv, seq, skip)  # positions [0, skip)
         prompt = (parent.tokens if parent is not None else []) + list(job.tokens)
-        if composed is None:
-            partition = job.partition
+        # A placed context is cached apart: an exact prompt never reuses its approximate KV.
+        partition = job.partition if composed is None else PLACED + job.partition
         self._contexts[job.ctx] = ContextSequence(seq=seq, length=base + skip, tokens=prompt, partition=partition)
         scorer = None
         if job.scoring is not None:
@@ -306,9 +306,6 @@ class LlamaCppCore(LlamaSequences, LLMCore):
             self._clear_sequence(seq)
             return None
         return composed
-
-    def prepare_documents(self, cmd: PrepareDocuments) -> int:
-        return self._placer.prepare(cmd.documents, cmd.partition) if self._placer is not None else 0
 
     def _rebased(self, job: Prefill, parent: ContextSequence) -> Prefill | None:
         """``job`` as a fresh prompt (its parent's tokens, then its own) when the cells or the tiers hold a prefix
@@ -376,7 +373,7 @@ class LlamaCppCore(LlamaSequences, LLMCore):
         if self._tiers is not None:
             stats.update(self._tiers.store.stats())
         if self._placer is not None:
-            stats.update({f"placement_{k}": v for k, v in vars(self._placer.stats).items()})
+            stats.update(self._placer.stats.as_stats())
         # Contexts and cached prefixes share the llama context's n_ctx cells (read on the event loop: list() copies).
         held = sum(seq.length for seq in list(self._contexts.values())) + stats.get("prefix_cache_tokens", 0)
         stats.update(kv_cache_tokens=held, kv_cache_capacity=self._n_ctx)

@@ -42,7 +42,7 @@ class CachedDoc:
     """A document's KV computed alone: the sequence state llama.cpp saved, the document's token count, and the
     position its first token had when computed (0 alone, or the length of the exact prefix it followed)."""
 
-    state: bytes
+    state: bytes | bytearray
     length: int
     base: int
 
@@ -138,7 +138,8 @@ def place(ctx: Any, target: int, scratch: int, doc: CachedDoc, start: int, step:
     mem = lc.llama_get_memory(ctx)
     if lc.llama_memory_seq_pos_max(mem, target) != step.start - 1:
         raise ValueError(f"sequence {target} must end at {step.start - 1} before a placement at {step.start}")
-    src = (ctypes.c_uint8 * len(doc.state)).from_buffer_copy(doc.state)
+    buffer = ctypes.c_uint8 * len(doc.state)  # a bytearray (the tiers' payload) is read in place, not copied
+    src = buffer.from_buffer(doc.state) if isinstance(doc.state, bytearray) else buffer.from_buffer_copy(doc.state)
     try:
         if lc.llama_state_seq_set_data_ext(ctx, src, len(doc.state), scratch, 0) == 0:
             raise RuntimeError("llama.cpp could not restore a document's state (no room, or another layout)")

@@ -27,11 +27,10 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
-from headrace.plugins.engines.kvreuse.documents import DOCUMENTS, PlacementStats, held_documents, kept_tokens
-from headrace.plugins.engines.kvreuse.kv_store import KVStore
+from headrace.plugins.engines.kvreuse.documents import DocumentPlacement, held_documents
 from headrace.plugins.engines.llama_cpp import kv_blend
 from headrace.plugins.engines.llama_cpp.files import llama
 from headrace.plugins.engines.llama_cpp.lazy_kv import anonymous_mappings, kv_buffer_sizes, release_kv_buffers
@@ -69,44 +68,35 @@ class Composed:
 
 
 @dataclass
-class DocumentPlacer:
-    name: str
+class DocumentPlacer(DocumentPlacement):
     model: Any
     threads: int
     n_batch: int
     n_ctx: int  # the placement context's cells: a prompt and the document being placed
-    recompute_first: int
-    block: int
-    store: KVStore | None  # the engine's tiers; None: nothing kept, nothing placed
-    cannot_place: str | None = None  # why this model's documents are prefilled instead (said once)
-    stats: PlacementStats = field(default_factory=PlacementStats)
     _ctx: Any = None
     _batch: Any = None
-    _said: bool = False
 
-    # ----- the placement context -----------------------------------------------------------
-
-    def _context(self) -> Any:
-        """The unified context, made on first use (cells take memory once written: lazy_kv)."""
-        if self._ctx is None:
-            lc = llama()
-            params = lc.llama_context_default_params()
-            params.n_ctx, params.n_seq_max, params.kv_unified = self.n_ctx, 2, True
-            params.n_batch = params.n_ubatch = self.n_batch
-            params.n_threads = params.n_threads_batch = self.threads
-            params.no_perf = True
-            before, sizes = anonymous_mappings(), []
-            with kv_buffer_sizes(sizes):
-                ctx = lc.llama_init_from_model(self.model, params)
-            if not ctx:
-                raise RuntimeError(f"engine {self.name}: llama.cpp could not create a placement context")
-            release_kv_buffers(before, sizes, self.name)
-            if not lc.llama_memory_can_shift(lc.llama_get_memory(ctx)):
-                lc.llama_free(ctx)
-                self.cannot_place = "its KV cannot be shifted to a new position (M-RoPE or another layout)"
-                return None
-            self._ctx, self._batch = ctx, lc.llama_batch_init(self.n_batch, 0, 1)
-        return self._ctx
+    def _refusal(self) -> str | None:
+        """Makes the unified placement context on first use (cells take memory once written: lazy_kv)."""
+        if self._ctx is not None:
+            return None
+        lc = llama()
+        params = lc.llama_context_default_params()
+        params.n_ctx, params.n_seq_max, params.kv_unified = self.n_ctx, 2, True
+        params.n_batch = params.n_ubatch = self.n_batch
+        params.n_threads = params.n_threads_batch = self.threads
+        params.no_perf = True
+        before, sizes = anonymous_mappings(), []
+        with kv_buffer_sizes(sizes):
+            ctx = lc.llama_init_from_model(self.model, params)
+        if not ctx:
+            raise RuntimeError(f"engine {self.name}: llama.cpp could not create a placement context")
+        release_kv_buffers(before, sizes, self.name)
+        if not lc.llama_memory_can_shift(lc.llama_get_memory(ctx)):
+            lc.llama_free(ctx)
+            return "its KV cannot be shifted to a new position (M-RoPE or another layout)"
+        self._ctx, self._batch = ctx, lc.llama_batch_init(self.n_batch, 0, 1)
+        return None
 
     def close(self) -> None:
         lc = llama()
@@ -117,40 +107,13 @@ class DocumentPlacer:
             lc.llama_free(self._ctx)
             self._ctx = None
 
-    def usable(self) -> bool:
-        """Whether documents can be placed; says once in the log why not."""
-        if self.cannot_place is None and self.store is None:
-            self.cannot_place = "it keeps no KV tiers (prefix cache off, or kv_host_mib and kv_disk_mib 0)"
-        if self.cannot_place is None:
-            self._context()
-        if self.cannot_place is not None and not self._said:
-            self._said = True
-            log.warning("engine %s: documents are prefilled, not placed: %s", self.name, self.cannot_place)
-        return self.cannot_place is None
+    def _fits(self, tokens: list[int]) -> bool:
+        return len(tokens) <= self.n_ctx // 2  # longer than a context: never placed whole
 
-    # ----- documents ----------------------------------------------------------------------
-
-    def prepare(self, documents: Sequence[Sequence[int]], partition: str) -> int:
-        """Compute and keep each document's KV, alone from position 0; how many are held now."""
-        if not documents or not self.usable():
-            return 0
+    def _keep(self, tokens: list[int], partition: str) -> None:
         assert self.store is not None
-        lc, held = llama(), 0
-        for doc in documents:
-            tokens = kept_tokens(doc, self.block)
-            if not tokens:
-                continue
-            if self.store.holds(tokens, DOCUMENTS + partition):
-                held += 1
-                continue
-            if len(tokens) > self.n_ctx // 2:
-                continue  # longer than a context: never placed whole
-            cached = kv_blend.compute_doc(self._ctx, self._batch, SCRATCH, tokens, self.n_batch)
-            self.store.put(tokens, bytearray(cached.state), DOCUMENTS + partition)
-            self.stats.documents_prepared += 1
-            held += self.store.holds(tokens, DOCUMENTS + partition)
-        lc.llama_memory_seq_rm(lc.llama_get_memory(self._ctx), SCRATCH, -1, -1)
-        return held
+        cached = kv_blend.compute_doc(self._ctx, self._batch, SCRATCH, tokens, self.n_batch)  # SCRATCH emptied
+        self.store.put(tokens, bytearray(cached.state), partition)
 
     def compose(self, tokens: Sequence[int], documents: Sequence[tuple[int, int]], partition: str, main_ctx: Any,
                 main_streams: int, seq: int) -> Composed | None:

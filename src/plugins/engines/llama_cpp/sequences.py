@@ -114,9 +114,10 @@ class LlamaSequences:
                 self._tiers.usable = self._window_holds
             self.set_prefix_caching(True)
         if self._place[0]:
-            self._placer = DocumentPlacer(self.name, self._model, self._threads, self.max_batch_tokens,
-                                          2 * lc.llama_n_ctx_seq(ctx), self._place[1], BLOCK,
-                                          self._tiers.store if self._tiers is not None else None)
+            self._placer = DocumentPlacer(self._model, self._threads, self.max_batch_tokens,
+                                          2 * lc.llama_n_ctx_seq(ctx), name=self.name,
+                                          recompute_first=self._place[1], block=BLOCK,
+                                          store=self._tiers.store if self._tiers is not None else None)
             if self.window:
                 self._placer.cannot_place = (f"sliding-window attention ({self.window} tokens): a shifted document "
                                              "would keep its window from the wrong positions")

@@ -220,8 +220,10 @@ class LLMCore(ABC):
         return cache.pin(cmd.tokens, ttl, owner=cmd.owner, next_use=cmd.next_use, partition=cmd.partition)
 
     def prepare_documents(self, cmd: PrepareDocuments) -> int:
-        """``PrepareDocuments``: how many of the documents the core holds KV for now; 0 where it places none."""
-        return 0
+        """``PrepareDocuments``: how many of the documents the core's placer (``kvreuse.documents``) holds KV for
+        now; 0 where there is none."""
+        placer = getattr(self, "_placer", None)
+        return placer.prepare(cmd.documents, cmd.partition) if placer is not None else 0
 
     # ----- given to every core -------------------------------------------------------------
 

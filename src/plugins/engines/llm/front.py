@@ -56,8 +56,7 @@ from headrace.plugins.engines.llm.chat import ChatMessages, ToolSpecs
 from headrace.plugins.engines.llm.core import LLMCore
 from headrace.plugins.engines.llm.messages import (CacheControl, Command, Decode, EngineError, EngineFailed, Heartbeat,
                                                    Logits, Outbox, Pin, Prefill, PrepareDocuments, Reply, Stop,
-                                                   TokenStream,
-                                                   deliver_on_loop)
+                                                   TokenStream, deliver_on_loop)
 from headrace.plugins.engines.llm.prompt_scores import PromptScoring
 from headrace.plugins.protocols import MAX_TOP_LOGPROBS, PromptLogprobs, SamplingParams, TokenDelta
 from headrace.types import ContextId, TokenIds

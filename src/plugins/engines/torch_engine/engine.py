@@ -43,7 +43,7 @@ from headrace.plugins.engines.kvreuse.prefix_cache import (
 from headrace.plugins.engines.llm.chat import read_template
 from headrace.plugins.engines.llm.core import LLMCore, Row, sample_row, sample_rows
 from headrace.plugins.engines.llm.front import LLMFront
-from headrace.plugins.engines.llm.messages import Decode, EngineError, Logits, Outbox, Prefill, PrepareDocuments
+from headrace.plugins.engines.llm.messages import Decode, EngineError, Logits, Outbox, Prefill
 from headrace.plugins.engines.llm.prompt_scores import PromptScorer
 from headrace.plugins.engines.models.loading import AUTO, load_causal_lm, parse_dtype
 from headrace.plugins.engines.models.paths import resolve_model
@@ -159,7 +159,8 @@ class TorchCore(LLMCore):
             self._tiers = open_tensor_tiers(self._path, self.model.config, self.model.dtype, BLOCK, self._tier_dir,
                                             *self._tier_budgets, self.name)
         if self.places_documents:
-            self._placer = TensorPlacer(self.name, self.model, self._tiers, self._place_first, BLOCK)
+            self._placer = TensorPlacer(self.model, self._tiers, name=self.name, recompute_first=self._place_first,
+                                        block=BLOCK, store=self._tiers.store if self._tiers is not None else None)
 
     @contextlib.contextmanager
     def serving(self) -> Iterator[None]:
@@ -234,11 +235,8 @@ class TorchCore(LLMCore):
         if self._tiers is not None:
             stats.update(self._tiers.store.stats())
         if self._placer is not None:
-            stats.update({f"placement_{k}": v for k, v in vars(self._placer.stats).items()})
+            stats.update(self._placer.stats.as_stats())
         return stats
-
-    def prepare_documents(self, cmd: PrepareDocuments) -> int:
-        return self._placer.prepare(cmd.documents, cmd.partition) if self._placer is not None else 0
 
     def _placed(self, job: Prefill, out: Outbox) -> int:
         """``job`` filled with its documents placed (``placement``) unless the cache's exact prefix reaches its last

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
-from headrace.plugins.engines.kvreuse.documents import DOCUMENTS, PlacementStats, held_documents, kept_tokens
+from headrace.plugins.engines.kvreuse.documents import DocumentPlacement, held_documents
 from headrace.plugins.engines.torch_engine import kv
 from headrace.plugins.engines.torch_engine.tiers import TensorTiers
 
@@ -55,44 +55,17 @@ def why_not(model: Any) -> str | None:
 
 
 @dataclass
-class TensorPlacer:
-    name: str
+class TensorPlacer(DocumentPlacement):
     model: Any
     tiers: TensorTiers | None
-    recompute_first: int
-    block: int
-    cannot_place: str | None = None
-    stats: PlacementStats = field(default_factory=PlacementStats)
-    _said: bool = False
 
-    def __post_init__(self) -> None:
-        if self.tiers is None:
-            self.cannot_place = "it keeps no KV tiers (prefix cache off, or kv_host_mib and kv_disk_mib 0)"
-        else:
-            self.cannot_place = why_not(self.model)
+    def _refusal(self) -> str | None:
+        return why_not(self.model)
 
-    def usable(self) -> bool:
-        if self.cannot_place is not None and not self._said:
-            self._said = True
-            log.warning("engine %s: documents are prefilled, not placed: %s", self.name, self.cannot_place)
-        return self.cannot_place is None
-
-    def prepare(self, documents: Sequence[Sequence[int]], partition: str) -> int:
-        """Compute and keep each document's KV, alone from position 0; how many are held now."""
-        if not documents or not self.usable():
-            return 0
+    def _keep(self, tokens: list[int], partition: str) -> None:
         assert self.tiers is not None
-        held = 0
-        for doc in documents:
-            tokens = kept_tokens(doc, self.block)
-            if not tokens:
-                continue
-            if not self.tiers.store.holds(tokens, DOCUMENTS + partition):
-                out = self.model(input_ids=torch.tensor([tokens]), use_cache=True, logits_to_keep=1)
-                self.tiers.save(kv.layers_of(out.past_key_values), tokens, DOCUMENTS + partition)
-                self.stats.documents_prepared += 1
-            held += self.tiers.store.holds(tokens, DOCUMENTS + partition)
-        return held
+        out = self.model(input_ids=torch.tensor([tokens]), use_cache=True, logits_to_keep=1)
+        self.tiers.save(kv.layers_of(out.past_key_values), tokens, partition)
 
     def _shifted(self, layers: kv.LayerKV, length: int, delta: int) -> kv.LayerKV:
         """``layers`` (positions [0, length) of a document computed alone) with K rotated ``delta`` positions on."""
@@ -112,7 +85,7 @@ class TensorPlacer:
             return None
         assert self.tiers is not None
         start = time.perf_counter()
-        held = held_documents(self.tiers.store, tokens, documents, partition, self.block)
+        held = held_documents(self.store, tokens, documents, partition, self.block)
         if not held:
             self.stats.fallbacks += 1
             return None
