@@ -198,8 +198,10 @@ def test_the_kv_cells_take_memory_only_as_sequences_fill_them(tmp_path):
             await tg.start(engine.run)
             loaded = process.memory_info().rss, resident_bytes(engine.core.kv_released)
             prompt = chat(engine, "Rivers: Nile, Amazon, Yangtze, Danube, Rhine. " * 40 + "Which is the longest?")
-            answer = await text_of(engine.generate(prompt, SamplingParams(max_tokens=8, temperature=0)))
-            used = resident_bytes(engine.core.kv_released)
+            await engine.prefill("a", prompt)
+            answer = await text_of(engine.decode("a", SamplingParams(max_tokens=8, temperature=0)))
+            used = resident_bytes(engine.core.kv_released)  # while open: freed, its stream goes back too
+            await engine.free("a")
             tg.cancel_scope.cancel()
         return before, loaded, used, answer, prompt
 
@@ -214,6 +216,50 @@ def test_the_kv_cells_take_memory_only_as_sequences_fill_them(tmp_path):
     per_token = core.kv_buffer_bytes / core._n_ctx
     assert len(prompt) > 400 and len(prompt) * per_token <= used_kv < 1.5 * len(prompt) * per_token + 4_000_000, \
         (len(prompt), per_token, used_kv)
+
+
+@pytest.mark.slow
+def test_an_emptied_stream_gives_its_memory_back_and_the_streams_in_use_keep_theirs(tmp_path):
+    """A stream per sequence: a freed context's stream and an evicted cache entry's (a whole-stream copy, 47 MB)
+    go back to the kernel (lazy_kv.StreamLayout), while a context kept open through it all decodes exactly as the
+    same prefill decoded before: the released pages are the emptied streams' and nobody else's."""
+    engine = LlamaCppLLM(engine_spec(n_seq_max=4), make_env(tmp_path))
+    short = SamplingParams(max_tokens=8, temperature=0)
+
+    async def scenario():
+        async with anyio.create_task_group() as tg:
+            await tg.start(engine.run)
+            core = engine.core
+            assert core._streams is not None
+            rivers = chat(engine, "Rivers: Nile, Amazon, Yangtze, Danube, Rhine. " * 20 + "Which is the longest?")
+            moons = chat(engine, "Moons: Io, Europa, Ganymede, Callisto, Titan. " * 20 + "Which is the largest?")
+            await text_of(engine.generate(moons, short))  # caches the prompt
+            # The same prefill twice (a cache hit, then the rest): the first decodes at once, the second after
+            # other streams were filled, copied, freed and evicted around it.
+            reference = await text_of(engine.generate(moons, short))
+            await engine.prefill("kept", moons)
+            for _ in range(2):  # a fresh prompt, then a cache hit: a whole-stream copy
+                await text_of(engine.generate(rivers, short))
+            hits = core.stats()["prefix_cache_hits"]
+            await engine.set_prefix_caching(False)  # evicts every cached stream
+            await text_of(engine.generate(chat(engine, "Hi"), SamplingParams(max_tokens=2, temperature=0)))
+            await wait_for_no_contexts(engine, timeout=0.5)  # "kept" stays
+            held = resident_bytes(core.kv_released)
+            kept = await text_of(engine.decode("kept", short))
+            await engine.free("kept")
+            await text_of(engine.generate(chat(engine, "Hi"), SamplingParams(max_tokens=2, temperature=0)))
+            await wait_for_no_contexts(engine)
+            emptied = resident_bytes(core.kv_released)
+            tg.cancel_scope.cancel()
+        return reference, kept, hits, held, emptied, core.kv_buffer_bytes // core._n_sequences
+
+    reference, kept, hits, held, emptied, per_stream = anyio.run(scenario)
+    assert hits > 0
+    assert kept == reference
+    # Only the kept context's stream (whole: it began as a cache hit's copy) and a page or so a tensor elsewhere
+    # stay resident; without the release the cache entries and the other contexts' copies kept four more.
+    assert per_stream <= held < per_stream + 4_000_000, (held, per_stream)
+    assert emptied < 4_000_000, emptied
 
 
 def test_too_many_contexts_and_a_full_kv_cache_are_clear_errors(tmp_path):

@@ -473,6 +473,7 @@ class LlamaCppCore(LlamaSequences, LLMCore):
         end = time.monotonic()
         if rc != 0:
             raise DecodeFailed(rc)
+        self._after_decode()
         for part in parts:
             self.token_counts[part.kind] += part.count
         if outputs:

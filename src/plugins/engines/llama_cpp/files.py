@@ -115,8 +115,29 @@ def load_tokenizer(gguf: Path, cache_dir: Path) -> Any:
 
 def model_footprint_bytes(model: Any, cells: int) -> int:
     """llama.cpp's count of a loaded model's weights (``llama_model_size``) plus the KV cache a context of
-    ``cells`` preallocates: cells x layers x K and V x the KV width (f16, llama.cpp's default cache type)."""
+    ``cells`` preallocates: cells x layers x the K and V rows."""
     lc = llama()
-    heads = lc.llama_model_n_head(model)
-    kv_width = lc.llama_model_n_embd(model) // max(1, heads) * lc.llama_model_n_head_kv(model)
-    return int(lc.llama_model_size(model)) + cells * lc.llama_model_n_layer(model) * 2 * kv_width * 2
+    return int(lc.llama_model_size(model)) + cells * lc.llama_model_n_layer(model) * sum(kv_rows(model))
+
+
+def kv_rows(model: Any) -> tuple[int, int]:
+    """Bytes a cell of one layer takes in the K and in the V cache (f16, llama.cpp's default cache type): the
+    head size (the GGUF's ``attention.key_length`` / ``value_length``, else the width over the heads) times
+    the KV heads."""
+    lc = llama()
+    heads, kv_heads = lc.llama_model_n_head(model), lc.llama_model_n_head_kv(model)
+    width = lc.llama_model_n_embd(model) // max(1, heads)
+    arch = _meta(model, "general.architecture")
+    k = _meta(model, f"{arch}.attention.key_length")
+    v = _meta(model, f"{arch}.attention.value_length")
+    k_head = int(k) if k and k.isdigit() else width
+    v_head = int(v) if v and v.isdigit() else k_head
+    return 2 * k_head * kv_heads, 2 * v_head * kv_heads
+
+
+def _meta(model: Any, key: str) -> str | None:
+    import ctypes
+
+    buf = ctypes.create_string_buffer(256)
+    n = llama().llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+    return buf.value.decode(errors="replace") if n >= 0 else None

@@ -13,7 +13,10 @@ Which memory: the buffers llama.cpp says it made (its "KV buffer size = X MiB" l
 made, one a cache: a sliding-window model has two), each matched to a run of resident pages of its size
 (``mincore``) in the anonymous mappings that appeared during that call and overlap nothing mapped before it.
 Nothing else is touched: a run of another size, or two alike, is left alone, and no match releases nothing
-(the engine runs as before, said in the log). Linux only (``/proc/self/maps``); elsewhere nothing is released.
+(the engine runs as before, said in the log). Only a buffer of ``OWN_MAPPING_BYTES`` or more is released: glibc
+serves an allocation that large from a mapping of its own, while a smaller one may lie in a heap among live
+chunks whose pages a mistaken match would zero (a small context's KV is not worth that risk). Linux only
+(``/proc/self/maps``); elsewhere nothing is released.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import mmap
 import re
 import sys
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Iterator
 
 log = logging.getLogger(__name__)
@@ -35,6 +39,67 @@ MiB = 1 << 20
 KV_BUFFER_LINE = re.compile(r"KV buffer size\s*=\s*([0-9.]+)\s*MiB")
 # The log prints MiB to two decimals; the mapping adds malloc's header and alignment, rounded up to pages.
 SIZE_SLACK = int(0.006 * MiB) + 2 * mmap.PAGESIZE
+# glibc's mmap threshold never rises above 32 MiB on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX): twice that is always
+# a mapping of its own, whatever the process freed before.
+OWN_MAPPING_BYTES = 64 * MiB
+
+
+@dataclass(frozen=True)
+class ReleasedBuffer:
+    """A KV buffer found and handed back: the resident run it was found in (it lies somewhere inside), its size
+    as logged (MiB, two decimals), and the page range released (inside the buffer wherever it lies in the run)."""
+
+    run: tuple[int, int]
+    logged_mib: float
+    released: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class StreamLayout:
+    """Where each stream's cells lie in a KV buffer of one stream per sequence: llama.cpp allocates a K and a V
+    tensor a layer, in that order, each (row, cells, streams) with stream ``s`` its ``s``-th slice, back to back
+    at ggml's 32-byte alignment. The buffer's start is known only to lie in ``run``: a stream's range is what
+    every possible start covers, and never leaves ``inside`` (the range released at load)."""
+
+    run: tuple[int, int]
+    size: int  # the buffer's bytes, from the layout (checked against the logged size)
+    tensors: tuple[tuple[int, int], ...]  # (offset in the buffer, bytes of one stream's slice), buffer order
+    inside: tuple[int, int]
+
+    def ranges(self, stream: int) -> list[tuple[int, int]]:
+        """The whole pages holding only ``stream``'s cells, whatever the buffer's start in its run."""
+        page = mmap.PAGESIZE
+        earliest, latest = self.run[0], self.run[1] - self.size  # the buffer's possible starts
+        out = []
+        for offset, per_stream in self.tensors:
+            start = -(-(latest + offset + stream * per_stream) // page) * page
+            end = (earliest + offset + (stream + 1) * per_stream) // page * page
+            start, end = max(start, self.inside[0]), min(end, self.inside[1])
+            if end > start:
+                out.append((start, end))
+        return out
+
+
+def stream_layout(buffer: ReleasedBuffer, layers: int, k_row: int, v_row: int, cells: int,
+                  streams: int) -> StreamLayout | None:
+    """The layout of ``buffer`` given the model's rows (bytes a cell, a layer) and the cells a stream; None when
+    its total disagrees with llama.cpp's logged size (another cache type or layout: nothing is assumed)."""
+    tensors, offset = [], 0
+    for _ in range(layers):
+        for row in (k_row, v_row):
+            tensors.append((offset, row * cells))
+            offset += -(-row * cells * streams // 32) * 32
+    if abs(offset - buffer.logged_mib * MiB) > 0.0051 * MiB or offset > buffer.run[1] - buffer.run[0]:
+        return None
+    return StreamLayout(run=buffer.run, size=offset, tensors=tuple(tensors), inside=buffer.released)
+
+
+def release_ranges(ranges: list[tuple[int, int]]) -> None:
+    """``madvise(MADV_DONTNEED)`` each page range: read again, its pages are zeros (as llama.cpp cleared them)."""
+    libc = _libc()
+    for start, end in ranges:
+        if libc.madvise(ctypes.c_void_p(start), end - start, MADV_DONTNEED) != 0:
+            raise OSError(ctypes.get_errno(), "madvise failed")
 
 
 def anonymous_mappings() -> list[tuple[int, int]]:
@@ -104,9 +169,9 @@ def resident_runs(start: int, end: int) -> list[tuple[int, int]]:
     return runs
 
 
-def release_kv_buffers(before: list[tuple[int, int]], sizes_mib: list[float], name: str) -> list[tuple[int, int]]:
+def release_kv_buffers(before: list[tuple[int, int]], sizes_mib: list[float], name: str) -> list[ReleasedBuffer]:
     """Hand back to the kernel the pages of each KV buffer of ``sizes_mib`` among the mappings made since
-    ``before``; the ranges released (none where no buffer matched: said in the log).
+    ``before``; the buffers released (none where no buffer matched: said in the log).
 
     A KV buffer is found as a run of resident pages of its size: llama.cpp has just written zeros over all of it,
     while the other buffers the context made (compute, output) are not written yet, only their malloc header
@@ -121,6 +186,8 @@ def release_kv_buffers(before: list[tuple[int, int]], sizes_mib: list[float], na
     released = []
     for size in sizes_mib:
         want = int(size * MiB)
+        if want < OWN_MAPPING_BYTES:
+            continue  # may share a heap with live chunks: stays resident (it is small)
         match = [(s, e) for s, e in runs if want - SIZE_SLACK <= e - s <= want + SIZE_SLACK]
         if len(match) != 1:  # none, or ambiguous: leave the memory as it is
             log.info("engine %s: the KV buffer of %.2f MiB was not found among the new mappings (%d candidates); "
@@ -139,5 +206,5 @@ def release_kv_buffers(before: list[tuple[int, int]], sizes_mib: list[float], na
             log.warning("engine %s: madvise of the KV buffer failed (errno %d); its memory stays resident", name,
                         ctypes.get_errno())
             continue
-        released.append((start, end))
+        released.append(ReleasedBuffer(run=(r0, r1), logged_mib=size, released=(start, end)))
     return released

@@ -18,8 +18,9 @@ import numpy as np
 
 from headrace.plugins.engines.kvreuse.prefix_cache import BLOCK, PinPolicy, PrefixCache, PrefixCacheStats
 from headrace.plugins.engines.llama_cpp.batch import Fill, ScoringQueue
-from headrace.plugins.engines.llama_cpp.files import llama
-from headrace.plugins.engines.llama_cpp.lazy_kv import anonymous_mappings, kv_buffer_sizes, release_kv_buffers
+from headrace.plugins.engines.llama_cpp.files import kv_rows, llama, log
+from headrace.plugins.engines.llama_cpp.lazy_kv import (StreamLayout, anonymous_mappings, kv_buffer_sizes,
+                                                        release_kv_buffers, release_ranges, stream_layout)
 from headrace.plugins.engines.llama_cpp.options import SCORE_SEQUENCES
 from headrace.plugins.engines.llama_cpp.placement import DocumentPlacer
 from headrace.plugins.engines.llama_cpp.swa import full_window, window_holds
@@ -78,6 +79,12 @@ class LlamaSequences:
     _placer: DocumentPlacer | None
     kv_buffer_bytes: int  # the KV buffers llama.cpp made for the context, all its cells
     kv_released: list[tuple[int, int]]  # their pages handed back to the kernel once made (lazy_kv): address ranges
+    # A stream per sequence: each stream's pages handed back when its sequence is emptied (None: not known where)
+    _streams: StreamLayout | None = None
+    # Emptied streams waiting for the next decode: llama.cpp copies a stream at the next decode, from what the
+    # source holds then, so a source's pages may go only once no copy is pending.
+    _streams_to_release: set[int]
+    _stream_copies_pending = False
 
     def _open_context(self) -> None:
         lc = llama()
@@ -98,7 +105,15 @@ class LlamaSequences:
             raise RuntimeError(f"engine {self.name}: llama.cpp could not create a context of {self._n_ctx} tokens")
         # The cells take memory as sequences fill them, not all at once (lazy_kv).
         self.kv_buffer_bytes = int(sum(sizes) * (1 << 20))
-        self.kv_released = release_kv_buffers(before, sizes, self.name)
+        buffers = release_kv_buffers(before, sizes, self.name)
+        self.kv_released = [b.released for b in buffers]
+        self._streams, self._streams_to_release = None, set()
+        if not self._kv_unified and not self.window and len(buffers) == 1 and len(sizes) == 1:
+            self._streams = stream_layout(buffers[0], lc.llama_model_n_layer(self._model), *kv_rows(self._model),
+                                          lc.llama_n_ctx_seq(ctx), self._n_sequences)
+            if self._streams is None:
+                log.info("engine %s: the KV buffer's layout is not the one expected; a freed stream's memory stays "
+                         "resident", self.name)
         self._ctx = ctx
         self._mem = lc.llama_get_memory(ctx)
         self._batch = lc.llama_batch_init(self.max_batch_tokens, 0, 1)
@@ -154,6 +169,7 @@ class LlamaSequences:
             lc.llama_memory_seq_cp(self._mem, src, dst, 0 if n is not None else -1, -1 if n is None else n)
             return
         lc.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
+        self._stream_copies_pending = True
         if n is not None:
             lc.llama_memory_seq_rm(self._mem, dst, n, -1)
 
@@ -170,6 +186,25 @@ class LlamaSequences:
 
     def _clear_sequence(self, seq: int) -> None:
         llama().llama_memory_seq_rm(self._mem, seq, -1, -1)  # removing a whole sequence never fails
+        if self._streams is not None:
+            self._streams_to_release.add(seq)
+            if not self._stream_copies_pending:
+                self._release_streams()
+
+    def _after_decode(self) -> None:
+        """A decode ran: the stream copies queued before it are done."""
+        self._stream_copies_pending = False
+        if self._streams_to_release:
+            self._release_streams()
+
+    def _release_streams(self) -> None:
+        """The emptied streams' pages back to the kernel (lazy_kv), those still empty: the cells an idle or a
+        finished sequence held stop counting, and a whole-stream copy's pages go with its sequence."""
+        lc = llama()
+        for seq in self._streams_to_release:
+            if lc.llama_memory_seq_pos_max(self._mem, seq) < 0:
+                release_ranges(self._streams.ranges(seq))
+        self._streams_to_release.clear()
 
     def _cache_copy(self, src: int, n: int) -> int:
         """A cache sequence holding positions [0, n) of ``src`` (the cache keeps at most one entry a sequence)."""
