@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from headrace.bench.client import poll_ready
+from headrace.bench.client import dies_with_this_process, poll_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 API_KEY = "test-key"
@@ -86,7 +86,7 @@ class Server:
         if api_key:
             args += ["--api-key", api_key]
         self.proc = subprocess.Popen(args, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
+                                     env={**os.environ, **(env or {})}, preexec_fn=dies_with_this_process())
 
     def wait_ready(self, timeout: float = 300) -> "Server":
         ready = poll_ready(f"{self.base_url}/ready", lambda: self.proc.poll() is not None, timeout)

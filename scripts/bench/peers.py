@@ -60,7 +60,7 @@ import httpx
 
 from benchlib import CPUWatch, cpu_note, median, write_results  # beside this script
 from engines import QUESTIONS, prompt_sentences, stdlib_sentences  # the open-ended prompts engines.py decodes
-from headrace.bench.client import poll_ready
+from headrace.bench.client import dies_with_this_process, poll_ready
 from headrace.daemon.config import DataConfig
 from headrace.plugins.engines.llama_cpp.cpu import VARIANT_ENV as HEADRACE_VARIANT_ENV
 from headrace.plugins.engines.llama_cpp.cpu import loaded_variant
@@ -313,7 +313,7 @@ def running(spec: ServerSpec, tmp: Path, ready_timeout: float) -> Iterator[tuple
     log = tmp / f"{spec.label.replace(' ', '-')}.log"
     # Its own process group, so a server's children (vLLM's engine core) are stopped with it.
     proc = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**BASE_ENV, **spec.env},
-                            cwd=ROOT, start_new_session=True)
+                            cwd=ROOT, start_new_session=True, preexec_fn=dies_with_this_process())
     base = f"http://127.0.0.1:{port}"
     try:
         if not poll_ready(base + spec.ready_path, lambda: proc.poll() is not None, ready_timeout):

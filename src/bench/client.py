@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +40,22 @@ def poll_ready(url: str, exited: Callable[[], bool], timeout: float) -> bool | N
     return False
 
 
+def dies_with_this_process() -> Callable[[], None] | None:
+    """A ``preexec_fn`` for a daemon this process starts: Linux sends the child SIGTERM when this process dies
+    (``PR_SET_PDEATHSIG``), so a crashed test worker or benchmark leaves no daemon holding memory and cores.
+    Only from the main thread, whose end is the process's (the signal follows the thread that forked); None
+    elsewhere."""
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # bound before the fork: the child only calls it
+    pr_set_pdeathsig = 1
+
+    def preexec() -> None:
+        prctl(pr_set_pdeathsig, int(signal.SIGTERM))
+
+    return preexec
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -59,7 +78,7 @@ class DaemonProcess:
                 "--log-level", "warning"]
         self._log_file = self.log.open("w")
         self.proc = subprocess.Popen(args, stdout=self._log_file, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                                     env={**os.environ, "HF_HUB_OFFLINE": "1"}, preexec_fn=dies_with_this_process())
 
     def wait_ready(self, timeout: float = 600) -> "DaemonProcess":
         ready = poll_ready(f"{self.base_url}/ready", lambda: self.proc.poll() is not None, timeout)

@@ -13,7 +13,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Iterator
 
-from headrace.bench.client import BenchError, _free_port, poll_ready
+from headrace.bench.client import BenchError, _free_port, dies_with_this_process, poll_ready
 from headrace.bench.soak import metric_sum
 
 # Configs and processes --------------------------------------------------------------------------------------------
@@ -87,7 +87,8 @@ class ModeDaemon:
                                       str(config), "--port", str(self.port), "--data-dir", str(data_dir),
                                       "--api-key", api_key, "--log-level", "warning"],
                                      stdout=self._log_file, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                                     env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                                     preexec_fn=dies_with_this_process())
 
     def wait_ready(self, timeout: float = 600) -> "ModeDaemon":
         ready = poll_ready(f"{self.base_url}/ready", lambda: self.proc.poll() is not None, timeout)
