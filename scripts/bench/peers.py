@@ -21,8 +21,8 @@ servers tokenize identical text and neither applies a template of its own; the p
 are plain text). Generated tokens are counted from the text actually received, re-tokenized
 with the model's tokenizer (llama_cpp.server reports no usage when streaming; llama-server
 does). Figures: aggregate decode tok/s at each
-concurrency (all tokens received / round wall time, median of rounds; open-ended prompts so
-answers run to max_tokens) and the time to the first token of a long (~1,000-token) prompt,
+concurrency (all tokens received / round wall time, median of rounds; `ignore_eos`, so answers run
+to max_tokens where the server takes it: headrace, llama-server and vLLM do) and the time to the first token of a long (~1,000-token) prompt,
 each a distinct text so no prefix cache serves it (median of a few), and prefill throughput:
 16 concurrent ~400-token plain-text prompts that each start with a different token (so no prefix
 cache serves any), one token each, non-streamed: all prompt tokens / the round's wall time
@@ -354,16 +354,19 @@ class Client:
     def __init__(self, http: httpx.AsyncClient, extra: dict[str, Any]) -> None:
         self.http, self.extra = http, extra
 
-    def body(self, prompt: str, max_tokens: int, stream: bool) -> dict[str, Any]:
+    def body(self, prompt: str, max_tokens: int, stream: bool, ignore_eos: bool = False) -> dict[str, Any]:
         body = {"model": LLM, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream,
                 **self.extra}
+        if ignore_eos:  # vLLM's and llama-server's field; llama_cpp.server ignores it (its answers may end early)
+            body["ignore_eos"] = True
         if stream:
             body["stream_options"] = {"include_usage": True}
         return body
 
-    async def stream(self, prompt: str, max_tokens: int) -> Received:
+    async def stream(self, prompt: str, max_tokens: int, ignore_eos: bool = False) -> Received:
         text, first, last, reported = [], None, None, None
-        async with self.http.stream("POST", "/v1/completions", json=self.body(prompt, max_tokens, True)) as resp:
+        body = self.body(prompt, max_tokens, True, ignore_eos)
+        async with self.http.stream("POST", "/v1/completions", json=body) as resp:
             if resp.status_code != 200:
                 raise ServerFailed(f"{resp.status_code} from {resp.url}: {(await resp.aread()).decode()[:2000]}")
             async for line in resp.aiter_lines():
@@ -389,13 +392,14 @@ class Client:
         return resp.json()["usage"]["prompt_tokens"]
 
 
-async def timed_round(client: Client, prompts: list[str], max_tokens: int) -> tuple[list[Received], float]:
+async def timed_round(client: Client, prompts: list[str], max_tokens: int,
+                      ignore_eos: bool = False) -> tuple[list[Received], float]:
     """All ``prompts`` at once; the responses and the round's wall time (until the last stream ended)."""
     results: list[Received | None] = [None] * len(prompts)
     t0 = perf_counter()
 
     async def one(k: int) -> None:
-        results[k] = await client.stream(prompts[k], max_tokens)
+        results[k] = await client.stream(prompts[k], max_tokens, ignore_eos)
 
     async with anyio.create_task_group() as tg:
         for k in range(len(prompts)):
@@ -420,7 +424,9 @@ async def measure(base: str, extra: dict[str, Any], work: Workload, args) -> dic
             rates, tokens, reported = [], 0, []
             for r in range(args.rounds):
                 prompts = [work.chat[(r * c + i) % len(work.chat)] for i in range(c)]
-                got, wall = await timed_round(client, prompts, args.max_tokens)
+                # Every answer runs to max_tokens (ignore_eos): both servers decode as many tokens, where answers
+                # that end early at different places would weigh each round's prefill differently.
+                got, wall = await timed_round(client, prompts, args.max_tokens, ignore_eos=True)
                 n = sum(work.count(g.text) for g in got)  # counted after the round: no client work while timed
                 tokens += n
                 rates.append(n / wall)
