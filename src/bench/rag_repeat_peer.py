@@ -84,7 +84,7 @@ async def embed(daemon: Daemon, model: str, texts: list[str]) -> np.ndarray:
 
 async def popularity(bench: Any, daemon: Daemon) -> dict[str, Any]:
     """How concentrated the workload's retrievals are; builds ``bench.retriever`` (the peer's) once."""
-    from headrace.bench.rag_repeat import CHUNK_OVERLAP, CHUNK_SIZE, TOP_SHARE
+    from headrace.bench.rag_repeat_workload import CHUNK_OVERLAP, CHUNK_SIZE, TOP_SHARE
 
     bench.retriever = await Retriever.build(daemon, [d.text for d in bench.plan.corpus.documents], CHUNK_SIZE,
                                             CHUNK_OVERLAP)

@@ -12,7 +12,8 @@ import pytest
 
 from conftest import API_KEY, ROOT
 from headrace.bench.corpus import build_corpus
-from headrace.bench.rag_repeat import MODES, RagRepeatOptions, draw_queries, options_from
+from headrace.bench.rag_repeat import MODES, RagRepeatOptions, options_from
+from headrace.bench.rag_repeat_workload import draw_queries
 from headrace.bench.rag_repeat_daemon import mode_config
 from headrace.bench.rag_repeat_report import same_answers
 from headrace.cli import main

@@ -136,8 +136,7 @@ def kv_rows(model: Any) -> tuple[int, int]:
 
 
 def _meta(model: Any, key: str) -> str | None:
-    import ctypes
-
+    """A GGUF metadata value of the loaded model, as text (None: absent)."""
     buf = ctypes.create_string_buffer(256)
     n = llama().llama_model_meta_val_str(model, key.encode(), buf, len(buf))
     return buf.value.decode(errors="replace") if n >= 0 else None
