@@ -9,6 +9,7 @@ Sequence ids: ``[0, max_contexts)`` hold KV contexts, the next ``SCORE_SEQUENCES
 
 from __future__ import annotations
 
+import ctypes
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -160,18 +161,40 @@ class LlamaSequences:
         return window_holds(self._mem, seq, n, self.window)
 
     def _copy_sequence(self, src: int, dst: int, n: int | None = None) -> None:
-        """``dst`` holds ``src``'s positions [0, n) (all of them without ``n``); ``dst`` is empty. Across
-        streams llama.cpp copies only whole streams (a partial seq_cp aborts the process), on the next
-        decode; the copy is trimmed to the prefix at once (seq_rm is bookkeeping only).
-        """
+        """``dst`` holds ``src``'s positions [0, n) (all of them without ``n``); ``dst`` is empty.
+
+        Unified: ``dst`` tags ``src``'s cells. Across streams, ``src``'s cells only, through llama.cpp's state of
+        one sequence (``llama_state_seq_get/set_data``): its own ``seq_cp`` copies whole streams (a partial one
+        aborts the process), every cell of a 2,048-cell stream (47 MB for SmolLM2-135M) however few the prefix
+        holds, so a 16-token prefix-cache hit cost more than its prefill (pages faulted in after ``lazy_kv``
+        gave them back) and every cache entry held a whole stream. The copy is trimmed to the prefix at once
+        (seq_rm is bookkeeping only: the cells past it stay written)."""
         lc = llama()
         if self._kv_unified:
             lc.llama_memory_seq_cp(self._mem, src, dst, 0 if n is not None else -1, -1 if n is None else n)
             return
-        lc.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
-        self._stream_copies_pending = True
+        # A window model's state holds only the window behind the sequence's end: a prefix shorter than the
+        # source would lose what its own continuation attends. Its whole stream is copied.
+        if self.window or not self._copy_cells(src, dst):
+            lc.llama_memory_seq_cp(self._mem, src, dst, -1, -1)  # the whole stream, on the next decode
+            self._stream_copies_pending = True
         if n is not None:
             lc.llama_memory_seq_rm(self._mem, dst, n, -1)
+
+    def _copy_cells(self, src: int, dst: int) -> bool:
+        """``src``'s cells into the empty ``dst``'s stream through the state of one sequence; False: not copied
+        (``dst`` still empty), the caller copies the stream."""
+        lc = llama()
+        size = lc.llama_state_seq_get_size_ext(self._ctx, src, 0)
+        data = (ctypes.c_uint8 * size)()
+        if size == 0 or lc.llama_state_seq_get_data_ext(self._ctx, data, size, src, 0) != size:
+            return False
+        if lc.llama_state_seq_set_data_ext(self._ctx, data, size, dst, 0) == size:
+            return True
+        log.warning("engine %s: llama.cpp refused a sequence's own state (%d bytes); copying its whole stream",
+                    self.name, size)
+        lc.llama_memory_seq_rm(self._mem, dst, -1, -1)
+        return False
 
     def release(self, ctx: ContextId) -> None:
         seq = self._contexts.pop(ctx, None)
