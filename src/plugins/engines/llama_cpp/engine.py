@@ -4,8 +4,8 @@ One llama.cpp context holds every KV context as a *sequence*. By default each se
 own (``kv_unified = false``, what llama-server runs with ``-np``): attention then reads only the sequence's
 own cells, so prompts that prefill, score or decode side by side do not pay for each other's cells, as they do
 in one unified cache whose attention (and mask) spans every sequence's cells. A fork or a prefix-cache hit
-copies the parent's stream (``seq_cp`` across streams copies the buffer; the copy is then trimmed to the
-prefix), a few milliseconds for a 2,048-cell stream of SmolLM2-135M. With ``kv_unified = true`` every sequence
+copies the parent's cells into its own stream (through llama.cpp's state of one sequence, ``sequences``; the copy
+is then trimmed to the prefix), in time and memory as the cells it holds. With ``kv_unified = true`` every sequence
 may use any of the ``n_ctx`` cells and a fork tags the parent's cells rather than copying them. Each worker
 iteration is ONE ``llama_decode`` of what ``batch`` plans. Logits are requested only where a prompt
 ends or a row decodes, and sampled by headrace's own sampler, so temperature, top_p and seed mean what they
@@ -387,6 +387,7 @@ class LlamaCppCore(LlamaSequences, LLMCore):
         self._admit(out)
         parts = self._plan()
         if parts:
+            out.hand_over()  # the first tokens _admit sampled go out before this decode, not after it
             self._run(parts, out)
 
     def _admit(self, out: Outbox) -> None:

@@ -491,7 +491,7 @@ class LLMFront:
                     commands = self._take_commands(block=not self.core.has_work(), timeout=self.core.wake_after())
                     if commands is None:
                         break
-                    out = Outbox()
+                    out = Outbox(early=self._deliver)
                     try:
                         self.core.iterate(commands, out)
                     except EngineFailed as exc:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import anyio
 import torch
@@ -195,10 +195,23 @@ Command = Prefill | Decode | Stop | Logits | CacheControl | Pin | Heartbeat | Pr
 
 @dataclass
 class Outbox:
-    """What one worker iteration hands back to the event loop in a single call."""
+    """What one worker iteration hands back to the event loop in a single call (and, through ``hand_over``, what
+    is ready before the iteration's decode)."""
 
     deltas: list[tuple[Any, TokenDelta | BaseException, bool]] = field(default_factory=list)
     replies: list[tuple[Reply, Any, BaseException | None]] = field(default_factory=list)
+    # How the worker hands an outbox to the event loop (the front's); None: only at the iteration's end.
+    early: Callable[[Outbox], Any] | None = field(default=None, repr=False, compare=False)
+
+    def hand_over(self) -> None:
+        """Hand what is here to the event loop now, before the rest of the iteration runs: a first token sampled
+        from its prefill's logits reaches its client before the decode step that follows, not after it (as
+        llama-server sends it). Deliveries run on the loop in order, so a stream's deltas stay in order."""
+        if self.early is None or not (self.deltas or self.replies):
+            return
+        ready = Outbox(self.deltas, self.replies)
+        self.deltas, self.replies = [], []
+        self.early(ready)
 
     def reply(self, reply: Reply, value: Any = None, error: BaseException | None = None) -> None:
         self.replies.append((reply, value, error))

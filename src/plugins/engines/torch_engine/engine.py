@@ -268,6 +268,7 @@ class TorchCore(LLMCore):
         self._fill(out)
         self._admit(out)
         if self._rows:
+            out.hand_over()  # the first tokens _admit sampled go out before this decode step, not after it
             self._decode_step(out)
 
     def recover(self, exc: BaseException, out: Outbox) -> None:
