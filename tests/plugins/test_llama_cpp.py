@@ -265,6 +265,36 @@ def test_an_emptied_stream_gives_its_memory_back_and_the_streams_in_use_keep_the
     assert emptied < 4_000_000, emptied
 
 
+def test_a_first_token_goes_to_the_loop_before_the_decode_that_follows_it(tmp_path):
+    """The first token is sampled from the prefill's logits at the start of an iteration: it is handed to the event
+    loop before that iteration's llama_decode, not after it (a decode step of time to first token)."""
+    engine = LlamaCppLLM(engine_spec(prefix_cache_tokens=0), make_env(tmp_path))
+    handed: list[int] = []  # token ids handed to the loop so far
+    at_decode: list[int] = []  # how many had been handed when each llama_decode began
+    deliver = engine._deliver
+
+    def counting(out):
+        handed.extend(t for _, delta, _ in out.deltas if not isinstance(delta, BaseException) for t in delta.token_ids)
+        return deliver(out)
+
+    engine._deliver = counting
+
+    async def scenario():
+        async with anyio.create_task_group() as tg:
+            await tg.start(engine.run)
+            run = engine.core._run
+            engine.core._run = lambda parts, out: (at_decode.append(len(handed)), run(parts, out))[1]
+            text = await text_of(engine.generate(chat(engine, "Name a colour."),
+                                                 SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)))
+            tg.cancel_scope.cancel()
+        return text
+
+    assert anyio.run(scenario)
+    # The prompt's decode, then one a generated token (the last one's is never run): the first token was out
+    # before the second decode began, the second before the third.
+    assert at_decode == [0, 1, 2], at_decode
+
+
 def test_too_many_contexts_and_a_full_kv_cache_are_clear_errors(tmp_path):
     # No prefix cache: a cached prefix would serve the 300 tokens below from b's 400.
     # A full KV cache happens only in a unified one (a stream per sequence holds a whole context).
