@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
-"""One stream's decode through the daemon against the same engine in this process (issue 51: where the gap to
-llama-server lies). Arm ``daemon``: ``headrace serve --config configs/llama-cpp.toml``, streamed
-``/v1/completions`` over HTTP. Arm ``engine``: that config's LLM options in a ``LlamaCppLLM`` here, no HTTP.
-Both decode the same prompt tokens greedily with ``ignore_eos`` to ``--tokens``; tok/s is counted from the
-first token to the last, so prefill is left out. The arms alternate, each started ``--starts`` times (this
-VM's speed drifts within minutes); one server at a time.
+"""One stream's decode through the daemon against the same engine in this process, and against llama-server
+(issue 51: where the gap to llama-server lies). Arm ``daemon``: ``headrace serve --config
+configs/llama-cpp.toml``, streamed ``/v1/completions`` over HTTP. Arm ``engine``: that config's LLM options in a
+``LlamaCppLLM`` here, no HTTP. Arm ``llama-server`` (with ``--llama-server``): llama.cpp's server as
+``peers.py`` starts it, on the GGUF the engine loads, the same request as the daemon's. Each decodes the same
+prompt greedily with ``ignore_eos`` to ``--tokens``; tok/s is counted from the first token to the last, so
+prefill is left out. The arms take turns in a rotating order, each started ``--starts`` times (this VM's speed
+drifts within minutes); one server at a time.
 
-    python scripts/bench/daemon_vs_engine.py [--starts 3] [--requests 3] [--tokens 128]
+    python scripts/bench/daemon_vs_engine.py [--starts 3] [--requests 3] [--tokens 128] [--llama-server]
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 import tomllib
@@ -61,30 +64,48 @@ async def engine_arm(prompt: list[int], requests: int, tokens: int) -> list[floa
     return rates
 
 
+def http_rates(base_url: str, headers: dict[str, str], prompt_text: str, model: str, requests: int,
+               tokens: int, extra: dict | None = None) -> list[float]:
+    rates = []
+    for _ in range(requests):
+        first = last = None
+        n = 0
+        body = {"model": model, "prompt": prompt_text, "max_tokens": tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True, **(extra or {})}
+        with httpx.Client(timeout=600) as http, http.stream("POST", f"{base_url}/v1/completions",
+                                                             json=body, headers=headers) as response:
+            response.raise_for_status()
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                choices = json.loads(line[6:]).get("choices")
+                if choices and choices[0].get("text"):
+                    now = time.perf_counter()
+                    first = first or now
+                    last, n = now, n + 1
+        rates.append((n - 1) / (last - first))  # one SSE chunk a token (both servers stream token by token)
+    return rates
+
+
 def daemon_arm(prompt_text: str, model: str, requests: int, tokens: int) -> list[float]:
     daemon = DaemonProcess(CONFIG).wait_ready()
-    rates = []
     try:
-        headers = {"Authorization": f"Bearer {daemon.api_key}"}
-        for _ in range(requests):
-            first = last = None
-            n = 0
-            body = {"model": model, "prompt": prompt_text, "max_tokens": tokens, "temperature": 0,
-                    "ignore_eos": True, "stream": True}
-            with httpx.Client(timeout=600) as http, http.stream("POST", f"{daemon.base_url}/v1/completions",
-                                                                 json=body, headers=headers) as response:
-                response.raise_for_status()
-                for line in response.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    if json.loads(line[6:])["choices"][0]["text"]:
-                        now = time.perf_counter()
-                        first = first or now
-                        last, n = now, n + 1
-            rates.append((n - 1) / (last - first))  # one SSE chunk a token
+        return http_rates(daemon.base_url, {"Authorization": f"Bearer {daemon.api_key}"}, prompt_text, model,
+                          requests, tokens)
     finally:
         daemon.close()
-    return rates
+
+
+def llama_server_arm(prompt_text: str, model: str, requests: int, tokens: int) -> list[float]:
+    sys.path.insert(0, str(Path(__file__).parent))
+    import peers  # the peer exactly as peers.py starts it: same GGUF, threads, slots and variant
+
+    pair = peers.llama_server_pair()
+    if isinstance(pair, str):
+        raise SystemExit(f"llama-server: {pair}")
+    with tempfile.TemporaryDirectory(prefix="daemon-vs-engine-") as tmp, \
+            peers.running(pair.peer, Path(tmp), 600) as (base, _, _):
+        return http_rates(base, {}, prompt_text, model, requests, tokens, pair.peer.body_extra)
 
 
 def main() -> None:
@@ -92,6 +113,7 @@ def main() -> None:
     ap.add_argument("--starts", type=int, default=3)
     ap.add_argument("--requests", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--llama-server", action="store_true", help="a third arm: llama.cpp's llama-server")
     args = ap.parse_args()
     entry = llm_entry()
     from headrace.plugins.engines.llama_cpp.files import load_tokenizer
@@ -102,16 +124,22 @@ def main() -> None:
     text = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=False,
                                          add_generation_prompt=True)
     prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
-    medians: dict[str, list[float]] = {"daemon": [], "engine": []}
+    arms = ["daemon", "engine", *(["llama-server"] if args.llama_server else [])]
+    medians: dict[str, list[float]] = {arm: [] for arm in arms}
     for start in range(args.starts):
-        for arm in ("daemon", "engine") if start % 2 == 0 else ("engine", "daemon"):
-            rates = (daemon_arm(text, entry["name"], args.requests, args.tokens) if arm == "daemon"
-                     else anyio.run(engine_arm, prompt, args.requests, args.tokens))
+        for arm in arms[start % len(arms):] + arms[:start % len(arms)]:  # each arm first in turn
+            if arm == "engine":
+                rates = anyio.run(engine_arm, prompt, args.requests, args.tokens)
+            else:
+                rates = (daemon_arm if arm == "daemon" else llama_server_arm)(text, entry["name"], args.requests,
+                                                                               args.tokens)
             medians[arm].append(statistics.median(rates))
-            print(f"start {start + 1} {arm:6s}: " + " ".join(f"{r:.1f}" for r in rates) + " tok/s", flush=True)
-    daemon, engine = (statistics.median(medians[a]) for a in ("daemon", "engine"))
-    print(f"daemon {daemon:.1f} tok/s, engine in-process {engine:.1f} tok/s (medians of {args.starts} starts): "
-          f"daemon / engine {daemon / engine:.3f}x")
+            print(f"start {start + 1} {arm:12s}: " + " ".join(f"{r:.1f}" for r in rates) + " tok/s", flush=True)
+    rate = {arm: statistics.median(medians[arm]) for arm in arms}
+    print(", ".join(f"{arm} {rate[arm]:.1f} tok/s" for arm in arms) + f" (medians of {args.starts} starts): "
+          f"daemon / engine {rate['daemon'] / rate['engine']:.3f}x"
+          + (f", daemon / llama-server {rate['daemon'] / rate['llama-server']:.3f}x, "
+             f"engine / llama-server {rate['engine'] / rate['llama-server']:.3f}x" if args.llama_server else ""))
 
 
 if __name__ == "__main__":

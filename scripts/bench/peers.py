@@ -18,11 +18,12 @@ Pairs (one server runs at a time, never two sharing the cores):
 Each server is measured by the same client the same way: streamed POST /v1/completions,
 temperature 0, the same prompt text (rendered here with the model's chat template, so both
 servers tokenize identical text and neither applies a template of its own; the prefill prompts
-are plain text). Generated tokens are counted from the text actually received, re-tokenized
-with the model's tokenizer (llama_cpp.server reports no usage when streaming; llama-server
-does). Figures: aggregate decode tok/s at each
+are plain text). Generated tokens are counted from the server's usage (headrace, llama-server and
+vLLM send it when streaming), else from the text received, re-tokenized with the model's
+tokenizer (llama_cpp.server sends none). Figures: aggregate decode tok/s at each
 concurrency (all tokens received / round wall time, median of rounds; `ignore_eos`, so answers run
-to max_tokens where the server takes it: headrace, llama-server and vLLM do) and the time to the first token of a long (~1,000-token) prompt,
+to max_tokens where the server takes it: headrace, llama-server and vLLM do), split into the
+time to each stream's first token and each stream's own rate after it, and the time to the first token of a long (~1,000-token) prompt,
 each a distinct text so no prefix cache serves it (median of a few), and prefill throughput:
 16 concurrent ~400-token plain-text prompts that each start with a different token (so no prefix
 cache serves any), one token each, non-streamed: all prompt tokens / the round's wall time
@@ -421,19 +422,30 @@ async def measure(base: str, extra: dict[str, Any], work: Workload, args) -> dic
         long_tokens = await client.prompt_tokens(work.long[0])
         levels = {}
         for c in args.concurrency:
-            rates, tokens, reported = [], 0, []
+            rates, tokens, reported, firsts, streams = [], 0, [], [], []
             for r in range(args.rounds):
                 prompts = [work.chat[(r * c + i) % len(work.chat)] for i in range(c)]
                 # Every answer runs to max_tokens (ignore_eos): both servers decode as many tokens, where answers
                 # that end early at different places would weigh each round's prefill differently.
+                t0 = perf_counter()
                 got, wall = await timed_round(client, prompts, args.max_tokens, ignore_eos=True)
-                n = sum(work.count(g.text) for g in got)  # counted after the round: no client work while timed
+                # The server's own count where it sends usage (headrace, llama-server, vLLM): re-tokenizing the
+                # text undercounts where tokens merge on the way back (3-4% of headrace's). Else the re-tokenized
+                # text (llama_cpp.server sends no usage when streaming). Counted after the round.
+                n = sum(g.reported if g.reported is not None else work.count(g.text) for g in got)
                 tokens += n
                 rates.append(n / wall)
                 reported += [g.reported for g in got]
+                # Where a round's time went: until each stream's first token (queueing, prefill), and the
+                # stream's own rate after it.
+                firsts += [g.first - t0 for g in got if g.first is not None]
+                streams += [(g.reported - 1) / (g.last - g.first) for g in got
+                            if g.reported and g.reported > 1 and g.last > g.first]
             levels[c] = {"requests": c * args.rounds, "tokens": tokens, "tok_s": median(rates), "tok_s_rounds": rates,
                          # what the server itself said it sent (None where it reports no usage when streaming)
-                         "tokens_reported": None if None in reported else sum(reported)}
+                         "tokens_reported": None if None in reported else sum(reported),
+                         "first_token_s": median(firsts) if firsts else None,
+                         "stream_tok_s": median(streams) if streams else None}
         ttfts = []
         for prompt in work.long[1:]:
             t0 = perf_counter()
@@ -583,6 +595,11 @@ def bench_pair(pair: Pair, work: Workload, args, tmp: Path) -> dict:
     return out
 
 
+def _median_of(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return median(known) if known else None
+
+
 def combine_repeats(runs: list[dict]) -> dict:
     """One server's figures over --repeat starts: each figure the median of its per-start figures (each of
     those a median of rounds), the per-start figures kept beside it; the last start's CPU note."""
@@ -593,7 +610,9 @@ def combine_repeats(runs: list[dict]) -> dict:
         out["levels"][c] = {**per[0], "requests": sum(f["requests"] for f in per), "tokens": sum(f["tokens"] for f in per),
                             "tok_s": median([f["tok_s"] for f in per]), "tok_s_repeats": [f["tok_s"] for f in per],
                             "tok_s_rounds": [x for f in per for x in f["tok_s_rounds"]],
-                            "tokens_reported": None if None in reported else sum(reported)}
+                            "tokens_reported": None if None in reported else sum(reported),
+                            "first_token_s": _median_of([f.get("first_token_s") for f in per]),
+                            "stream_tok_s": _median_of([f.get("stream_tok_s") for f in per])}
     out["ttft"] = {**runs[0]["ttft"], "ttft_s": median([r["ttft"]["ttft_s"] for r in runs]),
                    "ttft_s_repeats": [r["ttft"]["ttft_s"] for r in runs],
                    "ttft_s_reps": [x for r in runs for x in r["ttft"]["ttft_s_reps"]]}
@@ -631,6 +650,12 @@ def report(res: dict) -> None:
             if h["levels"][c]["tokens"] != p["levels"][c]["tokens"]:
                 print(f"  {c} stream(s): tokens received differ: headrace {h['levels'][c]['tokens']}, "
                       f"peer {p['levels'][c]['tokens']} (an answer ended before max_tokens)")
+        for c in h["levels"]:
+            hl, pl = h["levels"][c], p["levels"][c]
+            if hl.get("stream_tok_s") and pl.get("stream_tok_s"):
+                print(f"  {c} stream(s), where the round went: first token after {hl['first_token_s'] * 1000:.0f} / "
+                      f"{pl['first_token_s'] * 1000:.0f} ms, then {hl['stream_tok_s']:.1f} / {pl['stream_tok_s']:.1f} "
+                      f"tok/s a stream ({hl['stream_tok_s'] / pl['stream_tok_s']:.2f}x)")
         for note in pair["notes"]:
             print(f"  note: {note}")
         if res.get("repeat", 1) > 1:
