@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """What handing a freed KV stream's pages back costs a busy engine (issue 50): one llama-cpp engine in this
 process (the shipped SmolLM2, a stream per sequence, 32 contexts), rounds of N concurrent greedy decodes of
-128 tokens on chat prompts sharing a system prompt (so each request's stream starts as a prefix-cache hit's
-whole-stream copy), with freed streams released (as shipped, ``lazy_kv.StreamLayout``) or kept resident,
+128 tokens on chat prompts sharing a system prompt (so each request's stream starts as a copy of a cached
+prefix's cells), with freed streams released (as shipped, ``lazy_kv.StreamLayout``) or kept resident,
 the two interleaved round by round on the same engine (this VM's speed drifts within minutes).
 
     python scripts/bench/kv_release_ab.py [--streams 16] [--rounds 6]
