@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import check_logprobs_are_log_softmax, idle, prompts_on_a_shared_prefix
-from llm_engines import chat, outcome, outcomes, text_of, wait_for_no_contexts
+from llm_engines import chat, outcomes, text_of, wait_for_no_contexts
 from headrace.plugins.engines.llama_cpp.engine import LlamaCppLLM
 from headrace.plugins.engines.llama_cpp.lazy_kv import resident_bytes
 from headrace.plugins.engines.llama_cpp.batch import MIN_SHARED_SCORING_PREFIX, shared_prefix_groups
