@@ -91,9 +91,6 @@ class LlamaCppCore(LlamaSequences, LLMCore):
         self._prefills: deque[Fill] = deque()
         # Prefills waiting for a free sequence (all n_seq_max in use), oldest first, with when they came.
         self._blocked: deque[tuple[float, Prefill]] = deque()
-        # Prompts filled this iteration, cached once its results are handed over: a copy of a long prompt's cells
-        # (17-32 ms at 1,000 tokens) then overlaps the event loop's work rather than preceding the first token.
-        self._to_cache: list[tuple[ContextId, ContextSequence]] = []
         # In a unified KV scoring takes at most half the cells (one prompt always may): contexts need the
         # rest. With a stream per sequence each prompt has its scratch sequence's own.
         self._scoring = ScoringQueue(self._copy_sequence, self._clear_sequence,
@@ -392,17 +389,6 @@ class LlamaCppCore(LlamaSequences, LLMCore):
         if parts:
             out.hand_over()  # the first tokens _admit sampled go out before this decode, not after it
             self._run(parts, out)
-            if self._to_cache:
-                out.hand_over()  # the prefills' replies first: the copies below are not on their way
-                self._cache_filled()
-
-    def _cache_filled(self) -> None:
-        """Offer the prompts filled this iteration to the prefix cache (their contexts are as the decode left them:
-        no command ran since)."""
-        filled, self._to_cache = self._to_cache, []
-        for ctx, seq in filled:
-            if self.prefix_cache is not None and self._contexts.get(ctx) is seq:
-                self.prefix_cache.insert(seq.tokens, lambda n, src=seq.seq: self._cache_copy(src, n), seq.partition)
 
     def _admit(self, out: Outbox) -> None:
         """Rows join the batch with the token their prefill's logits give."""
@@ -518,7 +504,8 @@ class LlamaCppCore(LlamaSequences, LLMCore):
                 self._prefills.remove(fill)
                 seq.filling, seq.next_logits = False, logits[-1].copy()  # not a view that pins the batch's
                 if self.prefix_cache is not None:
-                    self._to_cache.append((fill.prefill.ctx, seq))
+                    self.prefix_cache.insert(seq.tokens, lambda n, src=seq.seq: self._cache_copy(src, n),
+                                             seq.partition)
                 out.reply(fill.prefill.reply, fill.cached if fill.scorer is None else fill.scorer.result())
         else:
             self._scoring.filled(fill, torch.from_numpy(logits), out)
@@ -561,7 +548,6 @@ class LlamaCppCore(LlamaSequences, LLMCore):
     def recover(self, exc: BaseException, out: Outbox) -> None:
         """An iteration raised past the isolation above: fail everything in flight; contexts at rest stay."""
         error = self.error(exc)
-        self._to_cache = []
         for r in self._rows + self._waiting + self._paused.take_all():
             self.fail_row(r, error, out)
         self._rows, self._waiting = [], []
