@@ -394,8 +394,9 @@ class Client:
 
 
 async def timed_round(client: Client, prompts: list[str], max_tokens: int,
-                      ignore_eos: bool = False) -> tuple[list[Received], float]:
-    """All ``prompts`` at once; the responses and the round's wall time (until the last stream ended)."""
+                      ignore_eos: bool = False) -> tuple[list[Received], float, float]:
+    """All ``prompts`` at once; the responses, the round's start (``perf_counter``) and its wall time (until the
+    last stream ended)."""
     results: list[Received | None] = [None] * len(prompts)
     t0 = perf_counter()
 
@@ -405,7 +406,7 @@ async def timed_round(client: Client, prompts: list[str], max_tokens: int,
     async with anyio.create_task_group() as tg:
         for k in range(len(prompts)):
             tg.start_soon(one, k)
-    return results, perf_counter() - t0  # type: ignore[return-value]
+    return results, t0, perf_counter() - t0  # type: ignore[return-value]
 
 
 async def measure(base: str, extra: dict[str, Any], work: Workload, args) -> dict:
@@ -427,8 +428,7 @@ async def measure(base: str, extra: dict[str, Any], work: Workload, args) -> dic
                 prompts = [work.chat[(r * c + i) % len(work.chat)] for i in range(c)]
                 # Every answer runs to max_tokens (ignore_eos): both servers decode as many tokens, where answers
                 # that end early at different places would weigh each round's prefill differently.
-                t0 = perf_counter()
-                got, wall = await timed_round(client, prompts, args.max_tokens, ignore_eos=True)
+                got, t0, wall = await timed_round(client, prompts, args.max_tokens, ignore_eos=True)
                 # The server's own count where it sends usage (headrace, llama-server, vLLM): re-tokenizing the
                 # text undercounts where tokens merge on the way back (3-4% of headrace's). Else the re-tokenized
                 # text (llama_cpp.server sends no usage when streaming). Counted after the round.

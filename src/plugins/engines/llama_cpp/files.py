@@ -140,3 +140,27 @@ def _meta(model: Any, key: str) -> str | None:
     buf = ctypes.create_string_buffer(256)
     n = llama().llama_model_meta_val_str(model, key.encode(), buf, len(buf))
     return buf.value.decode(errors="replace") if n >= 0 else None
+
+
+# ----- one sequence's KV, as llama.cpp saves it -----------------------------------------
+
+
+def sequence_state(ctx: Any, seq: int, spare: int = 0) -> bytearray | None:
+    """Sequence ``seq``'s cells as llama.cpp saves one sequence (``llama_state_seq_get_data_ext``), written in place
+    into a bytearray with ``spare`` zeroed bytes after them; None when it holds nothing or llama.cpp wrote short.
+    A bytearray, so a store keeps it and ctypes reads it without a copy (a state is ~23 KiB a token)."""
+    lc = llama()
+    size = lc.llama_state_seq_get_size_ext(ctx, seq, 0)
+    if size == 0:
+        return None
+    data = bytearray(size + spare)
+    if lc.llama_state_seq_get_data_ext(ctx, (ctypes.c_uint8 * size).from_buffer(data), size, seq, 0) != size:
+        return None
+    return data
+
+
+def set_sequence_state(ctx: Any, seq: int, state: bytearray) -> int:
+    """Write a saved state into the empty sequence ``seq``, read in place; the bytes llama.cpp read (0: refused,
+    another layout or no room)."""
+    return llama().llama_state_seq_set_data_ext(ctx, (ctypes.c_uint8 * len(state)).from_buffer(state), len(state),
+                                                seq, 0)

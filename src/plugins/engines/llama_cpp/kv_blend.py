@@ -26,11 +26,10 @@ position), hence the restore from saved bytes into scratch rather than a ``seq_c
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
-from headrace.plugins.engines.llama_cpp.files import llama
+from headrace.plugins.engines.llama_cpp.files import llama, sequence_state, set_sequence_state
 
 # The first tokens of each document prefilled again in place (documents computed at position 0: mean KL 0.046
 # nats against a full prefill in docs/benchmarks.md; 0 tokens: 0.127).
@@ -42,7 +41,7 @@ class CachedDoc:
     """A document's KV computed alone: the sequence state llama.cpp saved, the document's token count, and the
     position its first token had when computed (0 alone, or the length of the exact prefix it followed)."""
 
-    state: bytes | bytearray
+    state: bytearray
     length: int
     base: int
 
@@ -107,14 +106,11 @@ def prefill(ctx: Any, batch: Any, seq: int, tokens: Sequence[int], start: int, n
             raise RuntimeError(f"llama_decode returned {rc}")
 
 
-def save_state(ctx: Any, seq: int) -> bytes:
-    lc = llama()
-    size = lc.llama_state_seq_get_size_ext(ctx, seq, 0)
-    buf = (ctypes.c_uint8 * size)()
-    written = lc.llama_state_seq_get_data_ext(ctx, buf, size, seq, 0)
-    if written != size:
-        raise RuntimeError(f"llama.cpp saved {written} of {size} state bytes of sequence {seq}")
-    return bytes(buf)
+def save_state(ctx: Any, seq: int) -> bytearray:
+    state = sequence_state(ctx, seq)
+    if state is None:
+        raise RuntimeError(f"llama.cpp saved the state of sequence {seq} short")
+    return state
 
 
 def compute_doc(ctx: Any, batch: Any, seq: int, tokens: Sequence[int], n_batch: int,
@@ -138,10 +134,8 @@ def place(ctx: Any, target: int, scratch: int, doc: CachedDoc, start: int, step:
     mem = lc.llama_get_memory(ctx)
     if lc.llama_memory_seq_pos_max(mem, target) != step.start - 1:
         raise ValueError(f"sequence {target} must end at {step.start - 1} before a placement at {step.start}")
-    buffer = ctypes.c_uint8 * len(doc.state)  # a bytearray (the tiers' payload) is read in place, not copied
-    src = buffer.from_buffer(doc.state) if isinstance(doc.state, bytearray) else buffer.from_buffer_copy(doc.state)
     try:
-        if lc.llama_state_seq_set_data_ext(ctx, src, len(doc.state), scratch, 0) == 0:
+        if set_sequence_state(ctx, scratch, doc.state) == 0:
             raise RuntimeError("llama.cpp could not restore a document's state (no room, or another layout)")
         if start != doc.base:
             lc.llama_memory_seq_add(mem, scratch, doc.base, doc.base + doc.length, start - doc.base)

@@ -24,7 +24,6 @@ leaves in the prefix cache is kept under ``documents.PLACED`` + its partition: a
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import time
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from typing import Any, Sequence
 
 from headrace.plugins.engines.kvreuse.documents import DocumentPlacement, held_documents
 from headrace.plugins.engines.llama_cpp import kv_blend
-from headrace.plugins.engines.llama_cpp.files import llama
+from headrace.plugins.engines.llama_cpp.files import llama, sequence_state, set_sequence_state
 from headrace.plugins.engines.llama_cpp.lazy_kv import anonymous_mappings, kv_buffer_sizes, release_kv_buffers
 
 log = logging.getLogger("headrace.plugins.engines.llama_cpp")
@@ -40,22 +39,19 @@ log = logging.getLogger("headrace.plugins.engines.llama_cpp")
 TARGET, SCRATCH = 0, 1
 
 
-def saved_for(ctx: Any, seq: int, streams: int) -> Any:
+def saved_for(ctx: Any, seq: int, streams: int) -> bytearray:
     """Sequence ``seq`` of a one-stream context (the placement context) saved as a context of ``streams`` streams
-    reads it, in a ctypes buffer: a sequence's state lists every stream of its context, the others empty, and
+    reads it: a sequence's state lists every stream of its context, the others empty, and
     llama.cpp restores the cells it finds into the target sequence's own stream whichever entry holds them.
     Written once, in place: a composed prompt's state is ~23 KiB a token."""
-    lc = llama()
-    size = lc.llama_state_seq_get_size_ext(ctx, seq, 0)
-    out = (ctypes.c_uint8 * (size + 4 * (streams - 1)))()  # zeroed: the other streams' empty cell counts
-    if lc.llama_state_seq_get_data_ext(ctx, out, size, seq, 0) != size:
-        raise RuntimeError(f"llama.cpp saved less than the {size} state bytes of sequence {seq}")
+    out = sequence_state(ctx, seq, spare=4 * (streams - 1))  # zeroed: the other streams' empty cell counts
+    if out is None:
+        raise RuntimeError(f"llama.cpp saved the state of sequence {seq} short")
     # After llama.cpp's 8-byte header (a magic number, the saved sequence's id): the stream count, then each
     # stream's cell count and cells.
-    view = memoryview(out).cast("B")
-    if int.from_bytes(view[8:12], "little") != 1:
+    if int.from_bytes(out[8:12], "little") != 1:
         raise ValueError("not a one-stream sequence state")
-    view[8:12] = streams.to_bytes(4, "little")
+    out[8:12] = streams.to_bytes(4, "little")
     return out
 
 
@@ -113,7 +109,7 @@ class DocumentPlacer(DocumentPlacement):
     def _keep(self, tokens: list[int], partition: str) -> None:
         assert self.store is not None
         cached = kv_blend.compute_doc(self._ctx, self._batch, SCRATCH, tokens, self.n_batch)  # SCRATCH emptied
-        self.store.put(tokens, bytearray(cached.state), partition)
+        self.store.put(tokens, cached.state, partition)
 
     def compose(self, tokens: Sequence[int], documents: Sequence[tuple[int, int]], partition: str, main_ctx: Any,
                 main_streams: int, seq: int) -> Composed | None:
@@ -144,7 +140,7 @@ class DocumentPlacer(DocumentPlacement):
         finally:
             lc.llama_memory_seq_rm(mem, TARGET, -1, -1)
             lc.llama_memory_seq_rm(mem, SCRATCH, -1, -1)
-        if lc.llama_state_seq_set_data_ext(main_ctx, state, len(state), seq, 0) == 0:
+        if set_sequence_state(main_ctx, seq, state) == 0:
             lc.llama_memory_seq_rm(lc.llama_get_memory(main_ctx), seq, -1, -1)
             log.warning("engine %s: the main context refused a composed prompt's KV; prefilling it", self.name)
             self.stats.fallbacks += 1

@@ -9,7 +9,6 @@ Sequence ids: ``[0, max_contexts)`` hold KV contexts, the next ``SCORE_SEQUENCES
 
 from __future__ import annotations
 
-import ctypes
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +18,7 @@ import numpy as np
 
 from headrace.plugins.engines.kvreuse.prefix_cache import BLOCK, PinPolicy, PrefixCache, PrefixCacheStats
 from headrace.plugins.engines.llama_cpp.batch import Fill, ScoringQueue
-from headrace.plugins.engines.llama_cpp.files import kv_rows, llama, log
+from headrace.plugins.engines.llama_cpp.files import kv_rows, llama, log, sequence_state, set_sequence_state
 from headrace.plugins.engines.llama_cpp.lazy_kv import (StreamLayout, anonymous_mappings, kv_buffer_sizes,
                                                         release_kv_buffers, release_ranges, stream_layout)
 from headrace.plugins.engines.llama_cpp.options import SCORE_SEQUENCES
@@ -184,16 +183,14 @@ class LlamaSequences:
     def _copy_cells(self, src: int, dst: int) -> bool:
         """``src``'s cells into the empty ``dst``'s stream through the state of one sequence; False: not copied
         (``dst`` still empty), the caller copies the stream."""
-        lc = llama()
-        size = lc.llama_state_seq_get_size_ext(self._ctx, src, 0)
-        data = (ctypes.c_uint8 * size)()
-        if size == 0 or lc.llama_state_seq_get_data_ext(self._ctx, data, size, src, 0) != size:
+        state = sequence_state(self._ctx, src)
+        if state is None:
             return False
-        if lc.llama_state_seq_set_data_ext(self._ctx, data, size, dst, 0) == size:
+        if set_sequence_state(self._ctx, dst, state) == len(state):
             return True
         log.warning("engine %s: llama.cpp refused a sequence's own state (%d bytes); copying its whole stream",
-                    self.name, size)
-        lc.llama_memory_seq_rm(self._mem, dst, -1, -1)
+                    self.name, len(state))
+        llama().llama_memory_seq_rm(self._mem, dst, -1, -1)
         return False
 
     def release(self, ctx: ContextId) -> None:

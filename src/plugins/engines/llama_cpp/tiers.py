@@ -11,14 +11,13 @@ prefilling them took 7.4 s (issue 42).
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from headrace.plugins.engines.kvreuse.kv_store import EngineTiers, KVStore, open_store
-from headrace.plugins.engines.llama_cpp.files import llama
+from headrace.plugins.engines.llama_cpp.files import llama, sequence_state, set_sequence_state
 from headrace.plugins.engines.models.loading import gguf_cache_key
 
 log = logging.getLogger(__name__)
@@ -52,12 +51,9 @@ class SequenceTiers(EngineTiers):
         """Keep sequence ``seq``'s KV, which holds exactly ``tokens`` (block-aligned), in the tiers' ``partition``."""
         if self.store.holds(tokens, partition):
             return
-        lc = llama()
-        size = lc.llama_state_seq_get_size_ext(self._ctx, seq, 0)
-        data = bytearray(size)
-        written = lc.llama_state_seq_get_data_ext(self._ctx, (ctypes.c_uint8 * size).from_buffer(data), size, seq, 0)
-        if written != size:
-            log.warning("engine %s: saving a sequence's KV wrote %d of %d bytes; not kept", self._name, written, size)
+        data = sequence_state(self._ctx, seq)
+        if data is None:
+            log.warning("engine %s: llama.cpp saved a sequence's KV short; not kept", self._name)
             return
         self.store.put(tokens, data, partition)
 
@@ -73,9 +69,7 @@ class SequenceTiers(EngineTiers):
         if data is None:
             return 0  # a bad file, dropped: prefill instead
         lc = llama()
-        read = lc.llama_state_seq_set_data_ext(self._ctx, (ctypes.c_uint8 * len(data)).from_buffer(data),
-                                               len(data), seq, 0)
-        if read == 0:
+        if set_sequence_state(self._ctx, seq, data) == 0:
             log.warning("engine %s: llama.cpp refused a stored KV of %d tokens; prefilling instead", self._name,
                         len(hit.entry.tokens))
             lc.llama_memory_seq_rm(self._mem, seq, -1, -1)
