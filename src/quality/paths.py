@@ -30,7 +30,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
-from headrace.plugins.engines.kvreuse.prefix_cache import BLOCK
+from headrace.plugins.engines.kvreuse.prefix_cache import BLOCK, common_prefix
 from headrace.plugins.protocols import SamplingParams
 
 COLD, FORK, PIECES, PREFIX_HIT, HOST, DISK = "cold", "fork", "pieces", "prefix-hit", "host", "disk"
@@ -161,7 +161,8 @@ async def branch_hit(engine: Any, prompt: Sequence[int], answer: Sequence[int], 
     longer, _, _ = await _fill(engine, list(prompt[:head]) + list(other))
     await engine.free(longer)
     ctx, cached, seconds = await _fill(engine, prompt)
-    if cached != head // block * block:
+    # Whole blocks of the head, or (an engine that reuses to the token) as far as the prompt and the entry agree.
+    if not head // block * block <= cached <= head + common_prefix(other, prompt[head:]) or cached == 0:
         await engine.free(ctx)
         raise PathNotTaken(f"a prompt sharing its first {head} tokens with a longer cached one found {cached} "
                            f"cached, not {head // block * block}")
@@ -209,17 +210,17 @@ def reuse_options(plugin: str, room: int, host_mib: int, disk_mib: int) -> dict[
 
 
 def evictor(engine: Any, room: int) -> list[int]:
-    """A prompt whose cached prefix is ``room`` tokens (``room`` + 1 tokens: the last is always computed) sharing no
-    block with any real prompt: prefilled, it takes a cache of ``room`` tokens for itself. Restored from the
-    tiers after its first prefill, it costs little the next times."""
+    """A prompt of ``room`` tokens (whole blocks) sharing no block with any real prompt: prefilled, it takes a cache
+    of ``room`` tokens for itself, whether the engine keeps whole blocks or every token. Restored from the tiers
+    after its first prefill, it costs little the next times."""
     words = " ".join(f"evict{i}" for i in range(room))
     # A user turn after it: some templates (Gemma 3's) fold a system message into the first user turn and drop it
     # when there is none.
     tokens = engine.chat_tokens([{"role": "system", "content": f"Evictor. {words}"},
                                  {"role": "user", "content": "Evict."}])
-    if len(tokens) < room + 1:
-        raise ValueError(f"an evictor of {room + 1} tokens needs more words")
-    return list(tokens[: room + 1])
+    if len(tokens) < room:
+        raise ValueError(f"an evictor of {room} tokens needs more words")
+    return list(tokens[:room])
 
 
 __all__ = ["PATHS", "COLD", "FORK", "PIECES", "PREFIX_HIT", "HOST", "DISK", "PathNotTaken", "PathRun", "cold", "fork",

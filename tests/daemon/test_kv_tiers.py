@@ -7,9 +7,10 @@ from __future__ import annotations
 import httpx
 
 from conftest import API_KEY, metric_value
+from headrace.plugins.engines.llama_cpp.options import DEFAULT_CACHE_SEQUENCES
 
 LLM = "smollm2"
-CACHE_SEQUENCES = 8  # the default config's prefix_cache_sequences
+CACHE_SEQUENCES = DEFAULT_CACHE_SEQUENCES  # the default config's prefix_cache_sequences
 
 
 def chat(server, topic: str) -> dict:

@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from conftest import metric_value
+from headrace.plugins.engines.llama_cpp.options import DEFAULT_CACHE_SEQUENCES
 
 MODEL = "smollm2"
 TOOL = {"type": "function", "function": {"name": "look_up", "description": "Look the order up.",
@@ -53,7 +54,8 @@ def agent_turns(server, key: str | None, retained: bool = True) -> tuple[int, fl
     assert choice["finish_reason"] == "tool_calls", choice
     if key and retained:
         assert cache(server, "pinned_tokens") >= first.json()["usage"]["prompt_tokens"] // 16 * 16
-    for i in range(12):  # unrelated prompts: each a cache entry of its own (8 sequences hold 8)
+    for i in range(DEFAULT_CACHE_SEQUENCES + 4):  # unrelated prompts, each a cache entry of its own: more than the
+        # cells hold
         other = post(server, "/v1/completions", {"model": MODEL, "max_tokens": 2, "temperature": 0,
                                                  "prompt": f"Note {tag}-{i}: {system_prompt(i, rules=2)}"})
         assert other.status_code == 200, other.text
@@ -93,14 +95,13 @@ def continued(server, program: dict) -> tuple[int, float]:
     return first.json()["usage"]["prompt_tokens"], cache(server, "hits_total") - hits
 
 
-def test_only_a_named_programs_request_leaves_its_whole_context_cached(server):
-    """Caching a finished context costs a KV copy: a request of no program keeps its prompt only (no later
-    request repeats its output), a named program's keeps prompt and output for its next turn."""
-    prompt, hits = continued(server, {})
-    assert hits <= prompt // 16 * 16, (prompt, hits)  # its prompt's entry at most
-    prompt, hits = continued(server, {"user": f"agent-{uuid.uuid4().hex}"})
-    # Past the prompt, into the output (where they meet, tokenized afresh, may cost a block).
-    assert hits >= prompt // 16 * 16 + 16, (prompt, hits)
+def test_a_finished_requests_prompt_and_output_stay_cached(server):
+    """As llama-server's slot keeps its last exchange: a request's prompt and output stay cached whether it named a
+    program or not, so the next turn that repeats them both finds them."""
+    for program in ({}, {"user": f"agent-{uuid.uuid4().hex}"}):
+        prompt, hits = continued(server, program)
+        # Past the prompt, into the output (where they meet, tokenized afresh, may cost a block).
+        assert hits >= prompt // 16 * 16 + 16, (program, prompt, hits)
 
 
 def pin_marked(server, ttl, rules: int) -> httpx.Response:

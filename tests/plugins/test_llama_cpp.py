@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import check_logprobs_are_log_softmax, idle, prompts_on_a_shared_prefix
-from llm_engines import chat, outcomes, text_of, wait_for_no_contexts
+from llm_engines import chat, collect, outcomes, text_of, wait_for_no_contexts
 from headrace.plugins.engines.llama_cpp.engine import LlamaCppLLM
 from headrace.plugins.engines.llama_cpp.lazy_kv import resident_bytes
 from headrace.plugins.engines.llama_cpp.batch import MIN_SHARED_SCORING_PREFIX, shared_prefix_groups
@@ -55,7 +55,7 @@ def test_unknown_and_bad_options_are_errors(tmp_path):
     with pytest.raises(ValueError, match="preempt_max_pause_seconds: must be a number >= 0"):
         LlamaCppLLM(engine_spec(preempt_max_pause_seconds=-1), make_env(tmp_path))
     # Fewer batch tokens than sequences: llama.cpp would abort the process at load (GGML_ASSERT).
-    with pytest.raises(ValueError, match=r"max_batch_tokens: must be at least the engine's 34 llama.cpp sequences"):
+    with pytest.raises(ValueError, match=r"max_batch_tokens: must be at least the engine's 58 llama.cpp sequences"):
         LlamaCppLLM(engine_spec(n_seq_max=10, max_batch_tokens=16), make_env(tmp_path))
 
 
@@ -331,7 +331,8 @@ def test_too_many_contexts_and_a_full_kv_cache_are_clear_errors(tmp_path):
 def test_a_stream_per_sequence_bounds_a_context_by_its_share_of_n_ctx(tmp_path):
     # 2 contexts + 16 scoring + 8 cache sequences share 8,192 cells: llama.cpp gives each stream 8192 / 26,
     # padded to 256 cells, so a context holds at most 512 tokens; a longer prompt is a clear error.
-    engine = LlamaCppLLM(engine_spec(n_seq_max=2, n_ctx=8192, max_batch_tokens=256), make_env(tmp_path))
+    engine = LlamaCppLLM(engine_spec(n_seq_max=2, n_ctx=8192, max_batch_tokens=256, prefix_cache_sequences=8),
+                         make_env(tmp_path))
 
     async def scenario():
         async with anyio.create_task_group() as tg:
@@ -375,6 +376,38 @@ def test_a_shared_prefix_is_prefilled_once_and_decodes_as_uncached(llm):
     assert filled == len(second) - reused
     assert cached == uncached
     assert engine.prefix_caching_enabled()
+
+
+def test_a_repeated_prompt_and_a_chats_next_turn_are_reused_to_the_token(llm):
+    """As llama-server's slots: a prompt sent again prefills only its last token (whose logits the answer needs),
+    not the rest of its last block; a finished answer is kept with its prompt, so a chat's next turn (the prompt,
+    the answer, a new question) prefills only what follows the answer."""
+    portal, engine = llm
+    core = engine.core
+    first = chat(engine, "Name three colours of the rainbow, then describe each one.")
+
+    async def answer(tokens):
+        return await collect(engine.generate(tokens, GREEDY))
+
+    async def switch(on: bool):
+        await engine.set_prefix_caching(on)
+
+    def reuse(tokens) -> tuple[int, int, tuple]:
+        before, hits = core.token_counts["prefill"], core.stats()["prefix_cache_hits"]
+        out = portal.call(answer, tokens)
+        return core.token_counts["prefill"] - before, core.stats()["prefix_cache_hits"] - hits, out
+
+    portal.call(switch, False)  # empties the cache
+    portal.call(switch, True)
+    _, _, (text, _, _) = reuse(first)
+    filled, reused, _ = reuse(first)
+    assert len(first) % 16 and (filled, reused) == (1, len(first) - 1)
+    turn = engine.chat_tokens([{"role": "user", "content": "Name three colours of the rainbow, then describe each one."},
+                               {"role": "assistant", "content": text},
+                               {"role": "user", "content": "Which of them is the warmest?"}])
+    filled, reused, _ = reuse(turn)
+    assert reused > len(first) + 8  # the answer's tokens too, not only the first prompt's
+    assert filled == len(turn) - reused
 
 
 def test_a_prompt_deferred_behind_a_shared_prefix_starts_when_that_fill_ends(tmp_path):
@@ -428,7 +461,7 @@ def test_cached_prefixes_give_their_cells_back_when_the_kv_is_full(tmp_path):
             return await scenario()
 
     stats = anyio.run(run)
-    assert stats["contexts"] == 1 and stats["prefix_cache_tokens"] == 288  # only a's prefix now
+    assert stats["contexts"] == 1 and stats["prefix_cache_tokens"] == 300  # only a's prompt now, to the token
 
 
 # ----- logprobs (issue 14) ------------------------------------------------------------------

@@ -189,3 +189,31 @@ def test_the_retention_ttl_weighs_the_refill_and_is_clamped():
     assert policy.retention_ttl(500, 1000.0) == 5.0
     assert policy.retention_ttl(10, 1000.0) == 2.0 and policy.retention_ttl(10_000, 1000.0) == 60.0
     assert policy.retention_ttl(500, None) == policy.retention_ttl(500, 1000.0)  # unmeasured: the default rate
+
+
+def test_to_the_token_an_entry_keeps_its_partial_block_and_a_hit_reaches_into_it():
+    cache: PrefixCache[str] = PrefixCache(capacity_tokens=1000, block=4, to_the_token=True)
+    cache.insert(list(range(10)), lambda n: f"kv{n}")  # all 10 kept, the last 2 a partial block
+    assert cache.used_tokens == 10
+    entry, n = cache.match(list(range(10)), max_tokens=9)  # a repeated prompt: all but its last token
+    assert (entry.kv, n) == ("kv10", 9)
+    assert cache.match(list(range(9)) + [77], max_tokens=10)[1] == 9  # as far as the prompt agrees
+    assert cache.match([0, 1, 2], max_tokens=3) is None  # no whole block: nothing to look up by
+    cache.insert([5, 5], lambda n: "short")  # shorter than a block: not kept
+    assert len(cache) == 1
+
+
+def test_to_the_token_the_holder_that_goes_furthest_answers():
+    cache: PrefixCache[str] = PrefixCache(capacity_tokens=1000, block=4, to_the_token=True)
+    head = [7, 7, 7, 7]
+    cache.insert(head + [1, 2, 3], lambda n: "long")
+    cache.insert(head + [1, 9], lambda n: "other")  # the freshest holder of the head's block
+    assert cache.match(head + [1, 2, 3, 4], max_tokens=8) == (cache.match(head + [1, 2, 3], 7)[0], 7)
+    assert cache.match(head + [1, 2, 3, 4], max_tokens=8)[0].kv == "long"
+    assert cache.match(head + [1, 9, 0], max_tokens=7)[0].kv == "other"
+
+
+def test_block_aligned_unless_to_the_token():
+    cache: PrefixCache[str] = PrefixCache(capacity_tokens=1000, block=4)
+    cache.insert(list(range(10)), lambda n: f"kv{n}")
+    assert cache.match(list(range(10)), max_tokens=9)[1] == 8 and cache.used_tokens == 8

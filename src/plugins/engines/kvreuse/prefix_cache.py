@@ -35,6 +35,11 @@ Pins and eviction by next use (issue 28, after Continuum and KVFlow):
 - An unpinned entry whose tokens begin a newly inserted one is dropped (superseded): every lookup it
   would answer, the new one answers.
 
+Reuse to the token (``to_the_token``, the llama.cpp engine's, as llama-server's slots): an entry keeps its
+last partial block, and a hit reaches past the last whole block into it as far as the prompt still agrees
+with the entry, so a repeated prompt or a chat's next turn prefills only what is new, not the rest of a
+block. Lookups still go by whole blocks' hashes; an entry shorter than a block is not kept.
+
 Partitions (issue 50, vLLM's ``cache_salt``): every entry belongs to one, a string the request names (its
 API key's and salt's digest; "" the shared one); a lookup, insert or pin reaches only its own. The
 partition seeds the first block's hash, as vLLM hashes the salt into its first block, so the same tokens
@@ -77,7 +82,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 @dataclass(eq=False)
 class CachedPrefix(Generic[KV]):
-    tokens: list[int]  # block-aligned
+    tokens: list[int]  # block-aligned, but with ``to_the_token``
     kv: KV
     last_used: float = 0.0  # the cache's clock
     pins: dict[str, float] = field(default_factory=dict)  # pin key -> when it expires
@@ -146,6 +151,7 @@ class PrefixCache(Generic[KV]):
     shared_blocks: bool = False  # entries share a common prefix's storage: count each block once
     policy: PinPolicy = field(default_factory=PinPolicy)
     max_entries: int | None = None  # entries at most (llama.cpp: its cache sequences); None: tokens bound only
+    to_the_token: bool = False  # entries keep a partial last block, and hits reach into it (module docstring)
     clock: Callable[[], float] = time.monotonic
     _entries: OrderedDict[int, CachedPrefix[KV]] = field(default_factory=OrderedDict)  # LRU order, by id
     _index: dict[int, CachedPrefix[KV]] = field(default_factory=dict)  # block hash -> the freshest entry holding it
@@ -158,18 +164,26 @@ class PrefixCache(Generic[KV]):
 
     def match(self, tokens: Sequence[int], max_tokens: int,
               partition: str = "") -> tuple[CachedPrefix[KV], int] | None:
-        """The longest cached block-aligned prefix of ``tokens`` of at most ``max_tokens`` tokens, in ``partition``.
+        """The longest cached prefix of ``tokens`` of at most ``max_tokens`` tokens, in ``partition``: block-aligned,
+        or to the token with ``to_the_token``.
 
         Counts nothing, so a scheduler may ask before it decides (``use`` counts a use).
         """
         self._expire(self.clock())
-        hashes = block_hashes(tokens[: max(0, max_tokens)], self.block, partition)
+        tokens = list(tokens[: max(0, max_tokens)])
+        hashes = block_hashes(tokens, self.block, partition)
         for i in range(len(hashes) - 1, -1, -1):
             entry = self._index.get(hashes[i])
             n = (i + 1) * self.block
             # A hash collision is no hit.
-            if entry is not None and entry.partition == partition and entry.tokens[:n] == list(tokens[:n]):
+            if entry is None or entry.partition != partition or entry.tokens[:n] != tokens[:n]:
+                continue
+            if not self.to_the_token:
                 return entry, n
+            # Every entry holding the block may go on further with the prompt: the one that goes furthest.
+            holders = [e for e in self._holders.get(hashes[i], {}).values()
+                       if e.partition == partition and e.tokens[:n] == tokens[:n]] or [entry]
+            return max(((e, n + common_prefix(e.tokens[n:], tokens[n:])) for e in holders), key=lambda hit: hit[1])
         return None
 
     def use(self, entry: CachedPrefix[KV] | None, looked_up: int, found: int) -> None:
@@ -180,10 +194,10 @@ class PrefixCache(Generic[KV]):
             self._refresh(entry)
 
     def insert(self, tokens: Sequence[int], make_kv: Callable[[int], KV], partition: str = "") -> None:
-        """Offer a filled context's ``tokens``; its block-aligned prefix is kept (``make_kv(n)``: its first n tokens)
-        in ``partition``."""
-        n = len(tokens) // self.block * self.block
-        if n == 0 or n > self.capacity_tokens:
+        """Offer a filled context's ``tokens``; its block-aligned prefix (all of it, ``to_the_token``) is kept
+        (``make_kv(n)``: its first n tokens) in ``partition``."""
+        n = len(tokens) if self.to_the_token else len(tokens) // self.block * self.block
+        if len(tokens) < self.block or n > self.capacity_tokens:
             return
         found = self.match(tokens, n, partition)
         if found is not None and found[1] == n:
@@ -216,7 +230,8 @@ class PrefixCache(Generic[KV]):
             changed += (sign > 0 and len(holders) == 1) or not holders  # the block's first holder came, or its last left
             if not holders:
                 del self._holders[h]
-        return changed * self.block if self.shared_blocks else len(entry.tokens)
+        # A partial last block (``to_the_token``) is the entry's own.
+        return changed * self.block + len(entry.tokens) % self.block if self.shared_blocks else len(entry.tokens)
 
     def _refresh(self, entry: CachedPrefix[KV]) -> None:
         # The most recently used holder of a shared prefix answers for it, so evicting the least

