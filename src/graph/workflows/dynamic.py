@@ -129,7 +129,7 @@ def step_schema(actions: list[str]) -> dict[str, Any]:
 
 async def agent(t: Trace) -> dict[str, Any]:
     question, config = t.inputs["question"], t.config
-    actions = [a for a in AGENT_ACTIONS if a != "search" or "collection" in t.inputs]
+    actions = [a for a in AGENT_ACTIONS if a in config["actions"] and (a != "search" or "collection" in t.inputs)]
     head = AGENT_HEAD.replace("{actions}", "; ".join(AGENT_ACTIONS[a] for a in actions))
     transcript, values = "", {"question": question}
     steps: list[dict[str, Any]] = []
@@ -165,6 +165,11 @@ async def _observed(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return steps
 
 
+def check_actions(inputs: dict[str, Any], config: dict[str, Any]) -> None:
+    if set(config["actions"]) == {"search"} and "collection" not in inputs:
+        raise WorkflowInputError("config.actions", "'search' needs inputs.collection to search")
+
+
 AGENT = Workflow(
     name="agent",
     description="A ReAct loop: each step the LLM (constrained to a JSON step) searches the collection, calculates "
@@ -173,10 +178,15 @@ AGENT = Workflow(
     required=("question",),
     config={"max_steps": {"type": "integer", "minimum": 1, "maximum": 16, "default": 4},
             "k": {"type": "integer", "minimum": 1, "maximum": 16, "default": 2, "description": "chunks per search"},
+            "actions": {"type": "array", "items": {"type": "string", "enum": list(AGENT_ACTIONS)}, "minItems": 1,
+                        "default": list(AGENT_ACTIONS),
+                        "description": "what a step may do (OpenAI's tool_choice): [\"calculate\"] forces the "
+                                       "calculator; search needs inputs.collection"},
             "max_tokens": MAX_TOKENS},
     outputs=("answer", "steps"),
     kinds=RETRIEVAL_KINDS,
     trace=agent,
+    check=check_actions,
 )
 
 
