@@ -496,11 +496,10 @@ class EngineTiers:
         """``PrefixCache.on_leave``: the entry goes to the tiers (in its partition), unless a longer one holding
         it came."""
         if reason != "superseded":
-            # The tiers keep whole blocks: a partial last block (``to_the_token``) stays in the saved KV unnamed,
-            # and a restore cuts what it holds past its hit.
+            # The tiers keep whole blocks (an entry holds one at least): a partial last block (``to_the_token``)
+            # stays in the saved KV unnamed, and a restore cuts what it holds past its hit.
             whole = len(entry.tokens) // self.store.block * self.store.block
-            if whole:
-                self.save(entry.kv, entry.tokens[:whole], entry.partition)
+            self.save(entry.kv, entry.tokens[:whole], entry.partition)
 
     def close(self, cache: Any) -> None:
         """The cache's prefixes (a ``PrefixCache`` or None) go to the tiers (and disk, for the next start); the

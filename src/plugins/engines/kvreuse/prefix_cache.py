@@ -180,9 +180,10 @@ class PrefixCache(Generic[KV]):
                 continue
             if not self.to_the_token:
                 return entry, n
-            # Every entry holding the block may go on further with the prompt: the one that goes furthest.
-            holders = [e for e in self._holders.get(hashes[i], {}).values()
-                       if e.partition == partition and e.tokens[:n] == tokens[:n]] or [entry]
+            # Every entry holding the block (the indexed one among them) may go on further with the prompt: the one
+            # that goes furthest.
+            holders = [e for e in self._holders[hashes[i]].values()
+                       if e.partition == partition and e.tokens[:n] == tokens[:n]]
             return max(((e, n + common_prefix(e.tokens[n:], tokens[n:])) for e in holders), key=lambda hit: hit[1])
         return None
 

@@ -359,9 +359,8 @@ class LlamaCppCore(LlamaSequences, LLMCore):
             seq.length = r.length
             # The prompt and its answer are kept, as llama-server's slot keeps its last exchange: a chat's next turn
             # repeats them, and a repeated prompt is then reused to its last token. It costs a copy of the cells.
-            if self.prefix_cache is not None:
-                held = seq.tokens + r.detok.ids[: r.length - len(seq.tokens)]  # the last token sampled is not in the KV
-                self.prefix_cache.insert(held, lambda n, src=seq.seq: self._cache_copy(src, n), seq.partition)
+            # The last token sampled is not in the KV.
+            self._offer_to_cache(seq, seq.tokens + r.detok.ids[: r.length - len(seq.tokens)])
         super().row_finished(r)
 
     def stats(self) -> dict[str, int]:
@@ -504,9 +503,7 @@ class LlamaCppCore(LlamaSequences, LLMCore):
             if fill.remaining == 0:
                 self._prefills.remove(fill)
                 seq.filling, seq.next_logits = False, logits[-1].copy()  # not a view that pins the batch's
-                if self.prefix_cache is not None:
-                    self.prefix_cache.insert(seq.tokens, lambda n, src=seq.seq: self._cache_copy(src, n),
-                                             seq.partition)
+                self._offer_to_cache(seq, seq.tokens)
                 out.reply(fill.prefill.reply, fill.cached if fill.scorer is None else fill.scorer.result())
         else:
             self._scoring.filled(fill, torch.from_numpy(logits), out)

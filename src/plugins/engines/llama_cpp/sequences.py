@@ -226,6 +226,11 @@ class LlamaSequences:
                 release_ranges(self._streams.ranges(seq))
         self._streams_to_release.clear()
 
+    def _offer_to_cache(self, seq: ContextSequence, tokens: TokenIds) -> None:
+        """Offer the prefix cache ``tokens``, what ``seq``'s cells hold; a copy of them if it keeps them."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.insert(tokens, lambda n: self._cache_copy(seq.seq, n), seq.partition)
+
     def _cache_copy(self, src: int, n: int) -> int:
         """A cache sequence holding positions [0, n) of ``src`` (the cache keeps at most one entry a sequence)."""
         dst = self._free_cache_seqs.pop()
