@@ -295,6 +295,52 @@ def test_a_first_token_goes_to_the_loop_before_the_decode_that_follows_it(tmp_pa
     assert at_decode == [0, 1, 2], at_decode
 
 
+def test_a_new_context_takes_the_sequence_that_keeps_the_decoding_ones_consecutive(tmp_path):
+    """With a stream per sequence llama.cpp runs a batch as one ubatch per run of consecutive sequence ids: a new
+    context takes the free id between two decoding ones, not the one freed last, and the three decode in one run."""
+    engine = LlamaCppLLM(engine_spec(prefix_cache_tokens=0), make_env(tmp_path))
+    runs: list[list[int]] = []  # the sequence ids of each decode-only batch
+    long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+
+    async def scenario():
+        async with anyio.create_task_group() as tg:
+            await tg.start(engine.run)
+            core = engine.core
+            decode = core._decode
+            core._decode = lambda parts: (runs.append(sorted(core._contexts[r.ctx].seq for p in parts
+                                                                for r in p.rows)) if all(p.kind == "decode"
+                                                                                         for p in parts) else None,
+                                          decode(parts))[1]
+            for ctx in "abcd":
+                await engine.prefill(ctx, chat(engine, f"Tell me about the letter {ctx}."))
+            seqs = {ctx: core._contexts[ctx].seq for ctx in "abcd"}
+            assert sorted(seqs.values()) == [0, 1, 2, 3], seqs
+            started = {"a": anyio.Event(), "c": anyio.Event()}
+
+            async def decode_until_cancelled(ctx):
+                async for _ in engine.decode(ctx, long):
+                    started[ctx].set()
+
+            tg.start_soon(decode_until_cancelled, "a")
+            tg.start_soon(decode_until_cancelled, "c")
+            await started["a"].wait()
+            await started["c"].wait()
+            await engine.free("b")
+            await engine.free("d")  # freed last: a stack of free ids would hand it out next
+            await engine.prefill("e", chat(engine, "Tell me about the letter e."))
+            chosen = core._contexts["e"].seq
+            runs.clear()
+            async for _ in engine.decode("e", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)):
+                pass
+            tg.cancel_scope.cancel()
+        return seqs, chosen
+
+    seqs, chosen = anyio.run(scenario)
+    assert chosen == seqs["b"], (seqs, chosen)
+    three = [r for r in runs if len(r) == 3]
+    assert three and all(r == list(range(r[0], r[0] + 3)) for r in three), runs
+
+
 def test_too_many_contexts_and_a_full_kv_cache_are_clear_errors(tmp_path):
     # No prefix cache: a cached prefix would serve the 300 tokens below from b's 400.
     # A full KV cache happens only in a unified one (a stream per sequence holds a whole context).

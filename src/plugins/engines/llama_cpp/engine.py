@@ -257,7 +257,7 @@ class LlamaCppCore(LlamaSequences, LLMCore):
             hit = self.prefix_cache.match(job.tokens, len(job.tokens) - 1, job.partition)
             if hit is not None and not self._window_holds(hit[0].kv, hit[1]):
                 hit = None  # its window layers lost what the prompt's next tokens attend: a miss (swa)
-        seq = self._free_seqs.pop()
+        seq = self._take_sequence()
         composed = self._placed(job, seq, hit[1] if hit else 0) if fresh and job.documents else None
         skip = 0
         if composed is not None:  # its documents placed (placement): the rest is prefilled below

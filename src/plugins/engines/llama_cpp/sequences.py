@@ -193,6 +193,17 @@ class LlamaSequences:
         llama().llama_memory_seq_rm(self._mem, dst, -1, -1)
         return False
 
+    def _take_sequence(self) -> int:
+        """A free sequence id for a new context, chosen to keep the batch's sequences in as few runs of consecutive
+        ids as it can: with a stream per sequence llama.cpp runs a batch as one ubatch per such run, and each
+        ubatch reads every weight again (16 decoding rows on every other id took 4.3x a step on 16 consecutive
+        ids, Xeon). The id that joins two runs of the sequences filling or decoding, else one that extends a run,
+        else the lowest."""
+        busy = {c.seq for c in self._contexts.values() if c.filling or c.decoding}
+        seq = max(self._free_seqs, key=lambda s: ((s - 1 in busy) + (s + 1 in busy), -s))
+        self._free_seqs.remove(seq)
+        return seq
+
     def release(self, ctx: ContextId) -> None:
         seq = self._contexts.pop(ctx, None)
         if seq is None:
