@@ -395,6 +395,53 @@ def test_a_stream_per_sequence_bounds_a_context_by_its_share_of_n_ctx(tmp_path):
     assert idle(anyio.run(scenario))
 
 
+def test_a_prompt_is_copied_to_the_cache_after_its_first_token_once_and_read_before_that_from_its_context(tmp_path):
+    """A filled prompt's cache entry is copied out of its context only when something reads it or the context goes:
+    never before the first token, and once for a request nobody reused (its prompt's entry is superseded by its
+    answer's). Read meanwhile (the same prompt again while the first still decodes), it is a hit on the context's
+    cells, and answers as the first did."""
+    engine = LlamaCppLLM(engine_spec(), make_env(tmp_path))
+    events: list[str] = []
+    deliver, core = engine._deliver, engine.core
+    copy_cells = core._copy_cells
+    core._copy_cells = lambda src, dst: (events.append("copy"), copy_cells(src, dst))[1]
+    engine._deliver = lambda out: (events.extend("token" for _, d, _ in out.deltas if not isinstance(d, BaseException)),
+                                   deliver(out))[1]
+    answer = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+    async def scenario():
+        async with anyio.create_task_group() as tg:
+            await tg.start(engine.run)
+            prompt = chat(engine, "Write a short poem about the sea.")
+            first = await collect(engine.generate(prompt, answer))
+            await wait_for_no_contexts(engine)
+            alone = list(events)
+            stats = engine.stats()
+            events.clear()
+            other = chat(engine, "Write a short poem about the moon.")
+            async with anyio.create_task_group() as both:
+                results = {}
+
+                async def run(key, tokens, params):
+                    results[key] = await collect(engine.generate(tokens, params))
+
+                both.start_soon(run, "long", other, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+                while "token" not in events:  # the moon prompt's entry, deferred, while it decodes
+                    await anyio.sleep(0.005)
+                before = core._cache_stats.hits
+                await run("again", other, answer)
+                hit = core._cache_stats.hits - before
+            await wait_for_no_contexts(engine)
+            tg.cancel_scope.cancel()
+        return prompt, alone, stats, results, hit
+
+    prompt, alone, stats, results, hit = anyio.run(scenario)
+    assert alone.index("copy") > alone.index("token") and alone.count("copy") == 1, alone
+    assert stats["prefix_cache_tokens"] == len(prompt) + 11, stats  # the prompt and its answer (not its last token)
+    assert hit >= 16, hit
+    assert results["again"][1] == results["long"][1][:12]
+
+
 def test_a_shared_prefix_is_prefilled_once_and_decodes_as_uncached(llm):
     """Automatic prefix caching: a second prompt with the same 500-token prefix forks the cached sequence
     (seq_cp of its first positions) and fills only its own suffix."""

@@ -100,6 +100,7 @@ class LlamaCppCore(LlamaSequences, LLMCore):
         self._cache_stats = PrefixCacheStats()  # counted across switching the cache off and on
         self.prefix_cache: PrefixCache[int] | None = None  # made by load(): entries hold sequence ids
         self._free_cache_seqs: list[int] = []
+        self._deferred_copies: dict[int, tuple[int, int]] = {}  # cache sequence -> (context sequence, tokens)
 
     # ----- lifetime ----------------------------------------------------------------------
 

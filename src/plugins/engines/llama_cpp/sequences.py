@@ -72,6 +72,8 @@ class LlamaSequences:
     _batch: Any
     _free_seqs: list[int]
     _free_cache_seqs: list[int]
+    # A cache entry whose copy is deferred: its cells still lie in the context it was offered from (``_cache_copy``).
+    _deferred_copies: dict[int, tuple[int, int]]
     _contexts: dict[ContextId, ContextSequence]
     _prefills: deque[Fill]
     _scoring: ScoringQueue
@@ -127,6 +129,7 @@ class LlamaSequences:
                                      self.name)
             if self._tiers is not None:
                 self._tiers.usable = self._window_holds
+                self._tiers.before_save = self._copy_deferred
             self.set_prefix_caching(True)
         if self._place[0]:
             self._placer = DocumentPlacer(self._model, self._threads, self.max_batch_tokens,
@@ -168,6 +171,9 @@ class LlamaSequences:
         holds, so a 16-token prefix-cache hit cost more than its prefill (pages faulted in after ``lazy_kv``
         gave them back) and every cache entry held a whole stream. The copy is trimmed to the prefix at once
         (seq_rm is bookkeeping only: the cells past it stay written)."""
+        if src in self._deferred_copies:  # a cache entry whose copy is deferred: read from the context holding it
+            src, held = self._deferred_copies[src]
+            n = held if n is None else min(n, held)
         lc = llama()
         if self._kv_unified:
             lc.llama_memory_seq_cp(self._mem, src, dst, 0 if n is not None else -1, -1 if n is None else n)
@@ -209,6 +215,8 @@ class LlamaSequences:
         if seq is None:
             return
         self._prefills = deque(f for f in self._prefills if f.seq != seq.seq)
+        for entry_seq in [c for c, (src, _) in self._deferred_copies.items() if src == seq.seq]:
+            self._copy_deferred(entry_seq)  # the entry's cells go with the context: copied first
         self._drop_sequence(seq.seq, self._free_seqs)
 
     def _drop_sequence(self, seq: int, pool: list[int]) -> None:
@@ -243,10 +251,31 @@ class LlamaSequences:
             self.prefix_cache.insert(tokens, lambda n: self._cache_copy(seq.seq, n), seq.partition)
 
     def _cache_copy(self, src: int, n: int) -> int:
-        """A cache sequence holding positions [0, n) of ``src`` (the cache keeps at most one entry a sequence)."""
+        """A cache sequence holding positions [0, n) of the context sequence ``src`` (the cache keeps at most one
+        entry a sequence).
+
+        With a stream per sequence the copy is deferred until something reads the entry (a hit, the tiers) or
+        ``src`` is released, so it never delays the context's first token, and it is never made at all when the
+        entry goes first: a prompt's entry is superseded when its answer's is offered (prompt and answer), so a
+        request that nobody reused meanwhile is copied once, not twice. ``src`` holds [0, n) unchanged meanwhile:
+        a context only appends to its cells. A window model's copy is its whole stream, made at once."""
         dst = self._free_cache_seqs.pop()
-        self._copy_sequence(src, dst, n)
+        if self._kv_unified or self.window:
+            self._copy_sequence(src, dst, n)
+        else:
+            self._deferred_copies[dst] = (src, n)
         return dst
+
+    def _copy_deferred(self, seq: int) -> None:
+        """Make cache sequence ``seq``'s deferred copy (``_cache_copy``), if it has one."""
+        deferred = self._deferred_copies.pop(seq, None)
+        if deferred is not None:
+            self._copy_sequence(deferred[0], seq, deferred[1])
+
+    def _evicted(self, seq: int) -> None:
+        """A cache entry left: its sequence is free again (an entry whose copy was deferred was never copied)."""
+        self._deferred_copies.pop(seq, None)
+        self._drop_sequence(seq, self._free_cache_seqs)
 
     def prefix_caching_enabled(self) -> bool:
         return self.prefix_cache is not None
@@ -270,4 +299,4 @@ class LlamaSequences:
                                             max_entries=min(self._cache_sequences, WINDOW_CACHE_ENTRIES)
                                             if self.window else self._cache_sequences, to_the_token=True,
                                             on_leave=self._tiers.offload if self._tiers is not None else None,
-                                            on_evict=lambda seq: self._drop_sequence(seq, self._free_cache_seqs))
+                                            on_evict=self._evicted)

@@ -46,11 +46,14 @@ class SequenceTiers(EngineTiers):
         self.store, self._ctx, self._mem, self._name = store, ctx, mem, name
         # Whether a restored sequence serves a continuation at a position (a sliding window's cells: swa).
         self.usable: Callable[[int, int], bool] = lambda seq, n: True
+        # Called with a sequence before its KV is read to be saved (the core makes a deferred copy there).
+        self.before_save: Callable[[int], None] = lambda seq: None
 
     def save(self, seq: int, tokens: Sequence[int], partition: str = "") -> None:
         """Keep sequence ``seq``'s KV, which holds exactly ``tokens`` (block-aligned), in the tiers' ``partition``."""
         if self.store.holds(tokens, partition):
             return
+        self.before_save(seq)
         data = sequence_state(self._ctx, seq)
         if data is None:
             log.warning("engine %s: llama.cpp saved a sequence's KV short; not kept", self._name)
