@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import anyio
@@ -339,6 +340,26 @@ def test_a_new_context_takes_the_sequence_that_keeps_the_decoding_ones_consecuti
     assert chosen == seqs["b"], (seqs, chosen)
     three = [r for r in runs if len(r) == 3]
     assert three and all(r == list(range(r[0], r[0] + 3)) for r in three), runs
+
+
+def test_the_model_loads_on_the_thread_that_decodes(tmp_path):
+    """ggml's OpenMP teams belong to the thread that runs them, one parked pool per thread: loading (the AMX weight
+    repack runs a team) on another thread left a second pool, and libgomp's waiters then stopped spinning (1,480
+    futex calls a token against 784). Load and decodes run on one thread."""
+    engine = LlamaCppLLM(engine_spec(prefix_cache_tokens=0), make_env(tmp_path))
+    core, seen = engine.core, {}
+    load, step = core.load, core.step
+    core.load = lambda: (seen.setdefault("load", threading.get_ident()), load())[1]
+    core.step = lambda out: (seen.setdefault("step", threading.get_ident()), step(out))[1]
+
+    async def scenario():
+        async with anyio.create_task_group() as tg:
+            await tg.start(engine.run)
+            await text_of(engine.generate([1, 2, 3], SamplingParams(max_tokens=2, temperature=0)))
+            tg.cancel_scope.cancel()
+
+    anyio.run(scenario)
+    assert seen["load"] == seen["step"], seen
 
 
 def test_too_many_contexts_and_a_full_kv_cache_are_clear_errors(tmp_path):

@@ -1,5 +1,6 @@
 """The sentence-transformers embedder engine, against the model loaded directly."""
 
+import threading
 from pathlib import Path
 
 import anyio
@@ -100,6 +101,22 @@ async def test_concurrent_embeds_and_token_counts(tmp_path):
 
     assert sorted(results) == [0, 1, 2, 3]
     assert all(r.shape == (8, 384) for r in results.values())
+
+
+@pytest.mark.anyio
+async def test_a_batch_runs_on_a_thread_that_ends_with_it(tmp_path):
+    """torch's OpenMP pool lives as long as the thread that made it, and a pool left parked beside llama.cpp's makes
+    libgomp's waiters stop spinning (``own_thread``): each batch's thread is gone when its embeddings are back."""
+    engine = st_embed.factory(EngineSpec(name="emb", plugin="sentence-transformers"), make_env(tmp_path, []))
+    threads = []
+    encode = engine._encode
+    engine._encode = lambda model, texts: (threads.append(threading.current_thread()), encode(model, texts))[1]
+    async with running(engine):
+        for _ in range(2):
+            vectors = await engine.embed(["a long enough text to be worth parallel work " * 40] * 16)
+            assert vectors.shape == (16, 384)
+            assert not threads[-1].is_alive()
+    assert len(threads) == 2 and threads[0] is not threads[1]
 
 
 def test_pack_keeps_sequences_apart():

@@ -27,6 +27,7 @@ import anyio
 import torch
 
 from headrace.plugins.engines.models.paths import resolve_model
+from headrace.plugins.engines.retrieval.own_thread import run_in_own_thread
 from headrace.plugins.hookspecs import hookimpl
 from headrace.plugins.protocols import EngineEnv, EngineSpec, LLMEngine
 from headrace.text import check_texts
@@ -54,7 +55,7 @@ class CrossEncoderReranker:
 
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         try:
-            self._model = await anyio.to_thread.run_sync(self._load)
+            self._model = await run_in_own_thread(self._load)
             task_status.started()
             await anyio.sleep_forever()
         finally:
@@ -85,7 +86,7 @@ class CrossEncoderReranker:
         check_text(pairs)
         async with self._limiter:
             start = time.monotonic()
-            scores = await anyio.to_thread.run_sync(self._predict, model, pairs)
+            scores = await run_in_own_thread(self._predict, model, pairs)
             self._env.observe_batch("rerank", len(pairs), start, time.monotonic())
         return scores
 

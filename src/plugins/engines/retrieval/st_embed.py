@@ -27,6 +27,7 @@ import torch
 from headrace.plugins.engines.models.loading import AUTO, parse_dtype
 from headrace.plugins.engines.models.paths import resolve_model
 from headrace.plugins.engines.retrieval.packing import mean_pool, pack
+from headrace.plugins.engines.retrieval.own_thread import run_in_own_thread
 from headrace.plugins.hookspecs import hookimpl
 from headrace.plugins.protocols import EngineEnv, EngineSpec
 from headrace.text import check_texts
@@ -64,7 +65,7 @@ class SentenceTransformerEmbedder:
         if self._threads:
             torch.set_num_threads(self._threads)
         try:
-            await anyio.to_thread.run_sync(self._load)
+            await run_in_own_thread(self._load)
             task_status.started()
             await anyio.sleep_forever()
         finally:
@@ -130,7 +131,7 @@ class SentenceTransformerEmbedder:
         check_texts(texts, "text")
         async with self._limiter:  # the batch's compute starts once the worker thread is ours
             start = time.monotonic()
-            vectors = await anyio.to_thread.run_sync(self._encode, model, texts)
+            vectors = await run_in_own_thread(self._encode, model, texts)
             self._env.observe_batch("embed", len(texts), start, time.monotonic())
         return vectors
 

@@ -1,0 +1,42 @@
+"""Torch work on a thread of its own that ends with the work, so the OpenMP pool it makes ends too.
+
+torch and llama.cpp's CPU backend share one libgomp in this process (torch loads it first), and libgomp keeps a
+pool of OpenMP workers for every thread that ran a parallel region, until that thread ends. Once it manages more
+threads than there are CPUs, every waiter spins 1,000 rounds instead of ``GOMP_SPINCOUNT`` before it sleeps, and
+each of a llama.cpp decode's few hundred barriers becomes a futex sleep and wake. One embeddings request on an
+anyio worker thread (which lingers 10 s idle, its pool with it) took the next 400-token stream of the default
+daemon from 316k futex calls to 594k and to about 0.6x its speed (Xeon, 2 cores). A thread that ends with its
+batch gives its pool back at once; starting it costs well under a millisecond.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, TypeVar
+
+import anyio
+
+T = TypeVar("T")
+
+
+async def run_in_own_thread(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on a new thread that ends once it returns (not cancellable, as ``to_thread.run_sync``)."""
+    return await anyio.to_thread.run_sync(_run_and_end, fn, args)
+
+
+def _run_and_end(fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+    outcome: list[Any] = []
+
+    def target() -> None:
+        try:
+            outcome.append((True, fn(*args)))
+        except BaseException as exc:  # re-raised on the caller's thread
+            outcome.append((False, exc))
+
+    thread = threading.Thread(target=target, name="headrace-torch-batch", daemon=True)
+    thread.start()
+    thread.join()
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
