@@ -434,7 +434,7 @@ def test_a_prompt_is_copied_to_the_cache_after_its_first_token_once_and_read_bef
         async with anyio.create_task_group() as tg:
             await tg.start(engine.run)
             prompt = chat(engine, "Write a short poem about the sea.")
-            first = await collect(engine.generate(prompt, answer))
+            await collect(engine.generate(prompt, answer))
             await wait_for_no_contexts(engine)
             alone = list(events)
             stats = engine.stats()

@@ -62,11 +62,8 @@ class LlamaCppCore(LlamaSequences, LLMCore):
     scores_prompts = True
     keeps_contexts = True
     isolates_caches = True
-    # ggml's CPU backend runs OpenMP teams from whichever thread calls it, and libgomp keeps one pool of workers
-    # for each such thread until it ends. Loading on another thread (the AMX weight repack is parallel) left a
-    # second pool parked: libgomp then counts more threads than CPUs and its waiters spin 1,000 rounds instead of
-    # GOMP_SPINCOUNT before they sleep, so each of a decode's barriers became a futex sleep and wake (1,480 futex
-    # calls a token against 784 with one pool; one stream 8% slower in a scratch A/B, Xeon). One thread, one pool.
+    # One OpenMP pool: loading on another thread (the AMX weight repack runs a team) left a second pool parked, and
+    # libgomp then stops its waiters spinning (``retrieval.own_thread``; docs/engines.md, "One OpenMP pool").
     load_on_worker = True
 
     def __init__(self, spec: EngineSpec, env: EngineEnv) -> None:

@@ -11,7 +11,7 @@ its pool back at once; a thread started and joined costs about 70 us here, its n
 
 from __future__ import annotations
 
-import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
 import anyio
@@ -25,18 +25,6 @@ async def run_in_own_thread(fn: Callable[..., T], *args: Any) -> T:
 
 
 def _run_and_end(fn: Callable[..., T], args: tuple[Any, ...]) -> T:
-    outcome: list[Any] = []
-
-    def target() -> None:
-        try:
-            outcome.append((True, fn(*args)))
-        except BaseException as exc:  # re-raised on the caller's thread
-            outcome.append((False, exc))
-
-    thread = threading.Thread(target=target, name="headrace-torch-batch", daemon=True)
-    thread.start()
-    thread.join()
-    ok, value = outcome[0]
-    if not ok:
-        raise value
-    return value
+    # A one-worker pool: its thread ends when the pool shuts down, which ``with`` waits for.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="headrace-torch-batch") as pool:
+        return pool.submit(fn, *args).result()
