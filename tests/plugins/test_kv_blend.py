@@ -11,6 +11,7 @@ from headrace.plugins.engines.llama_cpp.kv_blend import Step, plan
 
 N_BATCH = 256
 TARGET, SCRATCH, REF = 0, 1, 2
+SEQS = kv_blend.BuildSequences(target=TARGET, bodies=3, restore=SCRATCH, helpers=(4, 5))
 # What a re-rotation alone moves the last token's distribution, measured by scripts/bench/kv_any_position.py
 # (shift_only: KL ~0.004 nats over 28 answer positions; a fresh prefill split differently moves it as much).
 KL_TOLERANCE = 0.02
@@ -41,7 +42,7 @@ def model():
     mdl = lc.llama_model_load_from_file(str(quantized_model(path, cache, DEFAULT_QUANTIZE, 2)).encode(),
                                         lc.llama_model_default_params())
     params = lc.llama_context_default_params()
-    params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = 1024, N_BATCH, N_BATCH, 3
+    params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = 1024, N_BATCH, N_BATCH, 6
     params.kv_unified = True
     params.n_threads = params.n_threads_batch = 1  # a shared CI box: 2 threads spin at every barrier
     ctx = lc.llama_init_from_model(mdl, params)
@@ -61,13 +62,28 @@ def model():
         lc.llama_memory_seq_rm(lc.llama_get_memory(ctx), REF, -1, -1)
         return out
 
-    def built(tokens, docs, k):
+    def built(tokens, docs, k, seqs=SEQS):
         lc.llama_memory_seq_rm(lc.llama_get_memory(ctx), TARGET, -1, -1)
-        n = kv_blend.build(ctx, batch, TARGET, SCRATCH, tokens, docs, N_BATCH, recompute_first=k)
+        n = kv_blend.build(ctx, batch, seqs, tokens, docs, N_BATCH, recompute_first=k)
         out = last_logits()
         lc.llama_memory_seq_rm(lc.llama_get_memory(ctx), TARGET, -1, -1)
         return n, out
 
+    def in_order(tokens, docs, k):
+        """EPIC as written: each step in turn in the target, every repair attending everything before it."""
+        mem = lc.llama_get_memory(ctx)
+        lc.llama_memory_seq_rm(mem, TARGET, -1, -1)
+        for step in plan(len(tokens), [(pos, d.length) for d, pos in docs], k):
+            if step.kind == "place":
+                kv_blend.place(ctx, TARGET, SCRATCH, docs[step.doc][0], docs[step.doc][1], step)
+            else:
+                kv_blend.prefill(ctx, batch, TARGET, tokens[step.start:step.end], step.start, N_BATCH,
+                                 logits_last=step.end == len(tokens))
+        out = last_logits()
+        lc.llama_memory_seq_rm(mem, TARGET, -1, -1)
+        return out
+
+    built.in_order = in_order
     yield encode, ctx, batch, fresh, built
     lc.llama_batch_free(batch)
     lc.llama_free(ctx)
@@ -117,3 +133,31 @@ def test_documents_after_other_text_follow_the_recompute_rule(model):
     n, got = built(tokens, docs, 16)
     assert n == len(head) + 16 + len(sep) + 16 + len(tail)
     assert np.isfinite(got).all()
+
+
+THIRD = ("collections.Counter: Dict subclass for counting hashable items. Elements are stored as dictionary keys "
+         "and their counts are stored as dictionary values.")
+
+
+def test_repairs_side_by_side_see_the_documents_before_them(model):
+    encode, ctx, batch, fresh, built = model
+    head, sep, tail = (encode("Answer the question using the contexts.\nContexts:\n"), encode("\n\n"),
+                       encode("\nQuestion: What does Counter count?\nAnswer:"))
+    docs_text = [encode(DOC), encode(OTHER), encode(THIRD)]
+    tokens, docs = list(head), []
+    for i, doc in enumerate(docs_text):
+        tokens += sep if i else []
+        docs.append((kv_blend.compute_doc(ctx, batch, SCRATCH, doc, N_BATCH), len(tokens)))
+        tokens += doc
+    tokens += tail
+    want = fresh(tokens)
+    epic = built.in_order(tokens, docs, 8)
+    # One helper: every repair in a round of its own, attending everything before it, as EPIC's: its numbers (a
+    # helper missing the documents or the head before its repair would not be).
+    _, alone = built(tokens, docs, 8, kv_blend.BuildSequences(TARGET, 3, SCRATCH, (4,)))
+    assert np.argmax(alone) == np.argmax(epic) and kl(epic, alone) < KL_TOLERANCE / 4
+    # Two helpers: the second and third documents' repairs side by side (neither attends the other's), the tail
+    # after them; still a placement of the same documents, close to the full prefill as EPIC's is.
+    n, side_by_side = built(tokens, docs, 8)
+    assert n == len(head) + 8 + 2 * (len(sep) + 8) + len(tail)
+    assert kl(want, side_by_side) < max(2 * kl(want, epic), KL_TOLERANCE), (kl(want, side_by_side), kl(want, epic))

@@ -2,10 +2,11 @@
 
 A document's KV is computed once, alone from position 0 (``prepare``: at ingest), and kept in the engine's KV
 tiers (host memory, disk) as ``kvreuse.documents`` says. A prefill that marks documents (``Prefill.documents``)
-is then composed in a small unified llama context of its own (``kv_blend``: a document restored into a scratch sequence, shifted to where it
-stands, tagged into the target; each document's first ``recompute_first`` tokens and everything between the
-documents prefilled in place, EPIC's repair), and the composed sequence is handed to the engine's main context
-as a state restore (``saved_for``), where the prompt's rest is prefilled as usual.
+is then composed in a small unified llama context of its own (``kv_blend.build``: every document restored, shifted
+to where it stands and gathered; then each document's first ``recompute_first`` tokens and the text between the
+documents prefilled in place, EPIC's repair, the head first and the other repairs side by side), and the composed
+sequence is handed to the engine's main context as a state restore (``saved_for``), where the prompt's rest is
+prefilled as usual.
 
 Why a context of its own: joining several documents in one sequence needs a unified KV (``seq_cp`` tags cells;
 with a stream per sequence it copies whole streams, and a restore clears its target), while the engine's main
@@ -13,10 +14,9 @@ context keeps a stream per sequence for decode speed (``engine``). Work that can
 document the tiers do not hold (or hold damaged: llama.cpp refuses the bytes), or a model whose KV cannot be
 shifted (sliding-window or M-RoPE attention: said once in the log).
 
-Between a placement and the next prefill, nothing but the prompt's own cells is in the placement context: in a
-unified KV another sequence's cells changed a prompt's logits (docs/benchmarks.md, "Documents placed"), so each
-document is restored into the scratch sequence, tagged into the target and dropped from the scratch before
-anything is computed (``kv_blend.build``), which costs one K-shift pass per document.
+While it computes, the placement context holds nothing but the prompt's own cells: in a unified KV another
+sequence's cells changed a prompt's logits (docs/benchmarks.md, "Documents placed"). Each document passes through
+the ``restore`` sequence only to be shifted and tagged, before anything is computed.
 
 The composed KV is close to a full prefill, not equal (docs/benchmarks.md, "Documents placed"), so the context it
 leaves in the prefix cache is kept under ``documents.PLACED`` + its partition: an exact prompt never reuses it.
@@ -36,7 +36,9 @@ from headrace.plugins.engines.llama_cpp.lazy_kv import anonymous_mappings, kv_bu
 
 log = logging.getLogger("headrace.plugins.engines.llama_cpp")
 
-TARGET, SCRATCH = 0, 1
+# The placement context's sequences (kv_blend.build): the composed prompt, the placed documents, one document
+# being shifted, and the helpers in which the repairs between documents are computed side by side.
+SEQUENCES = kv_blend.BuildSequences(target=0, bodies=1, restore=2, helpers=tuple(range(3, 16)))
 
 
 def saved_for(ctx: Any, seq: int, streams: int) -> bytearray:
@@ -78,7 +80,7 @@ class DocumentPlacer(DocumentPlacement):
             return None
         lc = llama()
         params = lc.llama_context_default_params()
-        params.n_ctx, params.n_seq_max, params.kv_unified = self.n_ctx, 2, True
+        params.n_ctx, params.n_seq_max, params.kv_unified = self.n_ctx, 3 + len(SEQUENCES.helpers), True
         params.n_batch = params.n_ubatch = self.n_batch
         params.n_threads = params.n_threads_batch = self.threads
         params.no_perf = True
@@ -108,7 +110,7 @@ class DocumentPlacer(DocumentPlacement):
 
     def _keep(self, tokens: list[int], partition: str) -> None:
         assert self.store is not None
-        cached = kv_blend.compute_doc(self._ctx, self._batch, SCRATCH, tokens, self.n_batch)  # SCRATCH emptied
+        cached = kv_blend.compute_doc(self._ctx, self._batch, SEQUENCES.restore, tokens, self.n_batch)  # emptied
         self.store.put(tokens, cached.state, partition)
 
     def compose(self, tokens: Sequence[int], documents: Sequence[tuple[int, int]], partition: str, main_ctx: Any,
@@ -129,17 +131,16 @@ class DocumentPlacer(DocumentPlacement):
         lc = llama()
         mem = lc.llama_get_memory(self._ctx)
         try:
-            prefilled = kv_blend.build(self._ctx, self._batch, TARGET, SCRATCH, tokens[:end], found, self.n_batch,
+            prefilled = kv_blend.build(self._ctx, self._batch, SEQUENCES, tokens[:end], found, self.n_batch,
                                        self.recompute_first)
-            state = saved_for(self._ctx, TARGET, main_streams)
+            state = saved_for(self._ctx, SEQUENCES.target, main_streams)
         except (RuntimeError, ValueError) as exc:  # a document's bytes refused (damaged, or another layout)
             log.warning("engine %s: a document's stored KV could not be placed (%s); prefilling the prompt",
                         self.name, exc)
             self.stats.fallbacks += 1
             return None
         finally:
-            lc.llama_memory_seq_rm(mem, TARGET, -1, -1)
-            lc.llama_memory_seq_rm(mem, SCRATCH, -1, -1)
+            lc.llama_memory_seq_rm(mem, SEQUENCES.target, -1, -1)  # build empties the others
         if set_sequence_state(main_ctx, seq, state) == 0:
             lc.llama_memory_seq_rm(lc.llama_get_memory(main_ctx), seq, -1, -1)
             log.warning("engine %s: the main context refused a composed prompt's KV; prefilling it", self.name)
