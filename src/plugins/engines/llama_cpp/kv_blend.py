@@ -92,19 +92,7 @@ def prefill(ctx: Any, batch: Any, seq: int, tokens: Sequence[int], start: int, n
     """Decode ``tokens`` into ``seq`` from position ``start``, ``n_batch`` at a time (``batch`` from
     ``llama_batch_init`` for at least that many); logits for the last one if asked (then the only output
     row: ``llama_get_logits_ith(ctx, -1)``)."""
-    lc = llama()
-    for s in range(0, len(tokens), n_batch):
-        part = tokens[s:s + n_batch]
-        for i, t in enumerate(part):
-            batch.token[i] = t
-            batch.pos[i] = start + s + i
-            batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = seq
-            batch.logits[i] = logits_last and s + i == len(tokens) - 1
-        batch.n_tokens = len(part)
-        rc = lc.llama_decode(ctx, batch)
-        if rc != 0:
-            raise RuntimeError(f"llama_decode returned {rc}")
+    decode_side_by_side(ctx, batch, [(seq, tokens, start)], n_batch, logits_of=0 if logits_last else -1)
 
 
 def save_state(ctx: Any, seq: int) -> bytearray:
