@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import platform
+import re
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,6 +24,18 @@ def median(xs) -> float:
 
 def mean(xs) -> float:
     return statistics.fmean(xs) if xs else 0.0
+
+
+def cpu_name() -> str:
+    """The CPU's model name, its cores, and its AMX flags (or "no AMX"): what every figure is named with."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        name = next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "?")
+    except OSError:
+        name = platform.processor() or "?"
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    amx = sorted(set(re.findall(r"\bamx_\w+", flags)))
+    return f"{name}, {os.cpu_count()} cores" + (f", {' '.join(amx)}" if amx else ", no AMX")
 
 
 def cpu_note(section: dict) -> str:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import tempfile
@@ -42,6 +41,8 @@ from headrace.plugins.engines.torch_engine.engine import TorchLLM
 from headrace.plugins.protocols import EngineEnv, EngineSpec, SamplingParams
 from headrace.quality.metrics import compare
 from headrace.quality.qa import returns_items
+
+from benchlib import cpu_name  # beside this script
 
 CHUNK_TOKENS = (430, 570)  # "~500 tokens"
 # Each clock starts on an idle engine: a context freed just before leaves work on the engine thread (its deferred
@@ -106,11 +107,6 @@ async def measure(engine, n_chunks: int, queries: int, answer_tokens: int, seed:
             "top1": sum(top1) / len(top1), "rows": rows}
 
 
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.machine()
 
 
 def main() -> None:

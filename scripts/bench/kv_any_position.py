@@ -26,10 +26,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import re
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +44,8 @@ from headrace.plugins.engines.llama_cpp.files import default_cache_dir, llama, l
 from headrace.plugins.engines.llama_cpp.cpu import ProbeModel
 from headrace.plugins.engines.llama_cpp.options import DEFAULT_MODEL, DEFAULT_QUANTIZE
 from headrace.plugins.engines.models.paths import resolve_model
+
+from benchlib import cpu_name  # beside this script
 
 # (d): the same lines, the question moved after the documents (RAGCache's order: documents an exact prefix).
 DOCS_FIRST = ("Answer the question using the contexts.\nContexts:\n{{input:contexts}}\n"
@@ -247,15 +247,6 @@ def draw_queries(model: Model, n: int, seed: int, chunk_words: int) -> tuple[lis
     return queries, chunk_tokens, chunks
 
 
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        name = next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "?")
-    except OSError:
-        name = platform.processor() or "?"
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    amx = sorted(set(re.findall(r"\bamx_\w+", flags)))
-    return f"{name}, {os.cpu_count()} cores" + (f", {' '.join(amx)}" if amx else ", no AMX")
 
 
 VARIANTS = ("full_segmented", "shift_only", "reuse_pos0", "reuse_sys", "epic_pos0_k16", "epic_sys_k4",

@@ -57,7 +57,7 @@ from headrace.batching.programs import ProgramRegistry
 from headrace.batching.residency import AlwaysResident, Residency
 from headrace.batching.run_gate import RunGate
 from headrace.plugins.protocols import (IsolatesCaches, KeepsContexts, LLMEngine, PausesDecodes, PlacesDocuments,
-                                       PromptLogprobs, SamplingParams, TokenDelta)
+                                        PromptLogprobs, SamplingParams, ScoresThroughCache, TokenDelta)
 
 log = logging.getLogger(__name__)
 
@@ -291,15 +291,37 @@ class LLMScheduler:
                 yield delta
 
     async def next_token_logits(self, prompts: Sequence[Sequence[int]], token_ids: Sequence[int],
-                                metas: Sequence[PrimitiveMeta | None] = ()) -> torch.Tensor:
-        """Prefill-only scoring (the LLM reranker's call), admitted and ranked like every other request.
+                                metas: Sequence[PrimitiveMeta | None] = (), *,
+                                through_cache: bool = False) -> torch.Tensor:
+        """Prefill-only scoring (the LLM reranker's call), admitted and ranked like every other request, its prompt
+        tokens counted as one request's.
 
         One call may serve several primitives (a rerank batch of several runs): it ranks as the
-        most urgent of ``metas``."""
+        most urgent of ``metas``. ``through_cache``: each prompt prefilled through the engine's prefix cache and
+        tiers where it ``ScoresThroughCache`` (``metas`` then all of one cache partition), so a prefix cached
+        before (a document scored for another query) is restored rather than computed."""
         arrival = time.monotonic()
         rank = min((self.priority(m, arrival) for m in metas), default=self.priority(None, arrival))
-        async with self._admitted(arrival, rank, metas) as rank:
-            return await self.engine.next_token_logits(prompts, token_ids, priority=rank)
+        cached, outcome = 0, "abort"  # unless it finishes or fails: cancelled
+        try:
+            async with self._admitted(arrival, rank, metas) as rank:
+                if through_cache and isinstance(self.engine, ScoresThroughCache) and self.engine.scores_through_cache:
+                    partitions = {m.cache_partition for m in metas if m is not None}
+                    if len(partitions) > 1:
+                        raise ValueError("scoring through the cache needs its prompts in one cache partition")
+                    meta = next((m for m in metas if m is not None), None)
+                    logits, cached = await self.engine.next_token_logits_cached(prompts, token_ids, priority=rank,
+                                                                                **self._partition(meta))
+                else:
+                    logits = await self.engine.next_token_logits(prompts, token_ids, priority=rank)
+            outcome = "stop"
+            return logits
+        except Exception:
+            outcome = "error"
+            raise
+        finally:
+            self._observer.finished(self.name, time.monotonic() - arrival, sum(len(p) for p in prompts), 0, outcome,
+                                    cached_tokens=cached)
 
     async def prompt_logprobs(self, tokens: Sequence[int], *, top: int = 0, full: bool = False,
                               meta: PrimitiveMeta | None = None) -> PromptLogprobs:

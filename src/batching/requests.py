@@ -95,12 +95,20 @@ async def _embed(engine: EmbedEngine, requests: Sequence[EmbedRequest]) -> list[
 
 
 async def _rerank(engine: RerankEngine, requests: Sequence[RerankRequest]) -> list[Any]:
-    metas = [r.meta for r in requests if r.meta is not None]
-    scores = await engine.score_pairs([(r.query, doc) for r in requests for doc in r.docs], metas)
-    out, start = [], 0
-    for r in requests:
-        out.append(scores[start : start + len(r.docs)])
-        start += len(r.docs)
+    """One ``score_pairs`` call per cache partition in the batch (mostly one): a reranker scoring through an LLM's
+    prefix cache then reuses only its own partition's KV."""
+    out: list[Any] = [None] * len(requests)
+    by_partition: dict[str, list[int]] = {}
+    for i, r in enumerate(requests):
+        by_partition.setdefault(r.meta.cache_partition if r.meta is not None else "", []).append(i)
+    for indices in by_partition.values():
+        group = [requests[i] for i in indices]
+        metas = [r.meta for r in group if r.meta is not None]
+        scores = await engine.score_pairs([(r.query, doc) for r in group for doc in r.docs], metas)
+        start = 0
+        for i, r in zip(indices, group):
+            out[i] = scores[start : start + len(r.docs)]
+            start += len(r.docs)
     return out
 
 

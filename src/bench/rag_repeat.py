@@ -17,6 +17,9 @@ config) overridden, on a fresh data dir, so every mode's KV tiers start empty (`
   is an exact prefix of every later prompt that retrieves it;
 - ``chunk-kv``: as ``tiers-context-first``, and the collection's ``chunk_kv`` on: every chunk prefilled when it
   is ingested (the ingest's time and tokens reported), so a chunk's first retrieval is a hit too;
+- ``chunk-kv-rerank``: as ``chunk-kv``, and the LLM reranker's ``document_first``: each candidate's prompt starts
+  with its document and is scored through the prefix cache and tiers, so a document scored for one query is
+  restored for the next (advanced_rag's rerank; its ranking against the query first: ``rerank_order.py``);
 - ``placed``: the question first, the tiers, ``chunk_kv`` on an engine with ``place_documents``: each chunk's KV
   computed alone at ingest and placed wherever a prompt puts it, its first 16 tokens recomputed (close to a
   full prefill, not equal: the report's same-answer share says how close);
@@ -70,6 +73,7 @@ class ModeSpec:
     workflow_config: dict[str, Any] = field(default_factory=dict)
     skip: str | None = None  # why this mode is not run (said in the report)
     chunk_kv: bool = False  # the collection's chunks prefilled when ingested (headrace.daemon.collection_kv)
+    rerank_options: dict[str, Any] = field(default_factory=dict)  # the llm-rerank engines' options over the config's
 
 
 TIERS_ON = {"kv_host_mib": None, "kv_disk_mib": None}  # unset: sized from the machine (a 0 in the config goes)
@@ -80,6 +84,10 @@ MODES: dict[str, ModeSpec] = {
     "tiers-context-first": ModeSpec(TIERS_ON, {"context_first": True}),
     # Each chunk prefilled at ingest behind the chunk-first prompts, so even its first retrieval is a hit.
     "chunk-kv": ModeSpec(TIERS_ON, {"context_first": True}, chunk_kv=True),
+    # As chunk-kv, and the LLM reranker's prompts document first, scored through the prefix cache and tiers: a
+    # candidate scored for one query is restored for the next (advanced_rag's rerank).
+    "chunk-kv-rerank": ModeSpec(TIERS_ON, {"context_first": True}, chunk_kv=True,
+                                rerank_options={"document_first": True}),
     # Question first, each chunk's KV computed alone at ingest and placed where the prompt puts it (issue 49).
     "placed": ModeSpec({**TIERS_ON, "place_documents": True}, {**QUESTION_FIRST, "place_documents": True},
                        chunk_kv=True),
@@ -344,7 +352,8 @@ class Bench:
             return
         where = self.work / f"{mode}-{tag}"
         where.mkdir(parents=True)
-        config = mode_config(self.config, MODES[mode].engine_options, where / "config.toml")
+        config = mode_config(self.config, MODES[mode].engine_options, where / "config.toml",
+                             MODES[mode].rerank_options)
         with started(config, where / "data", where / "daemon.log") as process:
             daemon = Daemon(process.base_url, process.api_key)
             try:
@@ -421,7 +430,8 @@ class Bench:
                                "timed_queries": len(timed)}
         where = self.work / "restart"
         where.mkdir()
-        cfg = mode_config(self.config, MODES[mode].engine_options, where / "config.toml")
+        cfg = mode_config(self.config, MODES[mode].engine_options, where / "config.toml",
+                          MODES[mode].rerank_options)
         for case in ("restarted", "warm", "empty"):
             self.log(f"  restart phase, {workflow} in {mode}: {case}")
             data = where / f"data-{case}"

@@ -60,9 +60,13 @@ def llm_entry(config: dict[str, Any]) -> dict[str, Any]:
     return entry
 
 
-def mode_config(base: Path, overrides: dict[str, Any], out: Path) -> Path:
-    """A copy of the daemon config ``base`` with the LLM's options overridden, written to ``out``."""
+def mode_config(base: Path, overrides: dict[str, Any], out: Path, rerank: dict[str, Any] | None = None) -> Path:
+    """A copy of the daemon config ``base`` with the LLM's options overridden (and every ``llm-rerank`` engine's by
+    ``rerank``), written to ``out``."""
     config = tomllib.loads(base.read_text())
+    for entry in config.get("engines", []):
+        if rerank and entry.get("plugin") == "llm-rerank":
+            entry.setdefault("options", {}).update(rerank)
     options = llm_entry(config).setdefault("options", {})
     for key, value in overrides.items():
         if value is None:

@@ -26,7 +26,7 @@ from typing import Any
 
 from headrace.plugins.engines.llm.chat import ChatMessages, ToolSpecs, apply_template
 from headrace.plugins.engines.llm.constraints import json_schema_text
-from headrace.plugins.engines.llm.core import LLMCore, Row, sample_row, sample_rows
+from headrace.plugins.engines.llm.core import LLMCore, Row, prefill_answer, sample_row, sample_rows
 from headrace.plugins.engines.llm.front import LLMFront, check_token_ids
 from headrace.plugins.engines.llm.messages import (CacheControl, Command, Decode, EngineError, EngineFailed, Heartbeat,
                                                    Logits, Outbox, Prefill, Reply, Stop)
@@ -37,8 +37,8 @@ from headrace.plugins.engines.models.loading import auto_dtype, convert_gguf
 from headrace.plugins.engines.models.paths import ModelNotFound, resolve_model
 from headrace.plugins.protocols import (EmbedEngine, Engine, EngineEnv, EngineKind, EngineSpec, FinishReason,
                                         JsonSchemaConstraint, LarkConstraint, LLMEngine, OutputConstraint,
-                                        PromptLogprobs, RerankEngine, SamplingParams, ScoresPrompts, SearchHit,
-                                        TokenDelta, TokenLogprob, VectorStore)
+                                        PromptLogprobs, RerankEngine, SamplingParams, ScoresPrompts,
+                                        ScoresThroughCache, SearchHit, TokenDelta, TokenLogprob, VectorStore)
 from headrace.types import ContextId, TokenIds
 
 # Hosting names -> the daemon module that defines each (resolved lazily, see the module docstring).
@@ -54,8 +54,9 @@ __all__ = [
     "Engine", "EngineKind", "EngineSpec", "EngineEnv", "LLMEngine", "EmbedEngine", "RerankEngine", "VectorStore",
     "SamplingParams", "TokenDelta", "TokenLogprob", "FinishReason", "SearchHit", "ContextId", "TokenIds",
     "OutputConstraint", "JsonSchemaConstraint", "LarkConstraint", "ScoresPrompts", "PromptLogprobs",
+    "ScoresThroughCache",
     # an in-process LLM engine
-    "EngineError", "EngineFailed", "LLMFront", "LLMCore", "Row", "sample_rows", "sample_row",
+    "EngineError", "EngineFailed", "LLMFront", "LLMCore", "Row", "sample_rows", "sample_row", "prefill_answer",
     "Command", "Prefill", "Decode", "Stop", "Logits", "CacheControl", "Heartbeat", "Reply", "Outbox",
     "TokenListCore", "Hold", "PromptScoring", "PromptScorer",
     # helpers

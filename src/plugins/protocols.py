@@ -377,12 +377,32 @@ class PlacesDocuments(Protocol):
 
 
 @runtime_checkable
+class ScoresThroughCache(Protocol):
+    """An LLM engine that can score prompts as it prefills them, when ``scores_through_cache`` is true: each
+    prompt's cached prefix (cells or KV tiers, in its ``cache_partition``) is restored rather than computed, and
+    what it computes is cached for the next. ``next_token_logits`` scores each prompt apart and reuses nothing; a
+    scoring prompt that starts with a document and ends with a changing question (``llm-rerank``'s
+    ``document_first``) computes each document once this way.
+
+    Returns ``next_token_logits``' tensor and the prompt tokens found cached, summed over the prompts."""
+
+    scores_through_cache: bool
+
+    async def next_token_logits_cached(self, prompts: Sequence[Sequence[int]], token_ids: Sequence[int], *,
+                                       priority: Priority = 0,
+                                       cache_partition: str = "") -> tuple["torch.Tensor", int]:
+        ...
+
+
+@runtime_checkable
 class ScheduledScoring(Protocol):
     """An LLM's scheduler, as an engine that scores with that LLM sees it."""
 
     async def next_token_logits(self, prompts: Sequence[Sequence[int]], token_ids: Sequence[int],
-                                metas: Sequence[Any] = ()) -> "torch.Tensor":
-        """``LLMEngine.next_token_logits``, ranked by the most urgent of ``metas`` (the primitives asking)."""
+                                metas: Sequence[Any] = (), *, through_cache: bool = False) -> "torch.Tensor":
+        """``LLMEngine.next_token_logits``, ranked by the most urgent of ``metas`` (the primitives asking, all of
+        one cache partition when ``through_cache``); ``through_cache``: through the engine's prefix cache where it
+        ``ScoresThroughCache``."""
         ...
 
 

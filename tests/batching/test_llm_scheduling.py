@@ -371,3 +371,43 @@ def test_the_scheduler_sees_other_runs_requests_and_live_contexts(busy_llm):
         return seen
 
     assert portal.call(scenario) == [(False, False), (False, True), (False, True), (False, False), (True, True)]
+
+
+class _CachedScores(_Scores):
+    """``_Scores`` that also scores through a cache (``ScoresThroughCache``), recording each call's partition."""
+
+    isolates_caches = scores_through_cache = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.partitions: list[str] = []
+
+    async def next_token_logits_cached(self, prompts, token_ids, *, priority=0, cache_partition=""):
+        import torch
+        self.partitions.append(cache_partition)
+        return torch.zeros(len(prompts), len(token_ids)), 5
+
+
+class _Finished:
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+    def finished(self, engine, seconds, prompt_tokens, generation_tokens, finish_reason, cached_tokens=0):
+        self.calls.append((prompt_tokens, generation_tokens, finish_reason, cached_tokens))
+
+
+@pytest.mark.anyio
+async def test_scoring_through_the_cache_goes_in_the_callers_partition_and_counts_its_tokens():
+    engine, observer = _CachedScores(), _Finished()
+    sched = LLMScheduler(engine, max_running=4, observer=observer)
+    mine = PrimitiveMeta(run="a", node="rerank", arrival=1.0, cache_partition="p" * 32)
+    theirs = PrimitiveMeta(run="b", node="rerank", arrival=1.0, cache_partition="q" * 32)
+    await sched.next_token_logits([[1, 2, 3], [4, 5]], [3], [mine], through_cache=True)
+    await sched.next_token_logits([[1, 2]], [3], [mine])  # plain scoring: no cache, its tokens counted too
+    with pytest.raises(ValueError, match="one cache partition"):
+        await sched.next_token_logits([[1, 2]], [3], [mine, theirs], through_cache=True)
+    assert engine.partitions == ["p" * 32] and len(engine.priorities) == 1
+    assert observer.calls == [(5, 0, "stop", 5), (2, 0, "stop", 0), (2, 0, "error", 0)]

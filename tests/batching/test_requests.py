@@ -90,6 +90,17 @@ async def test_reranks_of_several_queries_are_one_engine_call_and_each_gets_its_
     assert [r.tolist() for r in results] == [[2.0, 0.0], [1.0]]
 
 
+async def test_reranks_of_several_cache_partitions_are_one_engine_call_each():
+    """A reranker scoring through an LLM's prefix cache reuses only its own partition's KV: one call per partition
+    (issue 50), each request's scores back in its place."""
+    engine = SharedLetters()
+    a, b = (PrimitiveMeta(run=r, node="rerank", cache_partition=r * 32) for r in "ab")
+    results = await queued_together(scheduler(engine), [RerankRequest("ab", ("abc",), a), RerankRequest("xy", ("y",), b),
+                                                        RerankRequest("ab", ("x", "b"), a)])
+    assert engine.calls == [[("ab", "abc"), ("ab", "x"), ("ab", "b")], [("xy", "y")]]
+    assert [r.tolist() for r in results] == [[2.0], [1.0], [0.0, 1.0]]
+
+
 async def test_a_request_for_another_kind_of_engine_fails_alone_with_a_clear_error():
     engine = Lengths()
     results = await queued_together(scheduler(engine), [EmbedRequest(("a",)), VectorDrop("t"), EmbedRequest(("bb",))])

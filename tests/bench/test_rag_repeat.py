@@ -50,6 +50,11 @@ def test_each_mode_is_the_config_with_its_llm_options(tmp_path):
                        .read_text())
     assert "kv_host_mib" not in next(e for e in on["engines"] if e["plugin"] == "llama-cpp")["options"]
     assert MODES["tiers-context-first"].workflow_config == {"context_first": True}
+    # The reranker's own options where a mode sets them: only the llm-rerank engine's.
+    judged = tomllib.loads(mode_config(base, MODES["chunk-kv-rerank"].engine_options, tmp_path / "c.toml",
+                                       MODES["chunk-kv-rerank"].rerank_options).read_text())
+    assert next(e for e in judged["engines"] if e["plugin"] == "llm-rerank")["options"]["document_first"] is True
+    assert sum("document_first" in e.get("options", {}) for e in judged["engines"]) == 1
 
 
 def _args(**kw):

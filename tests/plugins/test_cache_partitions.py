@@ -10,12 +10,13 @@ from pathlib import Path
 
 import anyio
 import pytest
+import torch
 
 from llm_engines import text_of
 from headrace.plugins.engines.kvreuse.kv_store import KVStore, block_digests
 from headrace.plugins.engines.llm.messages import EngineError
 from headrace.plugins.engines.kvreuse.prefix_cache import PrefixCache, block_hashes
-from headrace.plugins.protocols import IsolatesCaches, SamplingParams
+from headrace.plugins.protocols import IsolatesCaches, SamplingParams, ScoresThroughCache
 
 from test_engine_tiers import make_engine, prompts, serve
 
@@ -137,3 +138,38 @@ def test_an_evicted_prefix_is_restored_only_into_its_partition_after_a_restart_t
     across, stats, within = anyio.run(serve, second, after_restart)
     assert across == [0, 0] and stats["kv_store_disk_hits"] == 0 and stats["kv_store_host_hits"] == 0
     assert within == block
+
+
+def test_scoring_through_the_cache_restores_a_document_scored_before_only_within_its_partition(tmp_path, plugin):
+    """``ScoresThroughCache`` (llm-rerank's ``document_first``): a document scored for one query is restored, not
+    computed, when it is scored for the next, in its own partition only; the scores are plain scoring's."""
+    engine = make_engine(plugin, tmp_path, kv_disk_mib=0)
+    assert isinstance(engine, ScoresThroughCache) and engine.scores_through_cache
+    doc = " ".join(f"Note {i} on the mill wheel: it was checked and found sound." for i in range(20))
+
+    def judged(query: str) -> list[int]:
+        return engine.chat_tokens([{"role": "user", "content": f"Document: {doc}\nQuery: {query}\n"
+                                    "Is the document relevant to the query? Answer yes or no."}])
+
+    async def scenario():
+        first, second = judged("What was checked?"), judged("Is bread baked here?")
+        ids = engine.encode("yes") + engine.encode("no")
+        plain = await engine.next_token_logits([first, second], ids)
+        cold = await engine.next_token_logits_cached([first], ids, cache_partition=A)
+        warm = await engine.next_token_logits_cached([second], ids, cache_partition=A)
+        other = await engine.next_token_logits_cached([second], ids, cache_partition=B)
+        await engine.heartbeat()  # after the frees: commands run in order
+        return first, second, plain, cold, warm, other, engine.stats()
+
+    first, second, plain, (cold, cold_cached), (warm, warm_cached), (other, other_cached), stats = anyio.run(
+        serve, engine, scenario)
+    shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+    assert shared > 200  # the document
+    assert cold_cached == 0 and other_cached == 0
+    assert shared // 16 * 16 <= warm_cached <= shared  # whole blocks at least (torch's granularity)
+    margin = lambda logits: logits[:, 0] - logits[:, 1]  # what the reranker scores by
+    # Restored KV came from another batch shape (llama.cpp rounds activations per batch): close, not equal.
+    for scored, row in ((cold, 0), (warm, 1), (other, 1)):
+        assert scored.shape == (1, 2)
+        assert torch.allclose(margin(scored), margin(plain[row : row + 1]), atol=0.5)
+    assert stats["contexts"] == 0  # every scoring context freed

@@ -162,3 +162,34 @@ def test_llm_rerank_with_smollm2(tmp_path, torch_smollm2):
     assert ("rerank", len(DOCS) + 1) in seen
     # The same pair scores the same in any batch (float32: up to summation order in padded batches).
     assert torch.allclose(mixed[1], scores[0], atol=1e-4)
+
+
+def test_llm_rerank_document_first_must_be_a_boolean(tmp_path):
+    with pytest.raises(ValueError, match=r"engines\.judge\.options\.document_first must be true or false"):
+        rerankers.llm_rerank_factory(EngineSpec(name="judge", plugin="llm-rerank",
+                                                options={"llm": "smol", "document_first": "yes"}), make_env(tmp_path))
+
+
+@pytest.mark.slow
+def test_llm_rerank_document_first_computes_each_document_once(tmp_path, torch_smollm2):
+    """``document_first``: the document starts each prompt, so scoring it for a second query restores its KV from
+    the LLM's prefix cache instead of computing it again, and the judge still ranks the relevant document first."""
+    portal, llm, _ = torch_smollm2
+    judge = rerankers.llm_rerank_factory(
+        EngineSpec(name="judge", plugin="llm-rerank", options={"llm": "smol", "document_first": True}),
+        make_env(tmp_path, [], {"smol": llm}))
+    docs = [" ".join([doc] * 12) for doc in DOCS]  # long enough that the document is most of a prompt
+
+    async def judged():
+        async with running(judge):
+            before = llm.core.token_counts["prefill"]
+            first = await judge.score(QUERY, docs)
+            cold = llm.core.token_counts["prefill"] - before
+            again = await judge.score("Which city is the capital of France?", docs)
+            warm = llm.core.token_counts["prefill"] - before - cold
+            return first, again, cold, warm
+
+    first, again, cold, warm = portal.call(judged)
+    assert judge._messages(QUERY, docs[0])[1]["content"].startswith(f"Document: {docs[0]}\nQuery: {QUERY}\n")
+    assert first[0] > first[1] and again[0] > again[1]  # Paris beats the bananas, either query
+    assert 0 < warm < cold / 3  # the second query computed its own tokens, not the documents again

@@ -45,7 +45,7 @@ from headrace.plugins.engines.llama_cpp.placement import Composed
 from headrace.plugins.engines.llama_cpp.sequences import ContextSequence, LlamaSequences
 from headrace.plugins.engines.llama_cpp.swa import window_of
 from headrace.plugins.engines.llama_cpp.tiers import SequenceTiers
-from headrace.plugins.engines.llm.core import LLMCore, Row, logprobs_row, sample_rows_numpy
+from headrace.plugins.engines.llm.core import LLMCore, Row, logprobs_row, prefill_answer, sample_rows_numpy
 from headrace.plugins.engines.llm.front import LLMFront
 from headrace.plugins.engines.llm.messages import Decode, EngineError, Logits, Outbox, Prefill
 from headrace.plugins.engines.llm.preemption import PausedRows, Want
@@ -62,6 +62,7 @@ class LlamaCppCore(LlamaSequences, LLMCore):
     scores_prompts = True
     keeps_contexts = True
     isolates_caches = True
+    scores_through_cache = True
     # One OpenMP pool: loading on another thread (the AMX weight repack runs a team) left a second pool parked, and
     # libgomp then stops its waiters spinning (``retrieval.own_thread``; docs/engines.md, "One OpenMP pool").
     load_on_worker = True
@@ -508,7 +509,8 @@ class LlamaCppCore(LlamaSequences, LLMCore):
                 self._prefills.remove(fill)
                 seq.filling, seq.next_logits = False, logits[-1].copy()  # not a view that pins the batch's
                 self._offer_to_cache(seq, seq.tokens)
-                out.reply(fill.prefill.reply, fill.cached if fill.scorer is None else fill.scorer.result())
+                out.reply(fill.prefill.reply, prefill_answer(fill.prefill, fill.cached, seq.next_logits)
+                          if fill.scorer is None else fill.scorer.result())
         else:
             self._scoring.filled(fill, torch.from_numpy(logits), out)
 

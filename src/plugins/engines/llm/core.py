@@ -101,6 +101,9 @@ class LLMCore(ABC):
     # True: the core may place a prefill's ``documents`` from KV computed once (``PrepareDocuments``) rather than
     # prefill them (``PlacesDocuments``); False: documents are prefilled like any other tokens.
     places_documents = False
+    # True: the core honours ``Prefill.next_logits_of`` (``ScoresThroughCache``): a prefill's reply carries its
+    # next-token logits of those ids, so a scoring prompt reuses and adds to the prefix cache and tiers.
+    scores_through_cache = False
     # A core with a prefix cache sets both in its __init__: its budget in tokens (0: none) and its pins' policy.
     prefix_cache_tokens = 0
     _pins: PinPolicy | None = None
@@ -390,3 +393,11 @@ def sample_rows_numpy(rows: Sequence[Row], logits: np.ndarray) -> list[int | Bas
 def logprobs_row(r: Row, logits: np.ndarray) -> torch.Tensor | None:
     """One row of numpy logits (V,) as ``emit`` takes them: only for a request that asked for logprobs."""
     return torch.from_numpy(logits) if r.params.logprobs is not None else None
+
+
+def prefill_answer(job: Prefill, cached: int, next_logits: np.ndarray | torch.Tensor) -> int | tuple[int, torch.Tensor]:
+    """A finished (unscored) prefill's reply: the prompt tokens its cache held, with its next-token logits of
+    ``job.next_logits_of`` when it asks for them (``ScoresThroughCache``)."""
+    if not job.next_logits_of:
+        return cached
+    return cached, torch.as_tensor(next_logits)[list(job.next_logits_of)].float().clone()

@@ -72,6 +72,9 @@ def check_token_ids(tokens: Sequence[int], vocab_size: int, engine: str) -> None
                               f"(0 to {vocab_size - 1})")
 
 
+# Contexts one engine's scoring through the cache holds open at once (its prompts' prefills batch together).
+CACHED_SCORING_CONTEXTS = 8
+
 MAX_PARTITION = 256  # characters of a cache partition (the daemon sends a 32-character digest)
 
 
@@ -124,6 +127,7 @@ class LLMFront:
         self._awaiting: set[Reply] = set()
         self._streams: set[TokenStream] = set()  # open decode streams
         self._heartbeat: Reply | None = None  # the one heartbeat the worker has not answered yet
+        self._scoring_contexts: anyio.CapacityLimiter | None = None  # made on the loop, on first use
 
     # What the daemon's request checks read (valid once run() has loaded the model).
     @property
@@ -255,7 +259,8 @@ class LLMFront:
 
     async def _open(self, command: type[Prefill], ctx: ContextId, tokens: Sequence[int], parent: ContextId | None,
                     priority: int, preemptive: bool = False, scoring: PromptScoring | None = None,
-                    partition: str = "", documents: tuple[tuple[int, int], ...] = ()) -> Any:
+                    partition: str = "", documents: tuple[tuple[int, int], ...] = (),
+                    next_logits_of: tuple[int, ...] = ()) -> Any:
         """Queue the context's prefill and wait for it; the core's reply: the prompt tokens its prefix cache held
         (None: the core does not say), or a scored prefill's ``PromptLogprobs``."""
         self._require_running()
@@ -272,6 +277,7 @@ class LLMFront:
         self._live.add(ctx)
         prefill = command(ctx, list(tokens), parent, reply, priority, preemptive=bool(preemptive))
         prefill.scoring, prefill.partition, prefill.documents = scoring, partition, documents
+        prefill.next_logits_of = next_logits_of
         self._commands.put(prefill)
         try:
             return await self._wait(reply)
@@ -313,15 +319,7 @@ class LLMFront:
                                 priority: int = 0) -> torch.Tensor:
         self._require_running()
         check_priority(priority)
-        prompts = [list(p) for p in prompts]
-        self._check_tokens(token_ids)
-        for i, prompt in enumerate(prompts):
-            if not prompt:
-                raise EngineError(f"prompt {i} to score is empty")
-            if len(prompt) >= self.max_context_tokens:
-                raise EngineError(f"prompt {i} to score is {len(prompt)} tokens; engine {self.name!r} holds "
-                                  f"at most {self.max_context_tokens}")
-            self._check_tokens(prompt)
+        prompts = self._scoring_prompts(prompts, token_ids)
         if not prompts:
             return torch.empty(0, len(token_ids), dtype=torch.float32)
         reply = Reply()
@@ -331,6 +329,57 @@ class LLMFront:
         except BaseException:
             reply.abandoned = True  # cancelled: the worker drops the rest of the job
             raise
+
+    def _scoring_prompts(self, prompts: Sequence[Sequence[int]], token_ids: Sequence[int]) -> list[list[int]]:
+        prompts = [list(p) for p in prompts]
+        self._check_tokens(token_ids)
+        for i, prompt in enumerate(prompts):
+            if not prompt:
+                raise EngineError(f"prompt {i} to score is empty")
+            if len(prompt) >= self.max_context_tokens:
+                raise EngineError(f"prompt {i} to score is {len(prompt)} tokens; engine {self.name!r} holds "
+                                  f"at most {self.max_context_tokens}")
+            self._check_tokens(prompt)
+        return prompts
+
+    @property
+    def scores_through_cache(self) -> bool:
+        return self.core.scores_through_cache
+
+    async def next_token_logits_cached(self, prompts: Sequence[Sequence[int]], token_ids: Sequence[int], *,
+                                       priority: int = 0, cache_partition: str = "") -> tuple[torch.Tensor, int]:
+        """``ScoresThroughCache``: each prompt a prefill of its own (its cached prefix restored, what it computes
+        cached for the next one), freed once scored; at most ``CACHED_SCORING_CONTEXTS`` open at once, so a long
+        scoring job leaves the engine's contexts to its decodes."""
+        if not self.scores_through_cache:
+            raise EngineError(f"engine {self.name!r} does not score through its prefix cache")
+        self._require_running()
+        check_priority(priority)
+        check_partition(cache_partition)
+        prompts = self._scoring_prompts(prompts, token_ids)
+        ids = tuple(token_ids)
+        result = torch.empty(len(prompts), len(ids), dtype=torch.float32)
+        cached = 0
+        if self._scoring_contexts is None:
+            self._scoring_contexts = anyio.CapacityLimiter(CACHED_SCORING_CONTEXTS)
+        limiter = self._scoring_contexts
+
+        async def score(i: int, prompt: list[int]) -> None:
+            nonlocal cached
+            async with limiter:
+                ctx = self.new_context_id()
+                try:
+                    held, row = await self._open(Prefill, ctx, prompt, None, priority, partition=cache_partition,
+                                                 next_logits_of=ids)
+                finally:
+                    await self.free(ctx)
+            result[i] = row
+            cached += held
+
+        async with anyio.create_task_group() as tg:
+            for i, prompt in enumerate(prompts):
+                tg.start_soon(score, i, prompt)
+        return result, cached
 
     def stats(self) -> dict[str, int]:
         return self.core.stats()

@@ -117,6 +117,9 @@ class Prefill:
     # Retrieved documents in ``tokens``, each (start, length) and tokenized alone: a core that places documents
     # (``PlacesDocuments``) may put their KV, computed once, there rather than prefill them; any other prefills all.
     documents: tuple[tuple[int, int], ...] = ()
+    # Scored through the cache (``ScoresThroughCache``): a plain prefill whose reply is (the tokens its prefix cache
+    # held, the logits of these token ids after the prompt), so what it reuses is restored, not computed.
+    next_logits_of: tuple[int, ...] = ()
 
 
 @dataclass

@@ -10,6 +10,12 @@ prefill-only scoring job over the whole batch (the LLM scores it in chunks,
 between its decode steps). Options: ``llm`` (required), ``max_doc_tokens``
 (default 384) and ``max_query_tokens`` (default 128): longer documents and
 queries are cut to that many tokens, so one request's work stays bounded.
+``document_first`` (default false): each prompt puts the document before the
+query, and an LLM that ``ScoresThroughCache`` prefills it through its prefix
+cache and KV tiers, so a document scored once (for any query) is restored the
+next time rather than computed again (issue 49: documents prefilled once). The
+order changes the judge's input, so its ranking is measured against the query
+first (``scripts/bench/rerank_order.py``, docs/benchmarks.md).
 
 Texts that are not valid Unicode (a lone surrogate such as "\ud800") are
 refused with a ValueError naming the pair, before any model work.
@@ -29,7 +35,7 @@ import torch
 from headrace.plugins.engines.models.paths import resolve_model
 from headrace.plugins.engines.retrieval.own_thread import run_in_own_thread
 from headrace.plugins.hookspecs import hookimpl
-from headrace.plugins.protocols import EngineEnv, EngineSpec, LLMEngine
+from headrace.plugins.protocols import EngineEnv, EngineSpec, LLMEngine, ScoresThroughCache
 from headrace.text import check_texts
 
 # ----- cross-encoder -----------------------------------------------------------
@@ -126,6 +132,9 @@ class LLMReranker:
         self._max_query_tokens = int(spec.options.get("max_query_tokens", 128))
         if self._max_query_tokens < 1:
             raise ValueError(f"engines.{spec.name}.options.max_query_tokens must be >= 1")
+        self._document_first = spec.options.get("document_first", False)
+        if not isinstance(self._document_first, bool):
+            raise ValueError(f"engines.{spec.name}.options.document_first must be true or false")
         self._llm: Any = None
         self._scorer: Any = None  # the LLM's scheduler in a daemon; the LLM itself on its own
         self._yes_ids: list[int] = []
@@ -182,7 +191,9 @@ class LLMReranker:
         prompts = await anyio.to_thread.run_sync(self._prompts, llm, list(pairs))
         token_ids = self._yes_ids + self._no_ids
         if self._scorer is not None:
-            logits = await self._scorer.next_token_logits(prompts, token_ids, metas)
+            logits = await self._scorer.next_token_logits(prompts, token_ids, metas, through_cache=self._document_first)
+        elif self._document_first and isinstance(llm, ScoresThroughCache) and llm.scores_through_cache:
+            logits, _ = await llm.next_token_logits_cached(prompts, token_ids)
         else:
             logits = await llm.next_token_logits(prompts, token_ids)
         self._env.observe_batch("rerank", len(pairs), start, time.monotonic())
@@ -191,15 +202,11 @@ class LLMReranker:
         margin = torch.logsumexp(logits[:, :n_yes], dim=1) - torch.logsumexp(logits[:, n_yes:], dim=1)
         return torch.sigmoid(margin)
 
-    @staticmethod
-    def _messages(query: str, doc: str) -> list[dict[str, str]]:
+    def _messages(self, query: str, doc: str) -> list[dict[str, str]]:
+        pair = f"Document: {doc}\nQuery: {query}\n" if self._document_first else f"Query: {query}\nDocument: {doc}\n"
         return [
             {"role": "system", "content": SYSTEM_PROMPT},
-            {
-                "role": "user",
-                "content": f"Query: {query}\nDocument: {doc}\n"
-                "Is the document relevant to the query? Answer yes or no.",
-            },
+            {"role": "user", "content": pair + "Is the document relevant to the query? Answer yes or no."},
         ]
 
     def _prompts(self, llm: Any, pairs: list[tuple[str, str]]) -> list[list[int]]:

@@ -41,7 +41,7 @@ from headrace.plugins.engines.kvreuse.prefix_cache import (
     pin_policy,
 )
 from headrace.plugins.engines.llm.chat import read_template
-from headrace.plugins.engines.llm.core import LLMCore, Row, sample_row, sample_rows
+from headrace.plugins.engines.llm.core import LLMCore, Row, prefill_answer, sample_row, sample_rows
 from headrace.plugins.engines.llm.front import LLMFront
 from headrace.plugins.engines.llm.messages import Decode, EngineError, Logits, Outbox, Prefill
 from headrace.plugins.engines.llm.prompt_scores import PromptScorer
@@ -106,6 +106,7 @@ class TorchCore(LLMCore):
 
     scores_prompts = True
     isolates_caches = True
+    scores_through_cache = True
 
     def __init__(self, name: str, *, path: Path, cache_dir: Path, observe_batch: BatchObserver, dtype: torch.dtype,
                  threads: int, max_batch_size: int, max_context_tokens: int, max_prefill_tokens: int,
@@ -261,7 +262,7 @@ class TorchCore(LLMCore):
         if cache is not None:  # cached apart: an exact prompt never reuses a placed context
             cache.insert(ctx.tokens, lambda n: [(k[:, :, :n], v[:, :, :n]) for k, v in placed.kv],
                          PLACED + job.partition)
-        out.replies.append((job.reply, max(0, placed.placed - job.rebased), None))
+        out.replies.append((job.reply, prefill_answer(job, max(0, placed.placed - job.rebased), ctx.next_logits), None))
         return len(job.tokens) - placed.placed
 
     def step(self, out: Outbox) -> None:
@@ -477,7 +478,8 @@ class TorchCore(LLMCore):
                 layers = ctx.kv
                 self.prefix_cache.insert(ctx.tokens, lambda n: [(k[:, :, :n], v[:, :, :n]) for k, v in layers],
                                          job.partition)
-            out.replies.append((job.reply, cached if scoring is not None else max(0, cached - job.rebased), None))
+            answer = cached if scoring is not None else prefill_answer(job, max(0, cached - job.rebased), ctx.next_logits)
+            out.replies.append((job.reply, answer, None))
 
     def _score_next(self, job: Logits, out: Outbox) -> int:
         """Score the next chunk of ``job``; the tokens spent."""
