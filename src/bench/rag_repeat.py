@@ -7,7 +7,9 @@ chunks are retrieved by most queries, as RAGCache found in real traces. ``naive_
 answer them over the collection (``max_tokens`` 24; the workflows decode greedily).
 
 Each mode is its own daemon, started from ``--config`` with the LLM's engine options (and the runs' workflow
-config) overridden, on a fresh data dir, so every mode's KV tiers start empty (``MODES``):
+config) overridden, on a fresh data dir, so every mode's KV tiers start empty (``MODES``). The LLM reranker
+(advanced_rag) follows each mode's order: the query first in the question-first modes, the document first (scored
+through the prefix cache and tiers, ``llm-rerank``'s ``document_first``) in the context-first ones:
 
 - ``engine-cache``: the prefix cache in the engine's cells only (``kv_host_mib`` = ``kv_disk_mib`` = 0), the
   question before the chunks (``context_first = false``, the workflows' order until 2026-11-29);
@@ -17,9 +19,6 @@ config) overridden, on a fresh data dir, so every mode's KV tiers start empty (`
   is an exact prefix of every later prompt that retrieves it;
 - ``chunk-kv``: as ``tiers-context-first``, and the collection's ``chunk_kv`` on: every chunk prefilled when it
   is ingested (the ingest's time and tokens reported), so a chunk's first retrieval is a hit too;
-- ``chunk-kv-rerank``: as ``chunk-kv``, and the LLM reranker's ``document_first``: each candidate's prompt starts
-  with its document and is scored through the prefix cache and tiers, so a document scored for one query is
-  restored for the next (advanced_rag's rerank; its ranking against the query first: ``rerank_order.py``);
 - ``placed``: the question first, the tiers, ``chunk_kv`` on an engine with ``place_documents``: each chunk's KV
   computed alone at ingest and placed wherever a prompt puts it, its first 16 tokens recomputed (close to a
   full prefill, not equal: the report's same-answer share says how close);
@@ -78,20 +77,20 @@ class ModeSpec:
 
 TIERS_ON = {"kv_host_mib": None, "kv_disk_mib": None}  # unset: sized from the machine (a 0 in the config goes)
 QUESTION_FIRST = {"context_first": False}  # the baselines' order, whatever the workflows' default
+# The LLM reranker's prompts in the mode's order too: the query first (each candidate computed for every query), or
+# the document first, scored through the prefix cache and tiers (a candidate scored once is restored after).
+QUERY_FIRST_RERANK, DOCUMENT_FIRST_RERANK = {"document_first": False}, {"document_first": True}
 MODES: dict[str, ModeSpec] = {
-    ENGINE_CACHE: ModeSpec({"kv_host_mib": 0, "kv_disk_mib": 0}, QUESTION_FIRST),
-    "tiers": ModeSpec(TIERS_ON, QUESTION_FIRST),
-    "tiers-context-first": ModeSpec(TIERS_ON, {"context_first": True}),
+    ENGINE_CACHE: ModeSpec({"kv_host_mib": 0, "kv_disk_mib": 0}, QUESTION_FIRST, rerank_options=QUERY_FIRST_RERANK),
+    "tiers": ModeSpec(TIERS_ON, QUESTION_FIRST, rerank_options=QUERY_FIRST_RERANK),
+    "tiers-context-first": ModeSpec(TIERS_ON, {"context_first": True}, rerank_options=DOCUMENT_FIRST_RERANK),
     # Each chunk prefilled at ingest behind the chunk-first prompts, so even its first retrieval is a hit.
-    "chunk-kv": ModeSpec(TIERS_ON, {"context_first": True}, chunk_kv=True),
-    # As chunk-kv, and the LLM reranker's prompts document first, scored through the prefix cache and tiers: a
-    # candidate scored for one query is restored for the next (advanced_rag's rerank).
-    "chunk-kv-rerank": ModeSpec(TIERS_ON, {"context_first": True}, chunk_kv=True,
-                                rerank_options={"document_first": True}),
+    "chunk-kv": ModeSpec(TIERS_ON, {"context_first": True}, chunk_kv=True, rerank_options=DOCUMENT_FIRST_RERANK),
     # Question first, each chunk's KV computed alone at ingest and placed where the prompt puts it (issue 49).
     "placed": ModeSpec({**TIERS_ON, "place_documents": True}, {**QUESTION_FIRST, "place_documents": True},
-                       chunk_kv=True),
-    PEER: ModeSpec({"kv_host_mib": 0, "kv_disk_mib": 0}),  # the helper daemon: embeddings and rerank only
+                       chunk_kv=True, rerank_options=QUERY_FIRST_RERANK),
+    # The helper daemon: embeddings and rerank only (the rerank as chunk-kv's: the peer's prompts are context first).
+    PEER: ModeSpec({"kv_host_mib": 0, "kv_disk_mib": 0}, rerank_options=DOCUMENT_FIRST_RERANK),
 }
 RESTART_MODES = ("tiers-context-first", "tiers")  # the restart phase runs the first of these the run has
 

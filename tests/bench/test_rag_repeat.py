@@ -51,10 +51,11 @@ def test_each_mode_is_the_config_with_its_llm_options(tmp_path):
     assert "kv_host_mib" not in next(e for e in on["engines"] if e["plugin"] == "llama-cpp")["options"]
     assert MODES["tiers-context-first"].workflow_config == {"context_first": True}
     # The reranker's own options where a mode sets them: only the llm-rerank engine's.
-    judged = tomllib.loads(mode_config(base, MODES["chunk-kv-rerank"].engine_options, tmp_path / "c.toml",
-                                       MODES["chunk-kv-rerank"].rerank_options).read_text())
+    judged = tomllib.loads(mode_config(base, MODES["chunk-kv"].engine_options, tmp_path / "c.toml",
+                                       MODES["chunk-kv"].rerank_options).read_text())
     assert next(e for e in judged["engines"] if e["plugin"] == "llm-rerank")["options"]["document_first"] is True
     assert sum("document_first" in e.get("options", {}) for e in judged["engines"]) == 1
+    assert MODES["engine-cache"].rerank_options == {"document_first": False}  # the baseline's query-first judge
 
 
 def _args(**kw):

@@ -124,7 +124,8 @@ async def test_llm_rerank_rejects_a_missing_or_non_llm_engine(tmp_path):
 
 
 @pytest.mark.slow
-def test_llm_rerank_with_smollm2(tmp_path, torch_smollm2):
+@pytest.mark.parametrize("document_first", [False, True])
+def test_llm_rerank_with_smollm2(tmp_path, torch_smollm2, document_first):
     # The session's torch SmolLM2, float32: the same pair must score the same in any batch, which bf16
     # rounding only guarantees to within a few ulps of the logits, and differently on each machine.
     portal, llm, _ = torch_smollm2
@@ -132,7 +133,8 @@ def test_llm_rerank_with_smollm2(tmp_path, torch_smollm2):
     env = make_env(tmp_path, seen, {"smol": llm})
     judge = rerankers.llm_rerank_factory(
         EngineSpec(name="judge", plugin="llm-rerank",
-                   options={"llm": "smol", "max_doc_tokens": 64, "max_query_tokens": 16}), env
+                   options={"llm": "smol", "max_doc_tokens": 64, "max_query_tokens": 16,
+                            "document_first": document_first}), env
     )
     long_doc = "Bananas are a yellow fruit rich in potassium. " * 100
     long_query = "Which fruit is yellow and rich in potassium? " * 500

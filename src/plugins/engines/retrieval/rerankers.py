@@ -10,12 +10,12 @@ prefill-only scoring job over the whole batch (the LLM scores it in chunks,
 between its decode steps). Options: ``llm`` (required), ``max_doc_tokens``
 (default 384) and ``max_query_tokens`` (default 128): longer documents and
 queries are cut to that many tokens, so one request's work stays bounded.
-``document_first`` (default false): each prompt puts the document before the
+``document_first`` (default true): each prompt puts the document before the
 query, and an LLM that ``ScoresThroughCache`` prefills it through its prefix
 cache and KV tiers, so a document scored once (for any query) is restored the
 next time rather than computed again (issue 49: documents prefilled once). The
-order changes the judge's input, so its ranking is measured against the query
-first (``scripts/bench/rerank_order.py``, docs/benchmarks.md).
+order changes the judge's input: its ranking, measured against the query first
+(``scripts/bench/rerank_order.py``, docs/benchmarks.md), is the better one.
 
 Texts that are not valid Unicode (a lone surrogate such as "\ud800") are
 refused with a ValueError naming the pair, before any model work.
@@ -132,7 +132,7 @@ class LLMReranker:
         self._max_query_tokens = int(spec.options.get("max_query_tokens", 128))
         if self._max_query_tokens < 1:
             raise ValueError(f"engines.{spec.name}.options.max_query_tokens must be >= 1")
-        self._document_first = spec.options.get("document_first", False)
+        self._document_first = spec.options.get("document_first", True)
         if not isinstance(self._document_first, bool):
             raise ValueError(f"engines.{spec.name}.options.document_first must be true or false")
         self._llm: Any = None
