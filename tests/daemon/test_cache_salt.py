@@ -197,3 +197,21 @@ def test_a_workflow_run_and_a_session_take_their_keys_partition(server, client):
     assert r.status_code == 200, r.text
     assert daemon.sessions.sessions[r.json()["id"]].run.cache_partition == theirs
     client.delete(f"/v1/sessions/{r.json()['id']}", headers={"Authorization": f"Bearer {OTHER_API_KEY}"})
+
+
+def test_a_document_one_key_reranked_is_restored_for_that_key_alone(server, client):
+    """The LLM judge scores document first, through its LLM's prefix cache (issue 49): on /v1/rerank a document one
+    key scored is restored for that key's next query, and found by no other key (counted in the LLM's
+    ``headrace_prompt_cached_tokens_total``)."""
+    docs = [system(f"spillway {uuid.uuid4().hex[:8]}")]
+
+    def found_cached(key: str, query: str) -> float:
+        before = metric_value(server.metrics(), "headrace_prompt_cached_tokens_total", model=LLM)
+        r = post(client, key, "/v1/rerank", {"model": "smollm2-rerank", "query": query, "documents": docs})
+        assert r.status_code == 200, r.text
+        return metric_value(server.metrics(), "headrace_prompt_cached_tokens_total", model=LLM) - before
+
+    head = 64  # the judge's system prompt and "Document:", which a key's earlier scoring may have cached
+    assert found_cached(API_KEY, "What was inspected?") < head
+    assert found_cached(OTHER_API_KEY, "Which records were found in order?") < head
+    assert found_cached(API_KEY, "Which records were found in order?") > 250  # the document, restored

@@ -11,11 +11,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from headrace.batching import requests as engine_requests
+from headrace.batching.meta import PrimitiveMeta
 from headrace.daemon import bodies as rq
+from headrace.daemon.cache_partition import cache_partition
 from headrace.daemon.errors import bad_request
 from headrace.daemon.routes.openai_api import engine_for
 from headrace.daemon.openai_schemas import EmbeddingRequest, RerankRequest
 from headrace.daemon.services import daemon
+from headrace.graph.executor import new_run_id
 from headrace.plugins.protocols import TokenInput
 
 
@@ -78,7 +81,11 @@ async def rerank(request: Request) -> Response:
     docs = [d if isinstance(d, str) else d.text for d in body.documents]
     top_n = body.top_n or len(docs)
     return_documents = body.return_documents is not False
-    scores = await slot.scheduler.submit(engine_requests.RerankRequest(query, tuple(docs)), len(docs))
+    # The caller's cache partition: an LLM judge scoring through its LLM's prefix cache (document first) reuses only
+    # what this key (where keys are kept apart) scored before.
+    meta = PrimitiveMeta(run=daemon(request).workflows.id_prefix + new_run_id(), node="rerank",
+                         cache_partition=cache_partition(request))
+    scores = await slot.scheduler.submit(engine_requests.RerankRequest(query, tuple(docs), meta), len(docs), meta)
     order = np.argsort(-scores.float().numpy(), kind="stable")[:top_n]
     results = []
     for i in order.tolist():
