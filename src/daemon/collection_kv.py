@@ -2,7 +2,9 @@
 prefixes; this sends them through the LLM's scheduler and frees each context at once, so its KV stays only in
 the engine's prefix cache, and from there in its KV tiers (host memory, disk) once the cells need the room. On an
 engine that places documents (``place_documents``), each chunk's KV is also computed alone, for placement at any
-position of a prompt (part 2).
+position of a prompt (part 2). And the default reranker, where it reads the document first and scores through its
+LLM's prefix cache (``WarmsDocuments``: ``llm-rerank``'s default), scores each chunk once, so a run's first rerank
+of it restores it too.
 
 The prefixes are cached in the ingesting key's partition (``cache_partition``): a run of that key (or of any
 key, where keys share caches) finds them, another key's run does not. The engine is the first LLM, the one a
@@ -26,6 +28,7 @@ from headrace.batching.meta import PrimitiveMeta
 from headrace.daemon.cache_partition import cache_partition
 from headrace.daemon.services import daemon
 from headrace.graph.chunk_kv import chunk_prompts, template_heads
+from headrace.plugins.protocols import WarmsDocuments
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +81,30 @@ async def prefill_chunks(request: Request, collection: str, texts: list[str]) ->
         except Exception as exc:
             log.exception("collection %s: computing its chunks' KV for placement on %s failed", collection, name)
             done["documents_error"] = f"{type(exc).__name__}: {exc}"
+    judged = await warm_judge(request, collection, texts, meta)
+    if judged is not None:
+        done["rerank"] = judged
     done["seconds"] = round(time.perf_counter() - start, 3)
     return done
+
+
+async def warm_judge(request: Request, collection: str, texts: list[str], meta: PrimitiveMeta) -> dict[str, Any] | None:
+    """Each chunk scored once by the default reranker where it reads the document first (``WarmsDocuments``), so a
+    run's first rerank of the chunk restores it from the LLM's prefix cache; what was done, or None (no such
+    reranker)."""
+    name = daemon(request).pool.engines_by_kind().get("rerank")
+    if name is None:
+        return None
+    judge = daemon(request).pool.resolve(name).engine
+    if not isinstance(judge, WarmsDocuments) or not judge.warms_documents:
+        return None
+    start = time.perf_counter()
+    try:
+        documents = await judge.warm_documents(texts, [meta])
+    except Exception as exc:
+        log.exception("collection %s: scoring its chunks ahead on %s failed", collection, name)
+        return {"engine": name, "error": f"{type(exc).__name__}: {exc}"}
+    return {"engine": name, "documents": documents, "seconds": round(time.perf_counter() - start, 3)}
 
 
 async def prepare_documents(engine: Any, sched: Any, texts: list[str], meta: PrimitiveMeta) -> int:

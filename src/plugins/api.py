@@ -38,7 +38,8 @@ from headrace.plugins.engines.models.paths import ModelNotFound, resolve_model
 from headrace.plugins.protocols import (EmbedEngine, Engine, EngineEnv, EngineKind, EngineSpec, FinishReason,
                                         JsonSchemaConstraint, LarkConstraint, LLMEngine, OutputConstraint,
                                         PromptLogprobs, RerankEngine, SamplingParams, ScoresPrompts,
-                                        ScoresThroughCache, SearchHit, TokenDelta, TokenLogprob, VectorStore)
+                                        ScoresThroughCache, SearchHit, TokenDelta, TokenLogprob, VectorStore,
+                                        WarmsDocuments)
 from headrace.types import ContextId, TokenIds
 
 # Hosting names -> the daemon module that defines each (resolved lazily, see the module docstring).
@@ -54,7 +55,7 @@ __all__ = [
     "Engine", "EngineKind", "EngineSpec", "EngineEnv", "LLMEngine", "EmbedEngine", "RerankEngine", "VectorStore",
     "SamplingParams", "TokenDelta", "TokenLogprob", "FinishReason", "SearchHit", "ContextId", "TokenIds",
     "OutputConstraint", "JsonSchemaConstraint", "LarkConstraint", "ScoresPrompts", "PromptLogprobs",
-    "ScoresThroughCache",
+    "ScoresThroughCache", "WarmsDocuments",
     # an in-process LLM engine
     "EngineError", "EngineFailed", "LLMFront", "LLMCore", "Row", "sample_rows", "sample_row", "prefill_answer",
     "Command", "Prefill", "Decode", "Stop", "Logits", "CacheControl", "Heartbeat", "Reply", "Outbox",

@@ -502,6 +502,19 @@ class RerankEngine(Engine, Protocol):
         ...
 
 
+@runtime_checkable
+class WarmsDocuments(Protocol):
+    """A rerank engine that can score documents before any query asks, so that scoring them for a query later
+    restores what it computed (``llm-rerank`` reading the document first, on an LLM that ``ScoresThroughCache``):
+    ``warms_documents`` says whether it does now; ``warm_documents`` scores each document once, ranked by
+    ``metas`` (and in their cache partition), and says how many it scored (0 where it does not warm)."""
+
+    warms_documents: bool
+
+    async def warm_documents(self, docs: Sequence[str], metas: Sequence[Any] = ()) -> int:
+        ...
+
+
 # ----- vector store ------------------------------------------------------------
 
 

@@ -83,3 +83,22 @@ def test_chunks_prefilled_for_one_key_are_not_found_by_another(server):
     assert run_cached(server, OTHER_API_KEY, theirs["name"], "Which gates let water in?") < least
     # They were there: the key that ingested them finds them.
     assert run_cached(server, API_KEY, mine["name"], "Which gates let water in?") >= 2 * (least - 2 * BLOCK)
+
+
+def test_the_first_rerank_over_a_fresh_collection_finds_its_chunks_cached(server):
+    """The default reranker reads the document first and scores through the LLM's prefix cache: the ingest scores
+    each chunk once ahead, so the first rerank of it restores it, in the ingesting key's partition only."""
+    texts = documents(f"flume {uuid.uuid4().hex[:6]}")
+    made = collection(server, API_KEY, texts)
+    judged = made["chunk_kv"]["rerank"]
+    assert judged["engine"] == "smollm2-rerank" and judged["documents"] == 2, judged
+
+    def reranked(key: str) -> float:
+        before = cached_tokens(server)
+        r = post(server, key, "/v1/rerank", {"model": "smollm2-rerank", "query": "Which gate opens at dawn?",
+                                              "documents": texts})
+        assert r.status_code == 200, r.text
+        return cached_tokens(server) - before
+
+    assert reranked(OTHER_API_KEY) < 2 * 64  # at most the judge's system prompt a prompt, from its own scoring
+    assert reranked(API_KEY) > 2 * 150  # both chunks (~190 tokens each), restored

@@ -143,6 +143,10 @@ def test_llm_rerank_with_smollm2(tmp_path, torch_smollm2, document_first):
         async with running(judge):
             # SmolLM2: single tokens for all of yes/Yes/" yes"/" Yes" and the no's.
             assert len(judge._yes_ids) == 4 and len(judge._no_ids) == 4
+            # Only a document-first judge scores ahead of any query (an ingest's chunks): a query-first one's
+            # prompts share no document prefix to keep.
+            assert judge.warms_documents is document_first
+            assert await judge.warm_documents(DOCS) == (len(DOCS) if document_first else 0)
             assert len(rerankers.truncate_to_tokens(llm, long_doc, 64)) < len(long_doc)
             assert len(llm.encode(rerankers.truncate_to_tokens(llm, long_doc, 64))) <= 64
             scores = await judge.score(QUERY, DOCS + [long_doc])

@@ -202,6 +202,21 @@ class LLMReranker:
         margin = torch.logsumexp(logits[:, :n_yes], dim=1) - torch.logsumexp(logits[:, n_yes:], dim=1)
         return torch.sigmoid(margin)
 
+    @property
+    def warms_documents(self) -> bool:
+        """``WarmsDocuments``: the document first, on a running LLM that scores through its (enabled) prefix cache."""
+        llm = self._llm
+        return (self._document_first and isinstance(llm, ScoresThroughCache) and llm.scores_through_cache
+                and bool(getattr(llm, "prefix_caching_enabled", lambda: False)()))
+
+    async def warm_documents(self, docs: Sequence[str], metas: Sequence[Any] = ()) -> int:
+        """``WarmsDocuments``: each document scored once behind an empty query, so its prompt's system prompt and
+        document are in the LLM's prefix cache (then its tiers) for the first query that retrieves it."""
+        if not docs or not self.warms_documents:
+            return 0
+        await self.score_pairs([("", doc) for doc in docs], metas)
+        return len(docs)
+
     def _messages(self, query: str, doc: str) -> list[dict[str, str]]:
         pair = f"Document: {doc}\nQuery: {query}\n" if self._document_first else f"Query: {query}\nDocument: {doc}\n"
         return [
