@@ -292,15 +292,14 @@ class LLMScheduler:
 
     async def next_token_logits(self, prompts: Sequence[Sequence[int]], token_ids: Sequence[int],
                                 metas: Sequence[PrimitiveMeta | None] = (), *,
-                                through_cache: bool = False, cache_prefixes: Sequence[int] = ()) -> torch.Tensor:
+                                through_cache: bool = False) -> torch.Tensor:
         """Prefill-only scoring (the LLM reranker's call), admitted and ranked like every other request, its prompt
         tokens counted as one request's.
 
         One call may serve several primitives (a rerank batch of several runs): it ranks as the
         most urgent of ``metas``. ``through_cache``: each prompt prefilled through the engine's prefix cache and
         tiers where it ``ScoresThroughCache`` (``metas`` then all of one cache partition), so a prefix cached
-        before (a document scored for another query) is restored rather than computed; ``cache_prefixes``: how
-        many of each prompt's first tokens to cache (its document)."""
+        before (a document scored for another query) is restored rather than computed."""
         arrival = time.monotonic()
         rank = min((self.priority(m, arrival) for m in metas), default=self.priority(None, arrival))
         cached, outcome = 0, "abort"  # unless it finishes or fails: cancelled
@@ -311,8 +310,8 @@ class LLMScheduler:
                     if len(partitions) > 1:
                         raise ValueError("scoring through the cache needs its prompts in one cache partition")
                     meta = next((m for m in metas if m is not None), None)
-                    logits, cached = await self.engine.next_token_logits_cached(
-                        prompts, token_ids, priority=rank, cache_prefixes=cache_prefixes, **self._partition(meta))
+                    logits, cached = await self.engine.next_token_logits_cached(prompts, token_ids, priority=rank,
+                                                                                **self._partition(meta))
                 else:
                     logits = await self.engine.next_token_logits(prompts, token_ids, priority=rank)
             outcome = "stop"

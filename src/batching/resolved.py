@@ -45,8 +45,7 @@ class LLMSchedulerProtocol(Protocol):
                  meta: PrimitiveMeta | None = None) -> AsyncIterator[TokenDelta]: ...
 
     async def next_token_logits(self, prompts: Sequence[Sequence[int]], token_ids: Sequence[int],
-                                metas: Sequence[PrimitiveMeta | None] = (), *, through_cache: bool = False,
-                                cache_prefixes: Sequence[int] = ()) -> Any:
+                                metas: Sequence[PrimitiveMeta | None] = (), *, through_cache: bool = False) -> Any:
         """Prefill-only scoring, ranked as the most urgent of ``metas``; ``through_cache``: through the engine's
         prefix cache (``ScoresThroughCache``)."""
         ...

@@ -384,15 +384,13 @@ class ScoresThroughCache(Protocol):
     scoring prompt that starts with a document and ends with a changing question (``llm-rerank``'s
     ``document_first``) computes each document once this way.
 
-    ``cache_prefixes`` (one a prompt, optional): how many of a prompt's first tokens to cache (its document, not
-    the question after it, which no later prompt repeats). Returns ``next_token_logits``' tensor and the prompt
-    tokens found cached, summed over the prompts."""
+    Returns ``next_token_logits``' tensor and the prompt tokens found cached, summed over the prompts."""
 
     scores_through_cache: bool
 
     async def next_token_logits_cached(self, prompts: Sequence[Sequence[int]], token_ids: Sequence[int], *,
-                                       priority: Priority = 0, cache_partition: str = "",
-                                       cache_prefixes: Sequence[int] = ()) -> tuple["torch.Tensor", int]:
+                                       priority: Priority = 0,
+                                       cache_partition: str = "") -> tuple["torch.Tensor", int]:
         ...
 
 
@@ -401,11 +399,10 @@ class ScheduledScoring(Protocol):
     """An LLM's scheduler, as an engine that scores with that LLM sees it."""
 
     async def next_token_logits(self, prompts: Sequence[Sequence[int]], token_ids: Sequence[int],
-                                metas: Sequence[Any] = (), *, through_cache: bool = False,
-                                cache_prefixes: Sequence[int] = ()) -> "torch.Tensor":
+                                metas: Sequence[Any] = (), *, through_cache: bool = False) -> "torch.Tensor":
         """``LLMEngine.next_token_logits``, ranked by the most urgent of ``metas`` (the primitives asking, all of
         one cache partition when ``through_cache``); ``through_cache``: through the engine's prefix cache where it
-        ``ScoresThroughCache`` (caching each prompt's first ``cache_prefixes[i]`` tokens)."""
+        ``ScoresThroughCache``."""
         ...
 
 

@@ -382,7 +382,7 @@ class _CachedScores(_Scores):
         super().__init__()
         self.partitions: list[str] = []
 
-    async def next_token_logits_cached(self, prompts, token_ids, *, priority=0, cache_partition="", cache_prefixes=()):
+    async def next_token_logits_cached(self, prompts, token_ids, *, priority=0, cache_partition=""):
         import torch
         self.partitions.append(cache_partition)
         return torch.zeros(len(prompts), len(token_ids)), 5

@@ -153,28 +153,19 @@ def test_scoring_through_the_cache_restores_a_document_scored_before_only_within
 
     async def scenario():
         first, second = judged("What was checked?"), judged("Is bread baked here?")
-        shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)  # through the document
         ids = engine.encode("yes") + engine.encode("no")
         plain = await engine.next_token_logits([first, second], ids)
-        held = []
-        # Only the document is worth caching (``cache_prefixes``): a second question about it adds nothing.
-        cold = await engine.next_token_logits_cached([first], ids, cache_partition=A, cache_prefixes=[shared])
+        cold = await engine.next_token_logits_cached([first], ids, cache_partition=A)
+        warm = await engine.next_token_logits_cached([second], ids, cache_partition=A)
+        other = await engine.next_token_logits_cached([second], ids, cache_partition=B)
         await engine.heartbeat()  # after the frees: commands run in order
-        held.append(engine.stats()["prefix_cache_tokens"])
-        warm = await engine.next_token_logits_cached([second], ids, cache_partition=A, cache_prefixes=[shared])
-        await engine.heartbeat()
-        held.append(engine.stats()["prefix_cache_tokens"])
-        other = await engine.next_token_logits_cached([second], ids, cache_partition=B)  # the whole prompt cached
-        await engine.heartbeat()
-        held.append(engine.stats()["prefix_cache_tokens"])
-        return first, second, shared, plain, cold, warm, other, held, engine.stats()
+        return first, second, plain, cold, warm, other, engine.stats()
 
-    first, second, shared, plain, (cold, cold_cached), (warm, warm_cached), (other, other_cached), held, stats = (
-        anyio.run(serve, engine, scenario))
+    first, second, plain, (cold, cold_cached), (warm, warm_cached), (other, other_cached), stats = anyio.run(
+        serve, engine, scenario)
+    shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
     assert shared > 200  # the document
     assert cold_cached == 0 and other_cached == 0
-    assert held[0] >= shared // 16 * 16 and held[1] == held[0]  # the document's entry, refreshed, not doubled
-    assert held[2] > held[1]  # B's whole prompt, its question too (blocks of equal content are counted once)
     assert shared // 16 * 16 <= warm_cached <= shared  # whole blocks at least (torch's granularity)
     margin = lambda logits: logits[:, 0] - logits[:, 1]  # what the reranker scores by
     # Restored KV came from another batch shape (llama.cpp rounds activations per batch): close, not equal.

@@ -152,8 +152,8 @@ def test_llm_rerank_with_smollm2(tmp_path, torch_smollm2, document_first):
             scores = await judge.score(QUERY, DOCS + [long_doc])
             mixed = await judge.score_pairs([("Which fruit is yellow?", DOCS[1]), (QUERY, DOCS[0])])
             # A huge query is cut as documents are: its prompt is as bounded as a short one's.
-            [long_prompt], _ = judge._prompts(llm, [(long_query, DOCS[1])])
-            [short_prompt], _ = judge._prompts(llm, [("Which fruit is yellow?", DOCS[1])])
+            [long_prompt] = judge._prompts(llm, [(long_query, DOCS[1])])
+            [short_prompt] = judge._prompts(llm, [("Which fruit is yellow?", DOCS[1])])
             assert len(long_prompt) <= len(short_prompt) + 16
             assert (await judge.score(long_query, DOCS[1:2])).shape == (1,)
             # A lone surrogate is refused with a clear error, before any model work.

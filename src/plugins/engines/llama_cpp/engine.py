@@ -508,7 +508,7 @@ class LlamaCppCore(LlamaSequences, LLMCore):
             if fill.remaining == 0:
                 self._prefills.remove(fill)
                 seq.filling, seq.next_logits = False, logits[-1].copy()  # not a view that pins the batch's
-                self._offer_to_cache(seq, seq.tokens[: fill.prefill.cache_upto or None])
+                self._offer_to_cache(seq, seq.tokens)
                 out.reply(fill.prefill.reply, prefill_answer(fill.prefill, fill.cached, seq.next_logits)
                           if fill.scorer is None else fill.scorer.result())
         else:

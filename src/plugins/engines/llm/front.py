@@ -260,7 +260,7 @@ class LLMFront:
     async def _open(self, command: type[Prefill], ctx: ContextId, tokens: Sequence[int], parent: ContextId | None,
                     priority: int, preemptive: bool = False, scoring: PromptScoring | None = None,
                     partition: str = "", documents: tuple[tuple[int, int], ...] = (),
-                    next_logits_of: tuple[int, ...] = (), cache_upto: int = 0) -> Any:
+                    next_logits_of: tuple[int, ...] = ()) -> Any:
         """Queue the context's prefill and wait for it; the core's reply: the prompt tokens its prefix cache held
         (None: the core does not say), or a scored prefill's ``PromptLogprobs``."""
         self._require_running()
@@ -277,7 +277,7 @@ class LLMFront:
         self._live.add(ctx)
         prefill = command(ctx, list(tokens), parent, reply, priority, preemptive=bool(preemptive))
         prefill.scoring, prefill.partition, prefill.documents = scoring, partition, documents
-        prefill.next_logits_of, prefill.cache_upto = next_logits_of, cache_upto
+        prefill.next_logits_of = next_logits_of
         self._commands.put(prefill)
         try:
             return await self._wait(reply)
@@ -347,21 +347,16 @@ class LLMFront:
         return self.core.scores_through_cache
 
     async def next_token_logits_cached(self, prompts: Sequence[Sequence[int]], token_ids: Sequence[int], *,
-                                       priority: int = 0, cache_partition: str = "",
-                                       cache_prefixes: Sequence[int] = ()) -> tuple[torch.Tensor, int]:
-        """``ScoresThroughCache``: each prompt a prefill of its own (its cached prefix restored, its first
-        ``cache_prefixes[i]`` tokens, else all of it, cached for the next one), freed once scored; at most
-        ``CACHED_SCORING_CONTEXTS`` open at once, so a long scoring job leaves the engine's contexts to its
-        decodes."""
+                                       priority: int = 0, cache_partition: str = "") -> tuple[torch.Tensor, int]:
+        """``ScoresThroughCache``: each prompt a prefill of its own (its cached prefix restored, what it computes
+        cached for the next one), freed once scored; at most ``CACHED_SCORING_CONTEXTS`` open at once, so a long
+        scoring job leaves the engine's contexts to its decodes."""
         if not self.scores_through_cache:
             raise EngineError(f"engine {self.name!r} does not score through its prefix cache")
         self._require_running()
         check_priority(priority)
         check_partition(cache_partition)
         prompts = self._scoring_prompts(prompts, token_ids)
-        keep = [int(n) for n in cache_prefixes] or [0] * len(prompts)
-        if len(keep) != len(prompts) or any(n < 0 for n in keep):
-            raise EngineError("cache_prefixes needs one count (>= 0) a prompt")
         ids = tuple(token_ids)
         result = torch.empty(len(prompts), len(ids), dtype=torch.float32)
         cached = 0
@@ -375,7 +370,7 @@ class LLMFront:
                 ctx = self.new_context_id()
                 try:
                     held, row = await self._open(Prefill, ctx, prompt, None, priority, partition=cache_partition,
-                                                 next_logits_of=ids, cache_upto=keep[i])
+                                                 next_logits_of=ids)
                 finally:
                     await self.free(ctx)
             result[i] = row

@@ -120,9 +120,6 @@ class Prefill:
     # Scored through the cache (``ScoresThroughCache``): a plain prefill whose reply is (the tokens its prefix cache
     # held, the logits of these token ids after the prompt), so what it reuses is restored, not computed.
     next_logits_of: tuple[int, ...] = ()
-    # The first tokens worth offering to the prefix cache (a scored document, not the question after it, which no
-    # later prompt repeats: one entry a document, not one a question); 0: the whole prompt.
-    cache_upto: int = 0
 
 
 @dataclass

@@ -32,7 +32,6 @@ from typing import Any, Sequence
 import anyio
 import torch
 
-from headrace.plugins.engines.kvreuse.prefix_cache import common_prefix
 from headrace.plugins.engines.models.paths import resolve_model
 from headrace.plugins.engines.retrieval.own_thread import run_in_own_thread
 from headrace.plugins.hookspecs import hookimpl
@@ -189,13 +188,12 @@ class LLMReranker:
         check_text(pairs)
         start = time.monotonic()
         # Tokenizing thousands of documents takes a while: off the event loop.
-        prompts, documents = await anyio.to_thread.run_sync(self._prompts, llm, list(pairs))
+        prompts = await anyio.to_thread.run_sync(self._prompts, llm, list(pairs))
         token_ids = self._yes_ids + self._no_ids
         if self._scorer is not None:
-            logits = await self._scorer.next_token_logits(prompts, token_ids, metas, through_cache=self._document_first,
-                                                          cache_prefixes=documents)
+            logits = await self._scorer.next_token_logits(prompts, token_ids, metas, through_cache=self._document_first)
         elif self._document_first and isinstance(llm, ScoresThroughCache) and llm.scores_through_cache:
-            logits, _ = await llm.next_token_logits_cached(prompts, token_ids, cache_prefixes=documents)
+            logits, _ = await llm.next_token_logits_cached(prompts, token_ids)
         else:
             logits = await llm.next_token_logits(prompts, token_ids)
         self._env.observe_batch("rerank", len(pairs), start, time.monotonic())
@@ -213,8 +211,7 @@ class LLMReranker:
 
     async def warm_documents(self, docs: Sequence[str], metas: Sequence[Any] = ()) -> int:
         """``WarmsDocuments``: each document scored once behind an empty query, so its prompt's system prompt and
-        document (all that is cached of it) are in the LLM's prefix cache, then its tiers, for the first query that
-        retrieves it."""
+        document are in the LLM's prefix cache (then its tiers) for the first query that retrieves it."""
         if not docs or not self.warms_documents:
             return 0
         await self.score_pairs([("", doc) for doc in docs], metas)
@@ -227,22 +224,15 @@ class LLMReranker:
             {"role": "user", "content": pair + "Is the document relevant to the query? Answer yes or no."},
         ]
 
-    def _prompts(self, llm: Any, pairs: list[tuple[str, str]]) -> tuple[list[list[int]], list[int]]:
-        """Each pair's prompt, and (document first) how many of its first tokens are the system prompt and the
-        document: what the next query's prompt of the same document repeats, so what is worth caching."""
+    def _prompts(self, llm: Any, pairs: list[tuple[str, str]]) -> list[list[int]]:
         queries: dict[str, str] = {}  # a batch mostly repeats a few queries
-        bare: dict[str, list[int]] = {}  # a document's prompt with no query (a batch may repeat documents)
-        prompts, documents = [], []
+        prompts = []
         for query, doc in pairs:
             if query not in queries:
                 queries[query] = truncate_to_tokens(llm, query, self._max_query_tokens)
             doc = truncate_to_tokens(llm, doc, self._max_doc_tokens)
             prompts.append(llm.chat_tokens(self._messages(queries[query], doc)))
-            if self._document_first:
-                if doc not in bare:
-                    bare[doc] = llm.chat_tokens(self._messages("", doc))
-                documents.append(common_prefix(prompts[-1], bare[doc]))
-        return prompts, documents
+        return prompts
 
 
 def check_text(pairs: Sequence[tuple[str, str]]) -> None:

@@ -476,7 +476,7 @@ class TorchCore(LLMCore):
             self.contexts[job.ctx] = ctx
             if self.prefix_cache is not None:
                 layers = ctx.kv
-                self.prefix_cache.insert(ctx.tokens[: job.cache_upto or None], lambda n: [(k[:, :, :n], v[:, :, :n]) for k, v in layers],
+                self.prefix_cache.insert(ctx.tokens, lambda n: [(k[:, :, :n], v[:, :, :n]) for k, v in layers],
                                          job.partition)
             answer = cached if scoring is not None else prefill_answer(job, max(0, cached - job.rebased), ctx.next_logits)
             out.replies.append((job.reply, answer, None))
