@@ -372,14 +372,15 @@ class Texts:
         text = " ".join(inspect.getdoc(m) or "" for m in (os, json, re, subprocess, inspect, statistics))
         self.prefix = engine.encode(text)[:size]
         self.shared = [self.prefix + s for s in self.suffixes]
-        # Scoring: the LLM reranker's prompts (its system prompt and template), one query, a document each.
-        from headrace.plugins.engines.retrieval.rerankers import (NO_VARIANTS, YES_VARIANTS, LLMReranker,
+        # Scoring: the LLM reranker's query-first prompts (its system prompt and template: one scoring job whose
+        # prompts share the query), one query, a document each.
+        from headrace.plugins.engines.retrieval.rerankers import (NO_VARIANTS, YES_VARIANTS, judge_messages,
                                                                   single_token_ids, truncate_to_tokens)
         docs, k = [], len(sentences)
         for i in range(args.score_prompts):  # from the end of the sentences, away from the prefill text
             docs.append(truncate_to_tokens(engine, " ".join(sentences[k - 12 * (i + 1) : k - 12 * i]),
                                            args.score_doc_tokens))
-        self.scoring = [engine.chat_tokens(LLMReranker._messages(SCORE_QUERY, doc)) for doc in docs]
+        self.scoring = [engine.chat_tokens(judge_messages(SCORE_QUERY, doc, document_first=False)) for doc in docs]
         self.score_ids = single_token_ids(engine, YES_VARIANTS) + single_token_ids(engine, NO_VARIANTS)
 
 

@@ -14,6 +14,8 @@ others drawn (seeded) from ``--distractors`` chunks, so documents recur across q
 
 - ranking: per order, the gold chunk's rank in each pool: hit@1, hit@3 (advanced_rag keeps 3) and MRR, and the
   questions where the two orders disagree on hit@3;
+- short documents: nine one-sentence toy questions of three candidates each (``SHORT``), right answers ranked
+  first per order;
 - time: seconds a question (its pool scored in one call, on an idle engine) query first, document first on the
   first pass (documents cached as they recur), and document first again with the question reworded ("Which value
   is returned by module.name?"): every document then cached, the warm bound; with the share of document-first
@@ -49,6 +51,29 @@ from headrace.quality.qa import returns_items
 from benchlib import cpu_name  # beside this script
 
 CHUNK_SIZE, CHUNK_OVERLAP = 256, 30  # the workflows' chunking
+# Short documents: one sentence each, three candidates, one of them the answer (a question, its candidates, the
+# answer's index): what a /v1/rerank client's toy check sends.
+SHORT = [
+    ("What is the capital of France?", ("Bananas are a yellow fruit.", "Paris is the capital and largest city of France.",
+                                        "The stock market fell on Monday."), 1),
+    ("Which fruit is yellow?", ("Bananas are a yellow fruit.", "Paris is the capital and largest city of France.",
+                                "The stock market fell on Monday."), 0),
+    ("What happened to the stock market?", ("Bananas are a yellow fruit.",
+                                            "Paris is the capital and largest city of France.",
+                                            "The stock market fell on Monday."), 2),
+    ("How many legs does a spider have?", ("Spiders have eight legs.", "The moon orbits the Earth.",
+                                           "Water boils at 100 degrees Celsius."), 0),
+    ("When does water boil?", ("Spiders have eight legs.", "The moon orbits the Earth.",
+                               "Water boils at 100 degrees Celsius."), 2),
+    ("What orbits the Earth?", ("Spiders have eight legs.", "The moon orbits the Earth.",
+                                "Water boils at 100 degrees Celsius."), 1),
+    ("Who wrote Hamlet?", ("Shakespeare wrote Hamlet around 1600.", "Python is a programming language.",
+                           "The Nile is a river in Africa."), 0),
+    ("Which river is in Africa?", ("Shakespeare wrote Hamlet around 1600.", "Python is a programming language.",
+                                   "The Nile is a river in Africa."), 2),
+    ("What is Python?", ("Shakespeare wrote Hamlet around 1600.", "Python is a programming language.",
+                         "The Nile is a river in Africa."), 1),
+]
 IDLE_S = 1.0  # each clock starts on an idle engine (a freed context's deferred cache copy lands outside it)
 
 
@@ -120,7 +145,11 @@ async def measure(engine, args) -> dict:
             out[key] = {**summary(rank_list), "ranks": rank_list, "s_per_question": statistics.fmean(times),
                         "times": times, "stats_delta": {k: after[k] - before.get(k, 0) for k in after
                                                         if isinstance(after[k], (int, float))}}
+        for order, judge in judges.items():
+            out[f"short {order}"] = sum([ranks((await judge.score(q, list(docs))).tolist(), gold) == 1
+                                         for q, docs, gold in SHORT])
         tg.cancel_scope.cancel()
+    out["short"] = len(SHORT)
     a, b = out["query-first"]["ranks"], out["document-first"]["ranks"]
     out["hit@3_disagree"] = sum((x <= 3) != (y <= 3) for x, y in zip(a, b))
     return out
@@ -162,6 +191,8 @@ def main() -> None:
         print(f"{key:>24}: hit@1 {r['hit@1']:.3f}  hit@3 {r['hit@3']:.3f}  MRR {r['mrr']:.3f}  "
               f"{r['s_per_question']:.2f} s a question")
     print(f"hit@3 differs on {result['hit@3_disagree']} of {result['questions']} questions")
+    print(f"short documents (one sentence, 3 candidates): query first {result['short query-first']} of "
+          f"{result['short']} right, document first {result['short document-first']}")
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
 

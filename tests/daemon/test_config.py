@@ -65,7 +65,7 @@ def test_default_toml_loads() -> None:
     assert llm.options == {"quantize": "none", "threads": 2, "max_context_tokens": 2048, "kv_unified": False,
                            "n_seq_max": 32, "context_wait_seconds": 120, "max_batch_tokens": 512,
                            "prefix_cache_tokens": 16384, "prefix_cache_pin_tokens": 4096}
-    assert config.engine("smollm2-rerank").options == {"llm": "smollm2"}
+    assert config.engine("smollm2-rerank").options == {"llm": "smollm2", "document_first": True}
     assert config.batching_for("all-minilm-l6-v2").max_batch_size == 64
     assert config.server.port == 8000
 

@@ -218,11 +218,7 @@ class LLMReranker:
         return len(docs)
 
     def _messages(self, query: str, doc: str) -> list[dict[str, str]]:
-        pair = f"Document: {doc}\nQuery: {query}\n" if self._document_first else f"Query: {query}\nDocument: {doc}\n"
-        return [
-            {"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": pair + "Is the document relevant to the query? Answer yes or no."},
-        ]
+        return judge_messages(query, doc, self._document_first)
 
     def _prompts(self, llm: Any, pairs: list[tuple[str, str]]) -> list[list[int]]:
         queries: dict[str, str] = {}  # a batch mostly repeats a few queries
@@ -233,6 +229,15 @@ class LLMReranker:
             doc = truncate_to_tokens(llm, doc, self._max_doc_tokens)
             prompts.append(llm.chat_tokens(self._messages(queries[query], doc)))
         return prompts
+
+
+def judge_messages(query: str, doc: str, document_first: bool) -> list[dict[str, str]]:
+    """The judge's chat for one (query, document) pair, in either order."""
+    pair = f"Document: {doc}\nQuery: {query}\n" if document_first else f"Query: {query}\nDocument: {doc}\n"
+    return [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": pair + "Is the document relevant to the query? Answer yes or no."},
+    ]
 
 
 def check_text(pairs: Sequence[tuple[str, str]]) -> None:
