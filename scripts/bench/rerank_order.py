@@ -53,27 +53,16 @@ from benchlib import cpu_name  # beside this script
 CHUNK_SIZE, CHUNK_OVERLAP = 256, 30  # the workflows' chunking
 # Short documents: one sentence each, three candidates, one of them the answer (a question, its candidates, the
 # answer's index): what a /v1/rerank client's toy check sends.
-SHORT = [
-    ("What is the capital of France?", ("Bananas are a yellow fruit.", "Paris is the capital and largest city of France.",
-                                        "The stock market fell on Monday."), 1),
-    ("Which fruit is yellow?", ("Bananas are a yellow fruit.", "Paris is the capital and largest city of France.",
-                                "The stock market fell on Monday."), 0),
-    ("What happened to the stock market?", ("Bananas are a yellow fruit.",
-                                            "Paris is the capital and largest city of France.",
-                                            "The stock market fell on Monday."), 2),
-    ("How many legs does a spider have?", ("Spiders have eight legs.", "The moon orbits the Earth.",
-                                           "Water boils at 100 degrees Celsius."), 0),
-    ("When does water boil?", ("Spiders have eight legs.", "The moon orbits the Earth.",
-                               "Water boils at 100 degrees Celsius."), 2),
-    ("What orbits the Earth?", ("Spiders have eight legs.", "The moon orbits the Earth.",
-                                "Water boils at 100 degrees Celsius."), 1),
-    ("Who wrote Hamlet?", ("Shakespeare wrote Hamlet around 1600.", "Python is a programming language.",
-                           "The Nile is a river in Africa."), 0),
-    ("Which river is in Africa?", ("Shakespeare wrote Hamlet around 1600.", "Python is a programming language.",
-                                   "The Nile is a river in Africa."), 2),
-    ("What is Python?", ("Shakespeare wrote Hamlet around 1600.", "Python is a programming language.",
-                         "The Nile is a river in Africa."), 1),
+SHORT_SETS = [  # three candidates, then a question answered by each in turn
+    (("Bananas are a yellow fruit.", "Paris is the capital and largest city of France.",
+      "The stock market fell on Monday."),
+     ("Which fruit is yellow?", "What is the capital of France?", "What happened to the stock market?")),
+    (("Spiders have eight legs.", "The moon orbits the Earth.", "Water boils at 100 degrees Celsius."),
+     ("How many legs does a spider have?", "What orbits the Earth?", "When does water boil?")),
+    (("Shakespeare wrote Hamlet around 1600.", "Python is a programming language.", "The Nile is a river in Africa."),
+     ("Who wrote Hamlet?", "What is Python?", "Which river is in Africa?")),
 ]
+SHORT = [(question, docs, gold) for docs, questions in SHORT_SETS for gold, question in enumerate(questions)]
 IDLE_S = 1.0  # each clock starts on an idle engine (a freed context's deferred cache copy lands outside it)
 
 
