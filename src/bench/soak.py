@@ -284,7 +284,7 @@ class SoakRunner:
 
 async def soak_phase(systems: Any, corpus: Corpus, opts: SoakOptions, log: Callable[[str], None]) -> dict[str, Any]:
     """The whole soak against ``systems``' daemon (a ``harness.Systems``, not started yet); ``opts.pid`` set."""
-    from headrace.bench.soak_report import ProcWatch, criteria
+    from headrace.bench.soak_report import ProcWatch, criteria, growth_net_of_host_tier
     from headrace.graph.workflows.common import CHUNK_CONFIG
 
     try:
@@ -336,6 +336,7 @@ async def soak_phase(systems: Any, corpus: Corpus, opts: SoakOptions, log: Calla
     out["errors"] = sorted({f"{r.kind}: {r.error}" for r in records if r.error})[:5]
     out["samples"], out["daemon"] = samples, daemon_side
     out["criteria"] = criteria(samples, out["totals"], opts.warmup_s, daemon_side["in_flight_after_drain"])
+    out["rss_net_of_host_tier"] = growth_net_of_host_tier(samples, opts.warmup_s)
     return out
 
 
@@ -370,8 +371,9 @@ async def run_stream(control: Daemon, watch: Any, corpus: Corpus, plan: list[Soa
     before = await control.metrics()
     t0 = time.perf_counter()
 
-    def sample(phase: str) -> dict[str, Any]:
+    async def sample(phase: str) -> dict[str, Any]:
         row = {"t_s": round(time.perf_counter() - t0, 1), "phase": phase, **watch.read(), **progress(records)}
+        row.update(await host_tier(control))
         samples.append(row)
         return row
 
@@ -379,9 +381,10 @@ async def run_stream(control: Daemon, watch: Any, corpus: Corpus, plan: list[Soa
         k = 1
         while True:
             await anyio.sleep(max(0.0, t0 + k * opts.sample_s - time.perf_counter()))
-            row = sample("load")
-            log(f"    {row['t_s']:7.0f}s  RSS {row['rss_mib']} MiB  fds {row['fds']}  {row['completed']}/"
-                f"{row['arrived']} done, {row['in_flight']} in flight, {row['errors']} errors")
+            row = await sample("load")
+            log(f"    {row['t_s']:7.0f}s  RSS {row['rss_mib']} MiB (host KV tier {row['host_tier_mib']} MiB)  fds "
+                f"{row['fds']}  {row['completed']}/{row['arrived']} done, {row['in_flight']} in flight, "
+                f"{row['errors']} errors")
             k += 1
 
     async with _traffic(control) as daemon:
@@ -390,7 +393,7 @@ async def run_stream(control: Daemon, watch: Any, corpus: Corpus, plan: list[Soa
         async def arrival(i: int) -> None:
             await runner.attempt(plan[i], records[i])
 
-        sample("start")  # idle: before the first arrival
+        await sample("start")  # idle: before the first arrival
         async with anyio.create_task_group() as tg:
             tg.start_soon(sampler)
             result = await poisson({"arrival": arrival}, rate, 0.0, 0.0, opts.seed, opts.drain_s, count=len(plan))
@@ -401,7 +404,7 @@ async def run_stream(control: Daemon, watch: Any, corpus: Corpus, plan: list[Soa
             record.fail(LOST, s.error)
     await anyio.sleep(SETTLE_S)
     in_flight = await wait_idle(control)
-    sample("idle")  # the traffic's connections closed, the drain over: what stayed open stays open
+    await sample("idle")  # the traffic's connections closed, the drain over: what stayed open stays open
     after = await control.metrics()
     from headrace.bench.mixed_phase import workflow_runs
 
@@ -421,6 +424,15 @@ def progress(records: list[SoakRecord]) -> dict[str, int]:
     return {"arrived": arrived, "completed": completed, "errors": errors,
             "in_flight": arrived - completed - errors, "lost": sum(r.outcome == LOST for r in records),
             "http_5xx": sum(r.outcome == HTTP_5XX for r in records)}
+
+
+async def host_tier(control: Daemon) -> dict[str, float]:
+    """What the host-memory KV tiers hold and may hold, in MiB (``/metrics``): a cache that fills to its budget
+    over the soak, so its bytes are part of the RSS growth but not a leak; the report gives the growth net of it."""
+    text = await control.metrics()
+    mib = 1024 * 1024
+    return {"host_tier_mib": round(metric_sum(text, "headrace_kv_tier_bytes", tier="host") / mib, 1),
+            "host_tier_budget_mib": round(metric_sum(text, "headrace_kv_tier_capacity_bytes", tier="host") / mib, 1)}
 
 
 def metric_sum(text: str, name: str, **labels: str) -> float:

@@ -103,6 +103,21 @@ def criteria(samples: list[dict[str, Any]], totals: dict[str, Any], warmup_s: fl
     return out
 
 
+def growth_net_of_host_tier(samples: list[dict[str, Any]], warmup_s: float) -> dict[str, Any] | None:
+    """RSS less the host KV tier's bytes, from the warm-up's end to the end: the growth that is not a bounded cache
+    filling to its budget. Reported beside the RSS criterion, not instead of it; None without the tier's figures."""
+    if any(s.get("rss_mib") is None or s.get("host_tier_mib") is None for s in samples):
+        return None
+    end = samples[-1]
+    mark = next((s for s in samples if s["t_s"] >= warmup_s), end)
+    net = [s["rss_mib"] - s["host_tier_mib"] for s in samples]
+    start, last = mark["rss_mib"] - mark["host_tier_mib"], net[-1]
+    return {"from_t_s": mark["t_s"], "from_mib": round(start, 1), "to_mib": round(last, 1),
+            "max_mib": round(max(net), 1), "growth": (last - start) / start,
+            "tier_from_mib": mark["host_tier_mib"], "tier_to_mib": end["host_tier_mib"],
+            "tier_budget_mib": max(s.get("host_tier_budget_mib") or 0.0 for s in samples)}
+
+
 def _f(x: Any, spec: str = ".2f") -> str:
     return "-" if x is None else format(x, spec)
 
@@ -130,10 +145,11 @@ def soak_table(soak: dict[str, Any]) -> list[str]:
     lines.append("latencies: sent to answered, completed arrivals only (a dropped stream is not one)")
     lines.append(f"daemon process {soak['pid']} over time (start: idle before the first arrival; idle: after the "
                  "drain, the traffic's connections closed); counts so far:")
-    lines.append(f"{'t s':>8} {'phase':<6} {'RSS MiB':>8} {'fds':>5} {'threads':>7} {'arrived':>7} {'done':>6} "
-                 f"{'in flight':>9} {'errors':>6}")
+    lines.append(f"{'t s':>8} {'phase':<6} {'RSS MiB':>8} {'host tier':>9} {'fds':>5} {'threads':>7} {'arrived':>7} "
+                 f"{'done':>6} {'in flight':>9} {'errors':>6}")
     for s in soak["samples"]:
-        lines.append(f"{s['t_s']:8.1f} {s['phase']:<6} {_f(s['rss_mib'], '.1f'):>8} {_f(s['fds'], 'd'):>5} "
+        lines.append(f"{s['t_s']:8.1f} {s['phase']:<6} {_f(s['rss_mib'], '.1f'):>8} "
+                     f"{_f(s.get('host_tier_mib'), '.1f'):>9} {_f(s['fds'], 'd'):>5} "
                      f"{_f(s['threads'], 'd'):>7} {s['arrived']:7d} {s['completed']:6d} {s['in_flight']:9d} "
                      f"{s['errors']:6d}")
     d = soak["daemon"]
@@ -152,6 +168,12 @@ def soak_table(soak: dict[str, Any]) -> list[str]:
         lines.append(f"  RSS growth from {rss['from_t_s']:g} s ({rss['from_mib']:.1f} MiB) to the end "
                      f"({rss['to_mib']:.1f} MiB, max {rss['max_mib']:.1f}): {rss['growth']:+.2%} (limit "
                      f"{rss['limit']:.0%}): {_verdict(rss['passed'])}")
+    net = soak.get("rss_net_of_host_tier")
+    if net is not None:
+        lines.append(f"  (not judged) RSS less the host KV tier's bytes, from {net['from_t_s']:g} s ({net['from_mib']:.1f} "
+                     f"MiB) to the end ({net['to_mib']:.1f} MiB, max {net['max_mib']:.1f}): {net['growth']:+.2%}; the "
+                     f"tier held {net['tier_from_mib']:.1f} then {net['tier_to_mib']:.1f} MiB of its "
+                     f"{net['tier_budget_mib']:.1f} MiB budget")
     lines.append(f"  open descriptors idle: first {_f(fds['first'], 'd')}, last {_f(fds['last'], 'd')}, max "
                  f"{_f(fds['max'], 'd')} (the end at most {fds['slack']} above the start): {_verdict(fds['passed'])}")
     lines.append(f"  in flight after the drain: {drained['running']} running, {drained['waiting']} waiting: "

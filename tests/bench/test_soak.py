@@ -14,7 +14,7 @@ from headrace.bench.client import Daemon
 from headrace.bench.corpus import build_corpus
 from headrace.bench.soak import (DROPPED, HTTP_4XX, HTTP_5XX, KINDS, LOST, OK, SHARES, SoakArrival, SoakRecord,
                                  SoakRunner, draw_soak, progress)
-from headrace.bench.soak_report import FD_SLACK, criteria
+from headrace.bench.soak_report import FD_SLACK, criteria, growth_net_of_host_tier
 from headrace.cli import main
 
 CORPUS = build_corpus(0, n_documents=2, min_tokens=300, count_tokens=lambda text: len(text.split()))
@@ -62,6 +62,22 @@ def test_the_criteria_pass_a_flat_run_and_fail_each_kind_of_trouble():
     # The daemon went away mid-soak.
     gone = criteria(_samples([400, None, None], [30, None, None]), TOTALS, 0.0, IDLE)
     assert not gone["passed"] and gone["rss_growth"]["note"] == "the daemon exited"
+
+
+def test_the_growth_net_of_the_host_tier_separates_a_cache_filling_to_its_budget_from_the_rest():
+    samples = _samples([200, 380, 400, 500, 600], [30] * 5)
+    for s, tier in zip(samples, [0, 100, 120, 220, 300]):
+        s.update(host_tier_mib=tier, host_tier_budget_mib=300)
+    # RSS grows 50% after the warm-up, all of it the tier: 280 MiB of the rest at 20 s, 300 at the end.
+    assert criteria(samples, TOTALS, 20.0, IDLE)["rss_growth"]["growth"] == pytest.approx(0.5)
+    net = growth_net_of_host_tier(samples, 20.0)
+    assert (net["from_mib"], net["to_mib"], net["tier_from_mib"], net["tier_to_mib"]) == (280, 300, 120, 300)
+    assert net["growth"] == pytest.approx(20 / 280) and net["tier_budget_mib"] == 300
+    # A leak beside the tier still shows.
+    samples[-1]["rss_mib"] = 700
+    assert growth_net_of_host_tier(samples, 20.0)["growth"] == pytest.approx(120 / 280)
+    # A daemon without tier figures (or gone) gives none, not a made-up figure.
+    assert growth_net_of_host_tier(_samples([400, 410, 420], [30] * 3), 0.0) is None
 
 
 def _sse(*events: dict, done: bool = True) -> bytes:
@@ -200,6 +216,9 @@ def test_smoke_every_kind_completes_and_the_daemon_is_sampled(tmp_path):
     samples = soak["samples"]
     assert samples[0]["phase"] == "start" and samples[-1]["phase"] == "idle" and len(samples) >= 5
     assert all(s["rss_mib"] > 0 and s["fds"] > 0 and s["threads"] > 0 for s in samples)
+    # Each sample also has what the host KV tier held (the default config's tiers are on) within its budget.
+    assert all(0 <= s["host_tier_mib"] <= s["host_tier_budget_mib"] for s in samples)
+    assert samples[0]["host_tier_budget_mib"] > 0 and soak["rss_net_of_host_tier"]["tier_budget_mib"] > 0
     assert samples[-1]["completed"] == soak["arrivals"] and samples[-1]["in_flight"] == 0
     assert samples[0]["arrived"] == 0 and min(s["in_flight"] for s in samples) >= 0
     # The criteria are computed from those samples.
@@ -211,3 +230,4 @@ def test_smoke_every_kind_completes_and_the_daemon_is_sampled(tmp_path):
     text = (out / "results.txt").read_text()
     assert f"== soak: {soak['arrivals']} arrivals over 60 s" in text and "verdict: " in text
     assert "lost runs: 0 (limit 0): PASS" in text
+    assert "(not judged) RSS less the host KV tier's bytes" in text
