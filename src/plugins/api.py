@@ -27,10 +27,11 @@ from typing import Any
 from headrace.plugins.engines.llm.chat import ChatMessages, ToolSpecs, apply_template
 from headrace.plugins.engines.llm.constraints import json_schema_text
 from headrace.plugins.engines.llm.core import LLMCore, Row, prefill_answer, sample_row, sample_rows
-from headrace.plugins.engines.llm.front import LLMFront, check_token_ids
+from headrace.plugins.engines.llm.front import LLMFront
 from headrace.plugins.engines.llm.messages import (CacheControl, Command, Decode, EngineError, EngineFailed, Heartbeat,
                                                    Logits, Outbox, Prefill, Reply, Stop)
 from headrace.plugins.engines.llm.prompt_scores import PromptScorer, PromptScoring
+from headrace.plugins.engines.llm.request_checks import check_token_ids
 from headrace.plugins.engines.llm.sampling import LOGPROB_FLOOR, Detokenizer, is_greedy
 from headrace.plugins.engines.llm.token_lists import Hold, TokenListCore, safetensors_model
 from headrace.plugins.engines.models.loading import auto_dtype, convert_gguf

@@ -30,7 +30,7 @@ import re
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +169,33 @@ def resident_runs(start: int, end: int) -> list[tuple[int, int]]:
     return runs
 
 
+# glibc's header of a chunk it mapped on its own (malloc.c): prev_size holds the chunk's offset in its mapping
+# (posix_memalign moves the chunk up to its alignment), size the rest of the mapping with IS_MMAPPED set.
+IS_MMAPPED, SIZE_BITS = 0x2, 0x7
+HEADER_OFFSETS = range(0, 128, 16)  # where the header may sit in the mapping's first page (alignment <= 64)
+
+
+def own_mapping(start: int, end: int, want: int,
+                read_u64: Callable[[int], int] | None = None) -> tuple[int, int] | None:
+    """The one mapping of ``want`` bytes or more that glibc made for a chunk of its own inside the resident run
+    [start, end), found by its chunk header, or None (none, or more than one). /proc/self/maps merges adjacent
+    anonymous mappings, so a neighbour's resident pages may lengthen the KV buffer's run; the header says where
+    the buffer's own mapping begins and ends. Only pages of the run are read (resident, ours, read-write)."""
+    read_u64 = read_u64 or (lambda address: ctypes.c_uint64.from_address(address).value)
+    page, found = mmap.PAGESIZE, []
+    for base in range(start, end - want + 1, page):
+        for offset in HEADER_OFFSETS:
+            if read_u64(base + offset) != offset:
+                continue
+            head = read_u64(base + offset + 8)
+            size = head & ~SIZE_BITS
+            if head & SIZE_BITS == IS_MMAPPED and (offset + size) % page == 0 and size - 16 >= want - SIZE_SLACK \
+                    and base + offset + size <= end:
+                found.append((base, base + offset + size))
+                break
+    return found[0] if len(found) == 1 else None
+
+
 def release_kv_buffers(before: list[tuple[int, int]], sizes_mib: list[float], name: str) -> list[ReleasedBuffer]:
     """Hand back to the kernel the pages of each KV buffer of ``sizes_mib`` among the mappings made since
     ``before``; the buffers released (none where no buffer matched: said in the log).
@@ -189,9 +216,18 @@ def release_kv_buffers(before: list[tuple[int, int]], sizes_mib: list[float], na
         if want < OWN_MAPPING_BYTES:
             continue  # may share a heap with live chunks: stays resident (it is small)
         match = [(s, e) for s, e in runs if want - SIZE_SLACK <= e - s <= want + SIZE_SLACK]
+        if not match:  # a neighbour's resident pages joined the buffer's run: its own mapping, from malloc's header
+            wider = [(s, e) for s, e in runs if e - s > want + SIZE_SLACK]
+            match = [own for own in (own_mapping(s, e, want) for s, e in wider) if own is not None]
+            if len(match) == 1:
+                longer = next((s, e) for s, e in wider if s <= match[0][0] and match[0][1] <= e)
+                runs.remove(longer)
+                runs.append(match[0])
+                log.info("engine %s: the KV buffer of %.2f MiB found by its chunk header in a resident run %.1f MiB "
+                         "longer", name, size, (longer[1] - longer[0] - (match[0][1] - match[0][0])) / MiB)
         if len(match) != 1:  # none, or ambiguous: leave the memory as it is
-            log.info("engine %s: the KV buffer of %.2f MiB was not found among the new mappings (%d candidates); "
-                     "its memory stays resident", name, size, len(match))
+            log.warning("engine %s: the KV buffer of %.2f MiB was not found among the new mappings (%d candidates); "
+                        "its memory stays resident", name, size, len(match))
             continue
         runs.remove(match[0])
         # The run may hold a few resident pages of a neighbour on either side: the buffer's header page starts

@@ -17,8 +17,8 @@ engine core:
 The front is this module; the core's base class and its contract are in ``core``,
 the commands and results they pass each other in ``messages``.
 
-The front checks token ids against ``core.vocab_size`` and scoring prompts
-against ``core.max_context_tokens`` before queueing; a prefill over the context
+The front checks token ids against ``core.vocab_size`` (with the other request checks in
+``request_checks``) and scoring prompts against ``core.max_context_tokens`` before queueing; a prefill over the context
 is for the core to refuse (it knows the parent's length).
 
 Every request carries the LLM scheduler's ``priority`` (lower first; the
@@ -58,52 +58,16 @@ from headrace.plugins.engines.llm.messages import (CacheControl, Command, Decode
                                                    Logits, Outbox, Pin, Prefill, PrepareDocuments, Reply, Stop,
                                                    TokenStream, deliver_on_loop)
 from headrace.plugins.engines.llm.prompt_scores import PromptScoring
+from headrace.plugins.engines.llm.request_checks import (check_documents, check_partition, check_priority,
+                                                            check_token_ids)
 from headrace.plugins.protocols import MAX_TOP_LOGPROBS, PromptLogprobs, SamplingParams, TokenDelta
 from headrace.types import ContextId, TokenIds
 
 log = logging.getLogger(__name__)
 
 
-def check_token_ids(tokens: Sequence[int], vocab_size: int, engine: str) -> None:
-    """Refuse token ids the model has no embedding for, before they can fail a batch (every engine's front)."""
-    for token in tokens:
-        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
-            raise EngineError(f"token id {token!r} is not in the vocabulary of engine {engine!r} "
-                              f"(0 to {vocab_size - 1})")
-
-
 # Contexts one engine's scoring through the cache holds open at once (its prompts' prefills batch together).
 CACHED_SCORING_CONTEXTS = 8
-
-MAX_PARTITION = 256  # characters of a cache partition (the daemon sends a 32-character digest)
-
-
-def check_partition(partition: Any) -> None:
-    """Refuse a cache partition that is not a short string before it reaches a core's cache keys."""
-    if not isinstance(partition, str) or len(partition) > MAX_PARTITION:
-        raise EngineError(f"cache_partition must be a string of at most {MAX_PARTITION} characters")
-
-
-def check_documents(documents: Any, n_tokens: int) -> tuple[tuple[int, int], ...]:
-    """Documents' spans ((start, length) each) in position order, not overlapping, inside the prompt."""
-    spans, end = [], 0
-    for span in documents:
-        if (not isinstance(span, (tuple, list)) or len(span) != 2
-                or any(isinstance(v, bool) or not isinstance(v, int) for v in span)):
-            raise EngineError(f"a document is a (start, length) pair of integers, not {span!r}")
-        start, length = span
-        if start < end or length < 1 or start + length > n_tokens:
-            raise EngineError(f"document ({start}, {length}) overlaps another or falls outside the prompt's "
-                              f"{n_tokens} tokens (documents go in position order)")
-        spans.append((start, length))
-        end = start + length
-    return tuple(spans)
-
-
-def check_priority(priority: Any) -> None:
-    """Refuse a priority that is not an integer before it can fail a core's ordering of its queue."""
-    if isinstance(priority, bool) or not isinstance(priority, int):
-        raise EngineError(f"priority must be an integer, not {priority!r}")
 
 
 class LLMFront:
