@@ -170,8 +170,8 @@ def soak_table(soak: dict[str, Any]) -> list[str]:
                      f"{rss['limit']:.0%}): {_verdict(rss['passed'])}")
     net = soak.get("rss_net_of_host_tier")
     if net is not None:
-        lines.append(f"  (not judged) RSS less the host KV tier's bytes, from {net['from_t_s']:g} s ({net['from_mib']:.1f} "
-                     f"MiB) to the end ({net['to_mib']:.1f} MiB, max {net['max_mib']:.1f}): {net['growth']:+.2%}; the "
+        lines.append(f"  (not judged) RSS less the host KV tier's bytes, from {net['from_t_s']:g} s "
+                     f"({net['from_mib']:.1f} MiB) to the end ({net['to_mib']:.1f} MiB, max {net['max_mib']:.1f}): {net['growth']:+.2%}; the "
                      f"tier held {net['tier_from_mib']:.1f} then {net['tier_to_mib']:.1f} MiB of its "
                      f"{net['tier_budget_mib']:.1f} MiB budget")
     lines.append(f"  open descriptors idle: first {_f(fds['first'], 'd')}, last {_f(fds['last'], 'd')}, max "

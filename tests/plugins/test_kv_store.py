@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import random
 from pathlib import Path
 
 import pytest
 
-from headrace.plugins.engines.kvreuse.kv_store import MAGIC, SUFFIX, KVStore, block_digests
+from headrace.plugins.engines.kvreuse.kv_store import (MAGIC, OWN_MAPPING_PAYLOAD, SUFFIX, KVStore, block_digests,
+                                                      payload_buffer)
 
 BLOCK = 16
 
@@ -134,3 +136,30 @@ def test_a_file_starts_with_the_format_and_carries_its_namespace(tmp_path):
     data = path.read_bytes()
     assert data.startswith(MAGIC) and b"model-a f16 streams=56" in data[:300]
     assert os.path.getsize(path) == len(data)
+
+
+def _mapped(buffer) -> bool:
+    """Whether ``buffer``'s memory is a mapping of its own in /proc/self/maps (starts it, page-aligned)."""
+    address = ctypes.addressof((ctypes.c_char * len(buffer)).from_buffer(buffer))
+    with open("/proc/self/maps") as f:
+        return any(int(line.split("-")[0], 16) == address for line in f)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="Linux's /proc/self/maps")
+def test_a_large_payload_has_a_mapping_of_its_own_from_a_put_and_from_a_file(tmp_path):
+    # A host-tier entry of 1 MiB or more does not come from malloc's heaps, where entries leaving in another
+    # order than they came leave holes the heap keeps; a small one does.
+    small, large = payload_buffer(OWN_MAPPING_PAYLOAD - 1), payload_buffer(OWN_MAPPING_PAYLOAD)
+    assert isinstance(small, bytearray) and not isinstance(large, bytearray) and _mapped(large)
+    assert len(large) == OWN_MAPPING_PAYLOAD and bytes(large[:64]) == bytes(64)  # zeroed, as a bytearray is
+    data = random.Random(5).randbytes(3 * OWN_MAPPING_PAYLOAD + 17)
+    large = payload_buffer(len(data))
+    large[:] = data
+    s = store(tmp_path, host=4 * OWN_MAPPING_PAYLOAD, disk=8 * OWN_MAPPING_PAYLOAD)
+    prompt = tokens(9, 64)
+    s.put(prompt, large)
+    s.close()
+    again = store(tmp_path, host=4 * OWN_MAPPING_PAYLOAD, disk=8 * OWN_MAPPING_PAYLOAD)
+    read = again.payload(again.match(prompt, 64))
+    assert bytes(read) == data and _mapped(read)  # read back from its file into a mapping of its own
+    again.close()

@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from headrace.plugins.engines.llama_cpp.lazy_kv import (IS_MMAPPED, MiB, ReleasedBuffer, anonymous_mappings, own_mapping,
-                                                        release_kv_buffers, resident_bytes, resident_runs,
-                                                        stream_layout)
+from headrace.plugins.engines.llama_cpp.lazy_kv import (IS_MMAPPED, MiB, ReleasedBuffer, anonymous_mappings,
+                                                        own_mapping, release_kv_buffers, resident_bytes,
+                                                        resident_runs, stream_layout)
 
 PAGE = mmap.PAGESIZE
 LAYERS, K_ROW, V_ROW, CELLS, STREAMS = 3, 384, 384, 2048, 5

@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from headrace.plugins.engines.kvreuse.kv_store import payload_buffer
 from headrace.plugins.engines.llama_cpp.cpu import (ProbeModel, chosen_variant, cpu_backend_loaded, library_dir,
                                                     load_variant)
 from headrace.plugins.engines.models.loading import gguf_cache_key, has_tokenizer, made_once, tokenizer_cache_dir
@@ -147,13 +148,14 @@ def _meta(model: Any, key: str) -> str | None:
 
 def sequence_state(ctx: Any, seq: int, spare: int = 0) -> bytearray | None:
     """Sequence ``seq``'s cells as llama.cpp saves one sequence (``llama_state_seq_get_data_ext``), written in place
-    into a bytearray with ``spare`` zeroed bytes after them; None when it holds nothing or llama.cpp wrote short.
-    A bytearray, so a store keeps it and ctypes reads it without a copy (a state is ~23 KiB a token)."""
+    into a buffer with ``spare`` zeroed bytes after them; None when it holds nothing or llama.cpp wrote short.
+    A writable buffer (``kv_store.payload_buffer``: a mapping of its own when large), so a store keeps it and ctypes
+    reads it without a copy (a state is ~23 KiB a token)."""
     lc = llama()
     size = lc.llama_state_seq_get_size_ext(ctx, seq, 0)
     if size == 0:
         return None
-    data = bytearray(size + spare)
+    data = payload_buffer(size + spare)
     if lc.llama_state_seq_get_data_ext(ctx, (ctypes.c_uint8 * size).from_buffer(data), size, seq, 0) != size:
         return None
     return data

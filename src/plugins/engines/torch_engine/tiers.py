@@ -12,9 +12,10 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import torch
 
-from headrace.plugins.engines.kvreuse.kv_store import EngineTiers, KVStore, open_store
+from headrace.plugins.engines.kvreuse.kv_store import EngineTiers, KVStore, open_store, payload_buffer
 from headrace.plugins.engines.models.loading import gguf_cache_key
 from headrace.plugins.engines.torch_engine.kv import LayerKV
 
@@ -32,7 +33,10 @@ class TensorTiers(EngineTiers):
         if self.store.holds(tokens, partition):
             return
         packed = torch.stack([torch.stack((k[0], v[0])) for k, v in layers])  # (layers, 2, heads, n, head_dim)
-        self.store.put(tokens, bytearray(packed.contiguous().view(torch.uint8).numpy().tobytes()), partition)
+        raw = packed.contiguous().view(torch.uint8).numpy().reshape(-1)
+        payload = payload_buffer(raw.nbytes)
+        np.frombuffer(payload, dtype=np.uint8)[:] = raw
+        self.store.put(tokens, payload, partition)
 
     def restore(self, tokens: Sequence[int], max_tokens: int, found: int,
                 partition: str = "") -> tuple[list[int], LayerKV] | None:
