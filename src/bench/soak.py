@@ -371,9 +371,9 @@ async def run_stream(control: Daemon, watch: Any, corpus: Corpus, plan: list[Soa
     before = await control.metrics()
     t0 = time.perf_counter()
 
-    async def sample(phase: str) -> dict[str, Any]:
+    async def sample(phase: str, metrics: str | None = None) -> dict[str, Any]:
         row = {"t_s": round(time.perf_counter() - t0, 1), "phase": phase, **watch.read(), **progress(records)}
-        row.update(await host_tier(control))
+        row.update(host_tier(metrics if metrics is not None else await control.metrics()))
         samples.append(row)
         return row
 
@@ -393,7 +393,7 @@ async def run_stream(control: Daemon, watch: Any, corpus: Corpus, plan: list[Soa
         async def arrival(i: int) -> None:
             await runner.attempt(plan[i], records[i])
 
-        await sample("start")  # idle: before the first arrival
+        await sample("start", before)  # idle: before the first arrival
         async with anyio.create_task_group() as tg:
             tg.start_soon(sampler)
             result = await poisson({"arrival": arrival}, rate, 0.0, 0.0, opts.seed, opts.drain_s, count=len(plan))
@@ -404,8 +404,8 @@ async def run_stream(control: Daemon, watch: Any, corpus: Corpus, plan: list[Soa
             record.fail(LOST, s.error)
     await anyio.sleep(SETTLE_S)
     in_flight = await wait_idle(control)
-    await sample("idle")  # the traffic's connections closed, the drain over: what stayed open stays open
     after = await control.metrics()
+    await sample("idle", after)  # the traffic's connections closed, the drain over: what stayed open stays open
     from headrace.bench.mixed_phase import workflow_runs
 
     daemon_side = {"workflow_runs": workflow_runs(before, after),
@@ -426,10 +426,9 @@ def progress(records: list[SoakRecord]) -> dict[str, int]:
             "http_5xx": sum(r.outcome == HTTP_5XX for r in records)}
 
 
-async def host_tier(control: Daemon) -> dict[str, float]:
-    """What the host-memory KV tiers hold and may hold, in MiB (``/metrics``): a cache that fills to its budget
+def host_tier(text: str) -> dict[str, float]:
+    """What the host-memory KV tiers hold and may hold, in MiB (``/metrics`` text): a cache that fills to its budget
     over the soak, so its bytes are part of the RSS growth but not a leak; the report gives the growth net of it."""
-    text = await control.metrics()
     mib = 1024 * 1024
     return {"host_tier_mib": round(metric_sum(text, "headrace_kv_tier_bytes", tier="host") / mib, 1),
             "host_tier_budget_mib": round(metric_sum(text, "headrace_kv_tier_capacity_bytes", tier="host") / mib, 1)}

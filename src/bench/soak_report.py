@@ -77,12 +77,17 @@ def daemon_pid(base_url: str) -> int:
     raise BenchError(f"no process of this user listens on port {port}: give the daemon's pid with --soak-pid")
 
 
+def warmup_mark(samples: list[dict[str, Any]], warmup_s: float) -> dict[str, Any]:
+    """The first sample at or after the warm-up's end (the last one if the window is shorter): growth counts from it."""
+    return next((s for s in samples if s["t_s"] >= warmup_s), samples[-1])
+
+
 def criteria(samples: list[dict[str, Any]], totals: dict[str, Any], warmup_s: float,
              in_flight: dict[str, Any]) -> dict[str, Any]:
     """Each criterion's figures and whether it passed, and ``passed``: all of them. ``samples`` run from the idle
     start to the idle end, each with ``t_s``, ``rss_mib`` and ``fds``."""
     first, end = samples[0], samples[-1]
-    mark = next((s for s in samples if s["t_s"] >= warmup_s), end)
+    mark = warmup_mark(samples, warmup_s)
     rss = [s["rss_mib"] for s in samples]
     out: dict[str, Any] = {
         "lost_runs": {"value": totals["lost"], "limit": 0, "passed": totals["lost"] == 0},
@@ -108,8 +113,7 @@ def growth_net_of_host_tier(samples: list[dict[str, Any]], warmup_s: float) -> d
     filling to its budget. Reported beside the RSS criterion, not instead of it; None without the tier's figures."""
     if any(s.get("rss_mib") is None or s.get("host_tier_mib") is None for s in samples):
         return None
-    end = samples[-1]
-    mark = next((s for s in samples if s["t_s"] >= warmup_s), end)
+    end, mark = samples[-1], warmup_mark(samples, warmup_s)
     net = [s["rss_mib"] - s["host_tier_mib"] for s in samples]
     start, last = mark["rss_mib"] - mark["host_tier_mib"], net[-1]
     return {"from_t_s": mark["t_s"], "from_mib": round(start, 1), "to_mib": round(last, 1),
@@ -171,8 +175,8 @@ def soak_table(soak: dict[str, Any]) -> list[str]:
     net = soak.get("rss_net_of_host_tier")
     if net is not None:
         lines.append(f"  (not judged) RSS less the host KV tier's bytes, from {net['from_t_s']:g} s "
-                     f"({net['from_mib']:.1f} MiB) to the end ({net['to_mib']:.1f} MiB, max {net['max_mib']:.1f}): {net['growth']:+.2%}; the "
-                     f"tier held {net['tier_from_mib']:.1f} then {net['tier_to_mib']:.1f} MiB of its "
+                     f"({net['from_mib']:.1f} MiB) to the end ({net['to_mib']:.1f} MiB, max {net['max_mib']:.1f}): "
+                     f"{net['growth']:+.2%}; the tier held {net['tier_from_mib']:.1f} then {net['tier_to_mib']:.1f} MiB of its "
                      f"{net['tier_budget_mib']:.1f} MiB budget")
     lines.append(f"  open descriptors idle: first {_f(fds['first'], 'd')}, last {_f(fds['last'], 'd')}, max "
                  f"{_f(fds['max'], 'd')} (the end at most {fds['slack']} above the start): {_verdict(fds['passed'])}")

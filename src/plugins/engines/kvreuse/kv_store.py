@@ -69,8 +69,8 @@ def payload_buffer(size: int) -> bytearray | mmap.mmap:
     From ``OWN_MAPPING_PAYLOAD`` up, a private anonymous mapping of its own rather than malloc's: host-tier entries
     are 1-50 MB, live for minutes and leave in another order than they came, and glibc serves them from its heaps
     once its mmap threshold has risen past them (a freed mapped chunk raises it, up to 32 MiB), where freed ones
-    leave holes the heap keeps. In the hour's soak (2026-11-30, Xeon) the tier held its 2.2 GB budget flat while
-    malloc's thread heaps grew 27 MiB a minute. A mapping is returned whole when its last reference goes."""
+    leave holes the heap keeps (``scripts/bench/kv_host_memory.py``). A mapping is returned whole when its last
+    reference goes."""
     if size < OWN_MAPPING_PAYLOAD:
         return bytearray(size)
     return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

@@ -217,12 +217,12 @@ def release_kv_buffers(before: list[tuple[int, int]], sizes_mib: list[float], na
             continue  # may share a heap with live chunks: stays resident (it is small)
         match = [(s, e) for s, e in runs if want - SIZE_SLACK <= e - s <= want + SIZE_SLACK]
         if not match:  # a neighbour's resident pages joined the buffer's run: its own mapping, from malloc's header
-            wider = [(s, e) for s, e in runs if e - s > want + SIZE_SLACK]
-            match = [own for own in (own_mapping(s, e, want) for s, e in wider) if own is not None]
-            if len(match) == 1:
-                longer = next((s, e) for s, e in wider if s <= match[0][0] and match[0][1] <= e)
-                runs.remove(longer)
-                runs.append(match[0])
+            found = [(run, own) for run in runs if run[1] - run[0] > want + SIZE_SLACK
+                     for own in [own_mapping(*run, want)] if own is not None]
+            match = [own for _, own in found]
+            if len(found) == 1:
+                longer = found[0][0]
+                runs[runs.index(longer)] = match[0]
                 log.info("engine %s: the KV buffer of %.2f MiB found by its chunk header in a resident run %.1f MiB "
                          "longer", name, size, (longer[1] - longer[0] - (match[0][1] - match[0][0])) / MiB)
         if len(match) != 1:  # none, or ambiguous: leave the memory as it is
