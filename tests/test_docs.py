@@ -129,7 +129,7 @@ def _config_fields() -> dict[str, set[str]]:
            for name, cls in [("server", "ServerConfig"), ("data", "DataConfig"), ("batching", "BatchingConfig"),
                              ("collections", "CollectionsConfig"), ("sessions", "SessionsConfig"),
                              ("workflows", "WorkflowsConfig"), ("responses", "ResponsesConfig"),
-                             ("residency", "ResidencyConfig")]}
+                             ("residency", "ResidencyConfig"), ("memory", "MemoryConfig")]}
     assert set(out) | {"engines"} == set(sections)
     out["engines"] = {f.name for f in dataclasses.fields(config.EngineConfig)}
     out["engines.batching"] = {f.name for f in dataclasses.fields(config.BatchingOverride)}
@@ -141,7 +141,7 @@ def test_every_documented_config_key_exists():
     bad = []
     for name, span in spans():
         for section, key in [*re.findall(r"^\[([a-z.]+)\](?: ([a-z_]+))?", span),
-                             *re.findall(r"^(server|data|batching|collections|sessions|workflows|responses|residency)\.([a-z_]+)$", span)]:
+                             *re.findall(r"^(server|data|batching|collections|sessions|workflows|responses|residency|memory)\.([a-z_]+)$", span)]:
             if section == "engines.options":
                 continue  # an engine plugin's own options
             if section not in fields or (key and key not in fields[section]):

@@ -373,7 +373,9 @@ async def run_stream(control: Daemon, watch: Any, corpus: Corpus, plan: list[Soa
 
     async def sample(phase: str, metrics: str | None = None) -> dict[str, Any]:
         row = {"t_s": round(time.perf_counter() - t0, 1), "phase": phase, **watch.read(), **progress(records)}
-        row.update(host_tier(metrics if metrics is not None else await control.metrics()))
+        text = metrics if metrics is not None else await control.metrics()
+        row.update(host_tier(text))
+        row.update(malloc_state(text))
         samples.append(row)
         return row
 
@@ -382,7 +384,8 @@ async def run_stream(control: Daemon, watch: Any, corpus: Corpus, plan: list[Soa
         while True:
             await anyio.sleep(max(0.0, t0 + k * opts.sample_s - time.perf_counter()))
             row = await sample("load")
-            log(f"    {row['t_s']:7.0f}s  RSS {row['rss_mib']} MiB (host KV tier {row['host_tier_mib']} MiB)  fds "
+            log(f"    {row['t_s']:7.0f}s  RSS {row['rss_mib']} MiB (host KV tier {row['host_tier_mib']} MiB, malloc "
+                f"{row['malloc_in_use_mib']} in use, {row['malloc_free_mib']} free)  fds "
                 f"{row['fds']}  {row['completed']}/{row['arrived']} done, {row['in_flight']} in flight, "
                 f"{row['errors']} errors")
             k += 1
@@ -432,6 +435,16 @@ def host_tier(text: str) -> dict[str, float]:
     mib = 1024 * 1024
     return {"host_tier_mib": round(metric_sum(text, "headrace_kv_tier_bytes", tier="host") / mib, 1),
             "host_tier_budget_mib": round(metric_sum(text, "headrace_kv_tier_capacity_bytes", tier="host") / mib, 1)}
+
+
+def malloc_state(text: str) -> dict[str, float | None]:
+    """malloc's heaps in MiB (``/metrics`` text): what is in use, and what is free but held; None without glibc.
+    Says whether RSS grows with live memory or with freed memory the heaps keep."""
+    if "headrace_malloc_bytes" not in text:
+        return {"malloc_in_use_mib": None, "malloc_free_mib": None}
+    mib = 1024 * 1024
+    return {f"malloc_{state}_mib": round(metric_sum(text, "headrace_malloc_bytes", state=state) / mib, 1)
+            for state in ("in_use", "free")}
 
 
 def metric_sum(text: str, name: str, **labels: str) -> float:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from headrace import __version__
+from headrace.daemon import heap
 from headrace.daemon.config import ConfigError, default_config_path, load_config
 from headrace.daemon.quiet import quiet_libraries
 from headrace.graph.collection_refs import UnknownCollection
@@ -257,6 +258,9 @@ def _serve(args: argparse.Namespace) -> int:
     )
     if not config.engines:
         raise ConfigError("engines", f"no engines configured in {args.config}")
+    # Before any thread allocates: glibc fixes a thread's arena limit when it first needs one.
+    memory = config.memory
+    tuned = heap.tune(memory.malloc_arena_max, memory.malloc_mmap_threshold_kib, memory.malloc_trim_threshold_kib)
     _fetch_hub_models(config)
     # A fatal signal in native code (an engine's library: SIGILL, SIGSEGV...) logs every thread's Python
     # stack before the process dies; the engines' worker-thread lines say which thread is which engine.
@@ -265,6 +269,7 @@ def _serve(args: argparse.Namespace) -> int:
     quiet_libraries()
     logging.basicConfig(level=config.server.log_level.upper() if config.server.log_level != "trace" else "DEBUG",
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger(__name__).info("malloc: %s", ", ".join(f"{k} = {v}" for k, v in tuned.items()) or "glibc's own")
     import uvicorn
 
     from headrace.daemon.app import create_app

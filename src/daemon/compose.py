@@ -13,6 +13,7 @@ from typing import AsyncIterator
 
 import anyio
 
+from headrace.daemon import heap
 from headrace.daemon.collection_registry import CollectionRegistry
 from headrace.daemon.config import Config
 from headrace.daemon.metrics import Metrics
@@ -36,12 +37,14 @@ class Daemon:
 
     @asynccontextmanager
     async def serving(self) -> AsyncIterator[Daemon]:
-        """Load the engines in the background (``pool.wait_loaded`` says when) and host runs and sessions.
+        """Load the engines in the background (``pool.wait_loaded`` says when), host runs and sessions, and
+        trim malloc's heaps now and then (``[memory] trim_seconds``).
 
         On leaving, whatever still runs is cancelled (its engine work freed), then the engines stop.
         """
         async with anyio.create_task_group() as engines:
             await engines.start(self.pool.run)
+            await engines.start(heap.trim_every, self.config.memory.trim_seconds)
             async with self.workflows, anyio.create_task_group() as sessions:
                 await sessions.start(self.sessions.run)  # the sessions' runs, and their expiry
                 yield self
@@ -71,6 +74,7 @@ def compose(config: Config, registry: Registry | None = None) -> Daemon:
                                 event_log=config.workflows.run_events, keep_runs=config.workflows.keep_runs,
                                 run_history_bytes=int(config.workflows.run_history_mib * 2**20))
     metrics.watch_optimizer(workflows.optimizer.stats)
+    metrics.watch_heap(heap.usage)
     sessions = SessionManager(workflows.executor, pool.resolve, pool.engines_by_kind, config.sessions.idle_seconds,
                               config.server.id_prefix)
     return Daemon(config, registry, metrics, pool, collections, workflows, sessions)

@@ -5,7 +5,7 @@ each ``[[engines]]`` entry is an ``EngineConfig``, ...). ``load_config`` layers 
 sources, highest first: overrides (CLI flags) > ``HEADRACE_*`` env > file > defaults.
 
 Environment variables are ``HEADRACE_<SECTION>_<FIELD>`` for the scalar fields of
-``server``, ``data``, ``batching``, ``collections`` and ``residency`` (``HEADRACE_SERVER_PORT``, ``HEADRACE_DATA_DIR``,
+``server``, ``data``, ``batching``, ``collections``, ``residency`` and ``memory`` (``HEADRACE_SERVER_PORT``, ``HEADRACE_DATA_DIR``,
 ``HEADRACE_DATA_CACHE_DIR``, ``HEADRACE_BATCHING_MAX_WAIT_MS``...) and for lists of
 scalars, comma-separated (``HEADRACE_SERVER_API_KEYS=key1,key2``). ``HEADRACE_API_KEY``
 is a short alias for ``server.api_key``; when both are set, the full name
@@ -287,6 +287,28 @@ class ResidencyConfig:
 
 
 @dataclass(frozen=True)
+class MemoryConfig:
+    """``[memory]``: glibc malloc's limits and trim (headrace.daemon.heap); 0 leaves glibc's own."""
+
+    # Blocks from this size up get a mapping of their own, returned to the system on free. Fixed, so
+    # glibc's own threshold does not climb (to 32 MiB) after the first large blocks are freed.
+    malloc_mmap_threshold_kib: int = 1024
+    # Free memory at a heap's top past this is returned at once (glibc's own follows the mmap threshold).
+    malloc_trim_threshold_kib: int = 2048
+    malloc_arena_max: int = 0  # arenas malloc may make (glibc's own: 8 per core)
+    trim_seconds: float = 60.0  # every this long, every arena's free pages are returned (malloc_trim); 0: never
+
+    def __post_init__(self) -> None:
+        # glibc refuses an mmap threshold above 32 MiB (HEAP_MAX_SIZE / 2 on 64-bit).
+        _check(0 <= self.malloc_mmap_threshold_kib <= 32 * 1024, "malloc_mmap_threshold_kib",
+               f"must be in 0..32768, got {self.malloc_mmap_threshold_kib}")
+        _check(self.malloc_trim_threshold_kib >= 0, "malloc_trim_threshold_kib",
+               f"must be >= 0, got {self.malloc_trim_threshold_kib}")
+        _check(self.malloc_arena_max >= 0, "malloc_arena_max", f"must be >= 0, got {self.malloc_arena_max}")
+        _check(self.trim_seconds >= 0, "trim_seconds", f"must be >= 0, got {self.trim_seconds}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """One ``[[engines]]`` entry: a named model or tool served by an engine plugin."""
 
@@ -316,6 +338,7 @@ class Config:
     workflows: WorkflowsConfig = field(default_factory=WorkflowsConfig)
     responses: ResponsesConfig = field(default_factory=ResponsesConfig)
     residency: ResidencyConfig = field(default_factory=ResidencyConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     engines: list[EngineConfig] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -433,7 +456,7 @@ def _from_string(tp: Any, text: str) -> Any:
 _SECTIONS: dict[str, type] = {"server": ServerConfig, "data": DataConfig, "batching": BatchingConfig,
                               "collections": CollectionsConfig, "sessions": SessionsConfig,
                               "workflows": WorkflowsConfig, "responses": ResponsesConfig,
-                              "residency": ResidencyConfig}
+                              "residency": ResidencyConfig, "memory": MemoryConfig}
 
 
 def _read_file(path: Path) -> dict[str, Any]:

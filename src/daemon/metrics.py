@@ -14,6 +14,8 @@ from typing import Any, Callable, Iterator, Mapping
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from headrace.daemon.heap import HeapUsage
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256)
 # vLLM's 1-2-5 series for tokens per request (it stops at the model's context; ours is a fixed ceiling).
@@ -211,6 +213,23 @@ class Metrics:
                                         "stay within (0: none).", value=budget_bytes)
 
         self.registry.register(_Residency())
+
+    def watch_heap(self, read: Callable[[], HeapUsage | None]) -> None:
+        """malloc's bytes by state, read at each scrape (none where ``read`` gives None: no glibc)."""
+
+        class _Heap:
+            def collect(self):
+                usage = read()
+                if usage is None:
+                    return
+                family = GaugeMetricFamily("headrace_malloc_bytes", "The process's malloc bytes (every arena): "
+                                           "in_use, free (held in the heaps) or mapped (large blocks).",
+                                           labels=["state"])
+                for state in ("in_use", "free", "mapped"):
+                    family.add_metric([state], getattr(usage, state))
+                yield family
+
+        self.registry.register(_Heap())
 
     def watch_optimizer(self, stats: Any) -> None:
         """The e-graph cache's hit rate and graph-building time, read at scrape time."""

@@ -219,6 +219,7 @@ def test_smoke_every_kind_completes_and_the_daemon_is_sampled(tmp_path):
     # Each sample also has what the host KV tier held (the default config's tiers are on) within its budget.
     assert all(0 <= s["host_tier_mib"] <= s["host_tier_budget_mib"] for s in samples)
     assert samples[0]["host_tier_budget_mib"] > 0 and soak["rss_net_of_host_tier"]["tier_budget_mib"] > 0
+    assert all(s["malloc_in_use_mib"] > 0 and s["malloc_free_mib"] >= 0 for s in samples)  # glibc's figures
     assert samples[-1]["completed"] == soak["arrivals"] and samples[-1]["in_flight"] == 0
     assert samples[0]["arrived"] == 0 and min(s["in_flight"] for s in samples) >= 0
     # The criteria are computed from those samples.

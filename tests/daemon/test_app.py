@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import threading
 import time
@@ -11,6 +12,7 @@ import anyio
 import pytest
 from starlette.testclient import TestClient
 
+from headrace.daemon import heap
 from headrace.daemon.app import create_app
 from headrace.daemon.config import load_config
 
@@ -163,6 +165,21 @@ def test_health_turns_503_when_the_daemons_task_groups_end(tmp_path):
             assert "daemon" in client.get("/health").json()["problems"]
             assert client.get("/ready").status_code == 503
     assert raised.group_contains(RuntimeError, match="injected fault")
+
+
+@pytest.mark.skipif(heap.usage() is None, reason="glibc >= 2.33's malloc only")
+def test_metrics_give_mallocs_bytes_and_the_daemon_trims_its_heaps(tmp_path, monkeypatch):
+    trims = []
+    monkeypatch.setattr(heap, "trim", lambda: trims.append(time.monotonic()) or True)
+    app = create_app(store_only(tmp_path, "[memory]\ntrim_seconds = 0.05"))
+    with TestClient(app) as client:
+        wait_for(lambda: len(trims) >= 3, what="three trims")
+        text = client.get("/metrics").text
+    states = dict(re.findall(r'^headrace_malloc_bytes\{state="(\w+)"\} (\S+)$', text, re.M))
+    assert set(states) == {"in_use", "free", "mapped"} and float(states["in_use"]) > 2**20
+    settled = len(trims)
+    time.sleep(0.2)
+    assert len(trims) == settled  # the lifespan's task group ended the trimming with the app
 
 
 def test_drain_refuses_new_work_but_answers_probes(tmp_path):

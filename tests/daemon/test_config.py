@@ -328,3 +328,12 @@ def test_torch_toml_serves_the_llm_on_torch() -> None:
     config = load_config(CONFIGS / "torch.toml", env={})
     assert config.engine("smollm2").plugin == "torch"
     assert config.engine("smollm2-rerank").options == {"llm": "smollm2"}
+
+
+def test_memory_keys_are_checked_and_env_sets_them() -> None:
+    with pytest.raises(ConfigError, match=r"^memory.malloc_mmap_threshold_kib: must be in 0..32768, got 40000"):
+        from_dict(Config, {"memory": {"malloc_mmap_threshold_kib": 40000}})
+    with pytest.raises(ConfigError, match=r"^memory.trim_seconds: must be >= 0"):
+        from_dict(Config, {"memory": {"trim_seconds": -1}})
+    config = load_config(CONFIGS / "default.toml", env={"HEADRACE_MEMORY_TRIM_SECONDS": "5"})
+    assert (config.memory.trim_seconds, config.memory.malloc_mmap_threshold_kib) == (5.0, 1024)
