@@ -438,8 +438,8 @@ def host_tier(text: str) -> dict[str, float]:
 
 
 def malloc_state(text: str) -> dict[str, float | None]:
-    """malloc's heaps in MiB (``/metrics`` text): what is in use, and what is free but held; None without glibc.
-    Says whether RSS grows with live memory or with freed memory the heaps keep."""
+    """malloc's heaps in MiB (``/metrics`` text): what is in use, and the heaps' free blocks (resident only until a
+    trim returns their pages); None without glibc. Says whether what grows is live memory."""
     if "headrace_malloc_bytes" not in text:
         return {"malloc_in_use_mib": None, "malloc_free_mib": None}
     mib = 1024 * 1024

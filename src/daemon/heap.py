@@ -55,7 +55,7 @@ class HeapUsage:
     """malloc's bytes, every arena together (``mallinfo2``)."""
 
     in_use: int  # handed out from the heaps
-    free: int  # in the heaps, free: resident until trimmed (or never touched)
+    free: int  # the heaps' free blocks: resident until trimmed, and still counted after (glibc's fordblks)
     mapped: int  # blocks above the mmap threshold, each its own mapping (returned on free)
 
 

@@ -223,7 +223,8 @@ class Metrics:
                 if usage is None:
                     return
                 family = GaugeMetricFamily("headrace_malloc_bytes", "The process's malloc bytes (every arena): "
-                                           "in_use, free (held in the heaps) or mapped (large blocks).",
+                                           "in_use, free (the heaps' free blocks; a trim returns their whole pages "
+                                           "to the system but they still count) or mapped (large blocks).",
                                            labels=["state"])
                 for state in ("in_use", "free", "mapped"):
                     family.add_metric([state], getattr(usage, state))
