@@ -3,9 +3,9 @@
 glibc raises its mmap threshold each time a mapped block is freed (up to 32 MiB) and its trim threshold
 to twice that, so after a few large transient buffers (a prompt's logits, a KV state, LanceDB's
 batches) blocks of many MiB are carved from the heaps and each of the ~16 thread arenas keeps tens of
-MiB free at its top without giving them back. Read from a soak's daemon (2026-12-01, gdb over
-``main_arena``): of 1,052 MiB in malloc's heaps 695 MiB were free, the threshold had climbed to
-20 MiB. Fixing both thresholds (``mallopt`` turns the adjustment off) and trimming every arena now and
+MiB free at its top without giving them back. Read from a soak's daemon (2026-11-30, gdb over
+``main_arena``, its 14th minute): of 1,164 MiB in malloc's heaps 746 MiB were free, the threshold had
+climbed to 20 MiB. Fixing both thresholds (``mallopt`` turns the adjustment off) and trimming every arena now and
 then (``malloc_trim`` returns the free pages inside them too) bounds what freed memory stays resident.
 
 Elsewhere (musl, macOS) none of this exists: ``tune`` and ``trim`` do nothing and ``usage`` is None.
@@ -42,6 +42,8 @@ def _glibc() -> Any | None:
         libc.gnu_get_libc_version  # noqa: B018 - only glibc has it
         libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
         libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        if hasattr(libc, "mallinfo2"):  # glibc >= 2.33
+            libc.mallinfo2.restype = _MallInfo2
         return libc
     except (OSError, AttributeError):
         return None
@@ -63,7 +65,6 @@ def usage() -> HeapUsage | None:
     """malloc's figures now; None without glibc >= 2.33. Locks each arena briefly in turn."""
     if _LIBC is None or not hasattr(_LIBC, "mallinfo2"):
         return None
-    _LIBC.mallinfo2.restype = _MallInfo2
     info = _LIBC.mallinfo2()
     return HeapUsage(in_use=info.uordblks, free=info.fordblks, mapped=info.hblkhd)
 
@@ -73,17 +74,17 @@ def tune(arena_max: int, mmap_threshold_kib: int, trim_threshold_kib: int) -> di
     glibc reads the arena limit when a thread first needs an arena of its own."""
     if _LIBC is None:
         return {}
-    wanted = {"arena_max": (M_ARENA_MAX, arena_max),
-              "mmap_threshold_kib": (M_MMAP_THRESHOLD, mmap_threshold_kib * KIB),
-              "trim_threshold_kib": (M_TRIM_THRESHOLD, trim_threshold_kib * KIB)}
+    wanted = {"arena_max": (M_ARENA_MAX, arena_max, 1),
+              "mmap_threshold_kib": (M_MMAP_THRESHOLD, mmap_threshold_kib, KIB),
+              "trim_threshold_kib": (M_TRIM_THRESHOLD, trim_threshold_kib, KIB)}
     done = {}
-    for name, (param, value) in wanted.items():
+    for name, (param, value, unit) in wanted.items():
         if value <= 0:
             continue
-        if not _LIBC.mallopt(param, value):  # glibc refuses an mmap threshold past 32 MiB
+        if not _LIBC.mallopt(param, value * unit):  # glibc refuses an mmap threshold past 32 MiB
             log.warning("malloc refused %s = %d; glibc's own setting stays", name, value)
             continue
-        done[name] = value // KIB if name.endswith("_kib") else value
+        done[name] = value
     return done
 
 
