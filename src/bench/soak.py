@@ -376,6 +376,7 @@ async def run_stream(control: Daemon, watch: Any, corpus: Corpus, plan: list[Soa
         text = metrics if metrics is not None else await control.metrics()
         row.update(host_tier(text))
         row.update(malloc_state(text))
+        row.update(bounded_caches(text))
         samples.append(row)
         return row
 
@@ -445,6 +446,15 @@ def malloc_state(text: str) -> dict[str, float | None]:
     mib = 1024 * 1024
     return {f"malloc_{state}_mib": round(metric_sum(text, "headrace_malloc_bytes", state=state) / mib, 1)
             for state in ("in_use", "free")}
+
+
+def bounded_caches(text: str) -> dict[str, float]:
+    """The bounded caches besides the tier that fill after the first minutes (``/metrics`` text): the finished runs
+    kept (MiB as measured, and how many) and the prefix cache's share of its token budget (its KV cells' pages)."""
+    mib = 1024 * 1024
+    return {"run_history_mib": round(metric_sum(text, "headrace_run_history_bytes") / mib, 1),
+            "run_history_runs": int(metric_sum(text, "headrace_run_history_runs")),
+            "prefix_cache_perc": round(100 * metric_sum(text, "headrace_prefix_cache_usage_perc"), 1)}
 
 
 def metric_sum(text: str, name: str, **labels: str) -> float:

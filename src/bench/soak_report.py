@@ -150,12 +150,14 @@ def soak_table(soak: dict[str, Any]) -> list[str]:
     lines.append(f"daemon process {soak['pid']} over time (start: idle before the first arrival; idle: after the "
                  "drain, the traffic's connections closed); counts so far:")
     lines.append(f"{'t s':>8} {'phase':<6} {'RSS MiB':>8} {'host tier':>9} {'malloc used':>11} {'malloc free':>11} "
-                 f"{'fds':>5} {'threads':>7} {'arrived':>7} "
+                 f"{'runs kept':>9} {'runs MiB':>8} {'prefix %':>8} {'fds':>5} {'threads':>7} {'arrived':>7} "
                  f"{'done':>6} {'in flight':>9} {'errors':>6}")
     for s in soak["samples"]:
         lines.append(f"{s['t_s']:8.1f} {s['phase']:<6} {_f(s['rss_mib'], '.1f'):>8} "
                      f"{_f(s.get('host_tier_mib'), '.1f'):>9} {_f(s.get('malloc_in_use_mib'), '.1f'):>11} "
-                     f"{_f(s.get('malloc_free_mib'), '.1f'):>11} {_f(s['fds'], 'd'):>5} "
+                     f"{_f(s.get('malloc_free_mib'), '.1f'):>11} {_f(s.get('run_history_runs'), 'd'):>9} "
+                     f"{_f(s.get('run_history_mib'), '.1f'):>8} {_f(s.get('prefix_cache_perc'), '.1f'):>8} "
+                     f"{_f(s['fds'], 'd'):>5} "
                      f"{_f(s['threads'], 'd'):>7} {s['arrived']:7d} {s['completed']:6d} {s['in_flight']:9d} "
                      f"{s['errors']:6d}")
     d = soak["daemon"]

@@ -75,6 +75,7 @@ def compose(config: Config, registry: Registry | None = None) -> Daemon:
                                 run_history_bytes=int(config.workflows.run_history_mib * 2**20))
     metrics.watch_optimizer(workflows.optimizer.stats)
     metrics.watch_heap(heap.usage)
+    metrics.watch_run_history(workflows.history.usage, workflows.history.budget_bytes)
     sessions = SessionManager(workflows.executor, pool.resolve, pool.engines_by_kind, config.sessions.idle_seconds,
                               config.server.id_prefix)
     return Daemon(config, registry, metrics, pool, collections, workflows, sessions)

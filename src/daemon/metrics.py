@@ -232,6 +232,23 @@ class Metrics:
 
         self.registry.register(_Heap())
 
+    def watch_run_history(self, usage: Callable[[], tuple[int, int, int]], budget_bytes: int) -> None:
+        """The kept finished runs: their measured bytes against the budget, and how many keep their details."""
+
+        class _RunHistory:
+            def collect(self):
+                held, detailed, summaries = usage()
+                yield GaugeMetricFamily("headrace_run_history_bytes", "Memory the kept finished runs hold, as "
+                                        "measured when each ended ([workflows] run_history_mib).", value=held)
+                yield GaugeMetricFamily("headrace_run_history_budget_bytes", "What they may hold.", value=budget_bytes)
+                runs = GaugeMetricFamily("headrace_run_history_runs", "Finished runs kept: with their details, or "
+                                         "as summaries only (details dropped past the budget).", labels=["details"])
+                runs.add_metric(["kept"], detailed)
+                runs.add_metric(["dropped"], summaries)
+                yield runs
+
+        self.registry.register(_RunHistory())
+
     def watch_optimizer(self, stats: Any) -> None:
         """The e-graph cache's hit rate and graph-building time, read at scrape time."""
 

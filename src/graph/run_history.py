@@ -109,6 +109,11 @@ class RunHistory:
         while self.total_bytes > self.budget_bytes and self._summaries:
             self._forget(next(iter(self._summaries)))
 
+    def usage(self) -> tuple[int, int, int]:
+        """(bytes the finished runs hold as measured, runs with their details, runs kept as summaries): a bounded
+        cache that fills over the first ``keep_runs`` runs, so /metrics says how full it is."""
+        return self.total_bytes, len(self._detailed), len(self._summaries)
+
     def _forget(self, run_id: str) -> None:
         del self.runs[run_id]
         self.total_bytes -= self._detailed.pop(run_id, 0) + self._summaries.pop(run_id, 0)

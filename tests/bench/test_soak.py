@@ -220,6 +220,11 @@ def test_smoke_every_kind_completes_and_the_daemon_is_sampled(tmp_path):
     assert all(0 <= s["host_tier_mib"] <= s["host_tier_budget_mib"] for s in samples)
     assert samples[0]["host_tier_budget_mib"] > 0 and soak["rss_net_of_host_tier"]["tier_budget_mib"] > 0
     assert all(s["malloc_in_use_mib"] > 0 and s["malloc_free_mib"] >= 0 for s in samples)  # glibc's figures
+    # And the bounded caches that fill after the first minutes: every workflow run is kept (far below the bounds),
+    # and the prefix cache held something at some point.
+    workflow_ok = sum(soak["kinds"][k]["ok"] for k in ("naive_rag", "query", "map_reduce_summary"))
+    assert samples[-1]["run_history_runs"] >= workflow_ok and samples[-1]["run_history_mib"] > 0
+    assert all(0 <= s["prefix_cache_perc"] <= 100 for s in samples) and max(s["prefix_cache_perc"] for s in samples) > 0
     assert samples[-1]["completed"] == soak["arrivals"] and samples[-1]["in_flight"] == 0
     assert samples[0]["arrived"] == 0 and min(s["in_flight"] for s in samples) >= 0
     # The criteria are computed from those samples.
