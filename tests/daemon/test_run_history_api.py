@@ -7,6 +7,7 @@ In-process app, no engines: the runs are a traced workflow of calculator calls w
 from __future__ import annotations
 
 import pytest
+from conftest import metric_value
 from starlette.testclient import TestClient
 
 from headrace.daemon.app import create_app
@@ -66,24 +67,19 @@ def test_old_runs_say_details_dropped_keep_their_record_and_their_graph_and_even
     assert r.status_code == 200 and r.json()["details_dropped"] is True
 
 
-def _gauge(text: str, name: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ")
-               or line.startswith(name + "{"))
-
-
 def test_metrics_say_what_the_kept_runs_hold_and_how_many_lost_their_details(app_client):
     app, client = app_client
     workflows = app.state.services.daemon.workflows
     before = client.get("/metrics").text
-    assert _gauge(before, "headrace_run_history_bytes") == 0
-    assert _gauge(before, "headrace_run_history_budget_bytes") == int(0.2 * 2**20)
+    assert metric_value(before, "headrace_run_history_bytes") == 0
+    assert metric_value(before, "headrace_run_history_budget_bytes") == int(0.2 * 2**20)
     for i in range(6):
         client.portal.call(workflows.run, "sums", {"text": f"{i} {TEXT}"})
     text = client.get("/metrics").text
-    held = _gauge(text, "headrace_run_history_bytes")
+    held = metric_value(text, "headrace_run_history_bytes")
     assert held == workflows.history.total_bytes and 0 < held <= int(0.2 * 2**20)
-    kept = _gauge(text, 'headrace_run_history_runs{details="kept"}')
-    dropped = _gauge(text, 'headrace_run_history_runs{details="dropped"}')
+    kept = metric_value(text, "headrace_run_history_runs", details="kept")
+    dropped = metric_value(text, "headrace_run_history_runs", details="dropped")
     records = [client.get(f"/v1/runs/{run_id}").json() for run_id in list(workflows.runs)]
     assert dropped == sum(r["details_dropped"] for r in records) >= 1
     assert kept == len(records) - dropped >= 1
