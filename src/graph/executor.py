@@ -117,7 +117,9 @@ class Run:
     # The cached KV its LLM calls may share (``PrimitiveMeta.cache_partition``): its key's, its salt's; "" shared.
     cache_partition: str = ""
     growth: Growth | None = None  # set: a growing run, whose node sets arrive while it runs
-    # Finished, and past the run history's byte budget: its inputs, graph, events and piece timings are gone.
+    # Finished and no longer among the newest: what the routes serve of it, as compressed JSON (``run_history``).
+    packed: bytes | None = None
+    # Finished, and past the run history's byte budget: its graph, events, passes and piece timings are gone.
     details_dropped: bool = False
 
 

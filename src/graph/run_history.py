@@ -1,15 +1,21 @@
-"""The finished runs kept for ``GET /v1/runs``: bounded by count and by bytes.
+"""The finished runs kept for ``GET /v1/runs``: bounded by count and by bytes, the older ones packed.
 
-Each finished run is measured once, when it ends. Past the byte budget the oldest finished
-runs lose their details first (inputs, graph, event log, per-piece timings, passes): each
-keeps its summary (id, workflow, status, owner, result or error, seconds, node timeline) and
-says ``details_dropped``. If the summaries alone exceed the budget, the oldest runs go whole.
-A run that has not finished is never measured, dropped or evicted by the budget.
+Each finished run is measured once, when it ends. The newest ``LIVE_FINISHED`` finished runs keep
+their objects (an in-process caller reads ``run.graph`` and ``run.records`` of the run it just got
+back). Older ones are packed: what the routes serve of them (graph, DOT, node timeline, passes) is
+kept as compressed JSON and the objects go, a few KiB a run where they held tens. Their inputs,
+which no route serves, go with them. Past the byte budget the oldest finished runs lose their
+details (graph, passes, per-piece timings): each keeps its summary (id, workflow, status, owner,
+result or error, seconds, node timeline) and says ``details_dropped``. If the summaries alone
+exceed the budget, the oldest runs go whole. A run that has not finished is never measured,
+packed, dropped or evicted.
 """
 
 from __future__ import annotations
 
+import json
 import sys
+import zlib
 from collections import OrderedDict, deque
 from enum import Enum
 from typing import Any
@@ -19,6 +25,7 @@ from headrace.graph.executor import Run
 from headrace.graph.graph import Graph
 
 RUN_HISTORY_BYTES = 64 * 2**20
+LIVE_FINISHED = 32  # the newest finished runs that keep their objects; older ones are packed
 _CONTAINERS = (list, tuple, set, frozenset, deque)
 
 
@@ -54,27 +61,75 @@ def retained_bytes(*parts: Any) -> int:
     return total
 
 
+def timeline(run: Run) -> list[dict[str, Any]]:
+    """Each node's record, in seconds from the run's start (a packed run's, as it was packed)."""
+    packed = _unpacked(run)
+    if packed is not None:
+        return packed["nodes"]
+    return [r.to_json(run.started) for r in run.records]
+
+
+def passes(run: Run) -> list[dict[str, Any]]:
+    """What each rewrite pass changed in the run's graph."""
+    packed = _unpacked(run)
+    if packed is not None:
+        return packed.get("passes", [])
+    return [{"pass": name, "changes": changes} for name, changes in run.applied]
+
+
+def graph_and_dot(run: Run) -> tuple[dict[str, Any], str]:
+    """The run's graph as JSON and as DOT; KeyError for a run whose details were dropped."""
+    packed = _unpacked(run)
+    if packed is not None:
+        return packed["graph"], packed["dot"]
+    return run.graph.to_json(), run.graph.to_dot()
+
+
+def pack(run: Run) -> None:
+    """Keep what the routes serve of a finished run as compressed JSON; let its objects go.
+
+    zlib over JSON: the standard library's, and a run's text (prompts, documents in node params)
+    compresses several times over; a read decompresses a few KiB.
+    """
+    if run.packed is not None:
+        return
+    graph, dot = graph_and_dot(run)
+    _set_packed(run, {"nodes": timeline(run), "passes": passes(run), "graph": graph, "dot": dot})
+
+
 def drop_details(run: Run) -> None:
     """Keep the run's summary and timeline; let the rest go (the graph and events routes answer 410)."""
-    run.inputs = {}
-    run.graph = Graph(run.graph.name)
+    nodes = [{**node, "pieces": []} for node in timeline(run)]
+    _set_packed(run, {"nodes": nodes})
     run.events = RunEvents(1)  # a reader that still follows the old log keeps it until it leaves
     run.events.close()
+    run.details_dropped = True
+
+
+def _set_packed(run: Run, kept: dict[str, Any]) -> None:
+    run.packed = zlib.compress(json.dumps(kept, separators=(",", ":")).encode())
+    run.inputs = {}
+    run.graph = Graph(run.graph.name)
+    run.records = []
     run.applied = []
     run.growth = None
     run.on_delta = None
-    for record in run.records:
-        record.pieces = []
-    run.details_dropped = True
+
+
+def _unpacked(run: Run) -> dict[str, Any] | None:
+    return None if run.packed is None else json.loads(zlib.decompress(run.packed))
 
 
 class RunHistory:
     """Keeps ``runs`` (the service's id -> run, oldest first) within ``keep_runs`` runs and ``budget_bytes``."""
 
-    def __init__(self, runs: OrderedDict[str, Run], keep_runs: int, budget_bytes: int = RUN_HISTORY_BYTES) -> None:
+    def __init__(self, runs: OrderedDict[str, Run], keep_runs: int, budget_bytes: int = RUN_HISTORY_BYTES,
+                 live_finished: int = LIVE_FINISHED) -> None:
         self.runs = runs
         self.keep_runs = keep_runs
         self.budget_bytes = budget_bytes
+        self.live_finished = live_finished
+        self._live: deque[str] = deque()  # finished runs not packed yet, oldest first
         # Finished runs' measured sizes, oldest finished first: those still holding details, and those not.
         self._detailed: OrderedDict[str, int] = OrderedDict()
         self._summaries: OrderedDict[str, int] = OrderedDict()
@@ -96,7 +151,19 @@ class RunHistory:
         size = retained_bytes(run)  # all it holds: inputs, result, graph, events, records, ...
         self._detailed[run.id] = size
         self.total_bytes += size
+        self._live.append(run.id)
+        while len(self._live) > self.live_finished:
+            self._pack(self._live.popleft())
         self._enforce_budget()
+
+    def _pack(self, run_id: str) -> None:
+        if run_id not in self._detailed:
+            return  # gone, or its details dropped, since it finished
+        run = self.runs[run_id]
+        pack(run)
+        size = retained_bytes(run)
+        self.total_bytes += size - self._detailed[run_id]
+        self._detailed[run_id] = size
 
     def _enforce_budget(self) -> None:
         while self.total_bytes > self.budget_bytes and self._detailed:

@@ -328,9 +328,5 @@ class WorkflowService:
         return run
 
 
-def timeline(run: Run) -> list[dict[str, Any]]:
-    return [r.to_json(run.started) for r in run.records]
-
-
 def seconds(run: Run) -> float:
     return (run.finished if run.finished is not None else time.monotonic()) - run.started

@@ -83,3 +83,26 @@ def test_metrics_say_what_the_kept_runs_hold_and_how_many_lost_their_details(app
     records = [client.get(f"/v1/runs/{run_id}").json() for run_id in list(workflows.runs)]
     assert dropped == sum(r["details_dropped"] for r in records) >= 1
     assert kept == len(records) - dropped >= 1
+
+
+def test_a_packed_run_answers_every_route_as_it_did_live(tmp_path):
+    config = load_config(None, env={}, overrides={"data.dir": str(tmp_path)})
+    app = create_app(config)
+    with TestClient(app) as client:
+        workflows = app.state.services.daemon.workflows
+        workflows.workflows["sums"] = Workflow("sums", "calculator calls", {"text": {"type": "string"}}, trace=sums,
+                                               outputs=("answer",), kinds=())
+        workflows.history.live_finished = 1
+        routes = ("", "/graph", "/graph?format=dot", "/timeline")
+        first = client.portal.call(workflows.run, "sums", {"text": TEXT})
+        live = {route: client.get(f"/v1/runs/{first.id}{route}") for route in routes}
+        client.portal.call(workflows.run, "sums", {"text": TEXT})
+        assert first.packed is not None and not first.graph.nodes  # the second run's finish packed the first
+        for route in routes:
+            packed = client.get(f"/v1/runs/{first.id}{route}")
+            assert packed.status_code == live[route].status_code == 200, (route, packed.text)
+            if route == "/timeline":  # the engines' batches are read anew; the run's own part is as it was
+                assert packed.json()["nodes"] == live[route].json()["nodes"]
+            else:
+                assert packed.content == live[route].content, route
+        assert client.get(f"/v1/runs/{first.id}").json()["nodes"][0]["node"] == "calculator.1"

@@ -6,10 +6,12 @@ The runs are traced workflows of calculator calls with a large text input: no en
 
 from __future__ import annotations
 
+import json
+
 import anyio
 
-from headrace.graph.run_history import drop_details, retained_bytes
-from headrace.graph.service import WorkflowService, timeline
+from headrace.graph.run_history import drop_details, graph_and_dot, passes, retained_bytes, timeline
+from headrace.graph.service import WorkflowService
 from headrace.graph.workflow import Workflow
 
 TEXT = "The headrace carries the water from the river to the mill wheel. " * 1000  # 65 KB a run's inputs hold
@@ -87,6 +89,36 @@ def test_past_the_budget_with_summaries_alone_the_oldest_runs_go_whole():
     assert list(svc.runs.values()) == runs[-3:]  # the newest three summaries
     assert all(r.details_dropped for r in svc.runs.values())
     assert 0 < svc.history.total_bytes <= budget
+
+
+def test_older_finished_runs_are_packed_and_serve_the_same_graph_timeline_and_passes():
+    svc = service(2**40)
+    svc.history.live_finished = 2
+
+    async def go():
+        async with svc:
+            runs, seen = [], []
+            for i in range(5):
+                run = await svc.run("sums", {"text": f"{i} {TEXT}"})
+                runs.append(run)
+                served = json.loads(json.dumps([timeline(run), passes(run), graph_and_dot(run)]))  # as a client reads it
+                seen.append((*served, retained_bytes(run)))
+            return runs, seen
+
+    runs, seen = anyio.run(go)
+    assert [r.packed is not None for r in runs] == [True, True, True, False, False]  # the newest two stay live
+    for run, (nodes, applied, (graph, dot), live_bytes) in zip(runs, seen):
+        assert json.loads(json.dumps([timeline(run), passes(run), graph_and_dot(run)])) == [nodes, applied, [graph, dot]]
+        assert [n["id"] for n in graph["nodes"]] == ["calculator.1", "calculator.2"] and "calculator.1" in dot
+        assert run.result == {"answer": ["3", "12"]} and not run.details_dropped
+        if run.packed is not None:
+            assert run.inputs == {} and not run.graph.nodes and run.records == [] and run.applied == []
+            assert retained_bytes(run) < live_bytes / 5  # the inputs went; the rest is a few KiB compressed
+        else:
+            assert run.inputs["text"].endswith(TEXT) and set(run.graph.nodes) == {"calculator.1", "calculator.2"}
+    assert books_match(svc, runs)
+    drop_details(runs[0])  # a packed run past the budget keeps its timeline, without piece timings
+    assert [n["node"] for n in timeline(runs[0])] == ["calculator.1", "calculator.2"] and passes(runs[0]) == []
 
 
 def test_keep_runs_still_caps_the_count_and_its_evictions_leave_the_books():

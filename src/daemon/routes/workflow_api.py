@@ -19,7 +19,8 @@ from headrace.daemon.services import daemon
 from headrace.graph.collection_refs import UnknownCollection
 from headrace.graph.events import EventReader, RunEvent
 from headrace.graph.executor import Run
-from headrace.graph.service import WorkflowService, seconds, timeline
+from headrace.graph.run_history import graph_and_dot, passes, timeline
+from headrace.graph.service import WorkflowService, seconds
 from headrace.graph.workflow import UnknownWorkflow, WorkflowInputError
 
 
@@ -34,7 +35,7 @@ def run_json(run: Run) -> dict[str, Any]:
         "id": run.id, "object": "workflow.run", "workflow": run.workflow, "status": run.status,
         "result": _jsonable(run.result), "error": run.error, "created": int(run.created),
         "seconds": round(seconds(run), 6), "nodes": timeline(run),
-        "passes": [{"pass": name, "changes": changes} for name, changes in run.applied],
+        "passes": passes(run),
         "details_dropped": run.details_dropped,
     }
 
@@ -200,6 +201,7 @@ async def get_timeline_png(request: Request) -> Response:
 
 async def run_graph(request: Request) -> Response:
     run = _details(_run(request), "graph")
+    graph, dot = graph_and_dot(run)
     if request.query_params.get("format") == "dot":
-        return Response(run.graph.to_dot(), media_type="text/vnd.graphviz")
-    return JSONResponse({"run": run.id, "graph": run.graph.to_json(), "dot": run.graph.to_dot()})
+        return Response(dot, media_type="text/vnd.graphviz")
+    return JSONResponse({"run": run.id, "graph": graph, "dot": dot})
