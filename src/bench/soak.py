@@ -450,9 +450,11 @@ def malloc_state(text: str) -> dict[str, float | None]:
 
 def bounded_caches(text: str) -> dict[str, float]:
     """The bounded caches besides the tier that fill after the first minutes (``/metrics`` text): the finished runs
-    kept (MiB as measured, and how many) and the prefix cache's share of its token budget (its KV cells' pages)."""
+    kept (MiB as measured, and how many), the prefix cache's share of its token budget (its KV cells' pages) and the
+    vector store's session caches (MiB; in the samples, not the table)."""
     mib = 1024 * 1024
     return {"run_history_mib": round(metric_sum(text, "headrace_run_history_bytes") / mib, 1),
+            "store_cache_mib": round(metric_sum(text, "headrace_vector_store_cache_bytes") / mib, 2),
             "run_history_runs": int(metric_sum(text, "headrace_run_history_runs")),
             "prefix_cache_perc": round(100 * metric_sum(text, "headrace_prefix_cache_usage_perc"), 1)}
 

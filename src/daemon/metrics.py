@@ -166,11 +166,16 @@ class Metrics:
                                                "from another engine.", labels=["engine"])
                 copied = CounterMetricFamily("headrace_handoff_copied_bytes", "Of those, bytes it had to copy "
                                              "(0 when the handoff is by reference).", labels=["engine"])
+                store_cache = GaugeMetricFamily("headrace_vector_store_cache_bytes", "What a vector store's own "
+                                                "caches hold (LanceDB's index and metadata caches).",
+                                                labels=["engine"])
                 for model, s in stats.items():
                     if "handoff_received_bytes" in s:
                         received.add_metric([model], s["handoff_received_bytes"])
                         copied.add_metric([model], s["handoff_copied_bytes"])
-                yield from (queries, hits, usage, kv, received, copied)
+                    if "store_cache_bytes" in s:
+                        store_cache.add_metric([model], s["store_cache_bytes"])
+                yield from (queries, hits, usage, kv, received, copied, store_cache)
 
         r.register(_Live())
 

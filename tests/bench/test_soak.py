@@ -225,6 +225,7 @@ def test_smoke_every_kind_completes_and_the_daemon_is_sampled(tmp_path):
     workflow_ok = sum(soak["kinds"][k]["ok"] for k in ("naive_rag", "query", "map_reduce_summary"))
     assert samples[-1]["run_history_runs"] >= workflow_ok and samples[-1]["run_history_mib"] > 0
     assert all(0 <= s["prefix_cache_perc"] <= 100 for s in samples) and max(s["prefix_cache_perc"] for s in samples) > 0
+    assert 0 < samples[-1]["store_cache_mib"] <= 256 + 64  # the soak's collection searched, within the bounds
     assert samples[-1]["completed"] == soak["arrivals"] and samples[-1]["in_flight"] == 0
     assert samples[0]["arrived"] == 0 and min(s["in_flight"] for s in samples) >= 0
     # The criteria are computed from those samples.

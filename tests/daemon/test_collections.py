@@ -22,7 +22,7 @@ import uvicorn
 from anyio.from_thread import start_blocking_portal
 from starlette.testclient import TestClient
 
-from conftest import ROOT, free_port, in_process
+from conftest import ROOT, free_port, in_process, metric_value
 from headrace.daemon.app import create_app, principal
 from headrace.daemon.collection_registry import Collection, CollectionRegistry
 from headrace.daemon.config import ConfigError, load_config
@@ -60,6 +60,8 @@ def data_dir(tmp_path_factory) -> Path:
         r = client.post("/v1/collections/persist/documents", headers=HEADERS,
                         json={"documents": [{"id": "headrace", "text": HEADRACE}, {"id": "basalt", "text": BASALT}]})
         assert r.status_code == 200 and r.json()["chunks"] == 2, r.text
+        held = metric_value(client.get("/metrics").text, "headrace_vector_store_cache_bytes", engine="lancedb")
+        assert 0 < held < (256 + 64) * 2**20  # the store's session caches, within their default bounds
         # From SIGTERM on, collection changes are refused like any new request (the drain waits for
         # the ones in flight).
         client.portal.call(client.app.state.services.lifecycle.request_drain)

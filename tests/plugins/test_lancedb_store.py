@@ -153,3 +153,36 @@ async def test_with_real_embeddings(tmp_path):
         (hits,) = await store.search("docs", await embedder.embed(["how do I bake bread?"]), k=2)
         assert hits[0].payload["text"] == DOCS[2]
         assert 0 < hits[1].score < hits[0].score <= 1
+
+
+async def _replace_and_search(store, cycles: int) -> list[int]:
+    """A daemon that keeps ingesting: each cycle replaces a slot's rows (a delete and an add) and searches; the
+    session cache's bytes after each cycle."""
+    vecs = unit_rows(8, 8)
+    await store.ingest("docs", vecs, [{"text": f"{DOCS[i % 4]} {i}", "id": f"base-{i}"} for i in range(8)])
+    held = []
+    for i in range(cycles):
+        ids = [f"slot-{i % 4}-{j}" for j in range(2)]
+        await store.delete_rows("docs", ids)
+        await store.ingest("docs", vecs[:2], [{"text": DOCS[j], "id": row_id} for j, row_id in enumerate(ids)])
+        await store.search("docs", vecs[[i % 8]], k=3)
+        held.append(store.stats()["store_cache_bytes"])
+    return held
+
+
+async def test_the_session_cache_stays_within_its_bound_where_lancedbs_default_grows(tmp_path):
+    bounded = make_store(tmp_path / "bounded", metadata_cache_mib=1, index_cache_mib=1)
+    async with running(bounded):
+        held = await _replace_and_search(bounded, 200)
+    assert max(held[-40:]) < 1.5 * 2**20, held[-1]  # LanceDB's bound is approximate: a little over, never growing
+    default = make_store(tmp_path / "default", metadata_cache_mib=1024, index_cache_mib=6144)  # LanceDB's own
+    async with running(default):
+        grown = await _replace_and_search(default, 200)
+    assert grown[-1] > 2 * 2**20 and grown[-1] > grown[99] > grown[0], grown[::40]  # what the bound stops
+
+
+@pytest.mark.parametrize("option", ["index_cache_mib", "metadata_cache_mib"])
+@pytest.mark.parametrize("value", [0, -1, 2.5, "64", True])
+def test_a_bad_cache_bound_names_its_key(tmp_path, option, value):
+    with pytest.raises(ValueError, match=rf"engines\.vs\.options\.{option}: must be an integer >= 1"):
+        make_store(tmp_path, **{option: value})

@@ -9,7 +9,12 @@ uses LanceDB's native BM25 index.
 
 Options: ``path`` (default ``<data_dir>/lancedb``), ``fts_reindex_rows``
 (fold new rows into the FTS index once this many are unindexed, default 256;
-until then LanceDB scans them directly, so they are searchable at once).
+until then LanceDB scans them directly, so they are searchable at once),
+``index_cache_mib`` (256) and ``metadata_cache_mib`` (64): the bounds of the
+LanceDB session's caches. Its defaults (6 GiB and 1 GiB) let the metadata
+cache grow by ~17 KiB with every replace (a delete and an add: two table
+versions), for hours in a daemon that keeps ingesting; bounded, it holds what
+the live versions need.
 """
 
 from __future__ import annotations
@@ -50,6 +55,10 @@ class LanceDBStore:
         self._env = env
         self.path = Path(spec.options.get("path") or env.data_dir / "lancedb").expanduser()
         self._reindex_rows = int(spec.options.get("fts_reindex_rows", 256))
+        key = f"engines.{spec.name}.options"
+        self._cache_bytes = {name: _mebibytes(spec.options.get(name, default), f"{key}.{name}")
+                             for name, default in (("index_cache_mib", 256), ("metadata_cache_mib", 64))}
+        self._session: Any = None
         # The sync lancedb API is not meant for concurrent writers; serialise.
         self._limiter = anyio.CapacityLimiter(1)
         self._db: Any = None
@@ -70,7 +79,9 @@ class LanceDBStore:
         import lancedb
 
         private_dir(self.path)  # its files are 0600 by the daemon's umask (headrace.private_files)
-        return lancedb.connect(str(self.path))
+        self._session = lancedb.Session(index_cache_size_bytes=self._cache_bytes["index_cache_mib"],
+                                        metadata_cache_size_bytes=self._cache_bytes["metadata_cache_mib"])
+        return lancedb.connect(str(self.path), session=self._session)
 
     async def _call(self, fn: Any, *args: Any, observe: tuple[str, int] | None = None) -> Any:
         if self._db is None:
@@ -104,7 +115,8 @@ class LanceDBStore:
         return await self._call(self._search, collection, matrix, k, observe=("search", matrix.shape[0]))
 
     def stats(self) -> dict[str, int]:
-        return self.handoff.as_dict()
+        session = self._session
+        return {**self.handoff.as_dict(), "store_cache_bytes": 0 if session is None else session.size_bytes}
 
     async def drop(self, collection: str) -> None:
         """Delete a collection and its rows; dropping one that does not exist is no error."""
@@ -305,6 +317,12 @@ def _rows(matrix: torch.Tensor, payloads: Sequence[dict[str, Any]]) -> Any:
 
 def _hit(row: dict[str, Any], score: float) -> SearchHit:
     return SearchHit(id=row["id"], score=score, payload=json.loads(row["payload"]))
+
+
+def _mebibytes(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{key}: must be an integer >= 1 (MiB), not {value!r}")
+    return value << 20
 
 
 def factory(spec: EngineSpec, env: EngineEnv) -> LanceDBStore:
