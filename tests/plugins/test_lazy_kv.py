@@ -117,7 +117,11 @@ def test_a_buffer_whose_run_a_resident_neighbour_lengthens_is_still_found_and_on
     try:
         ctypes.memset(placed, 0x5A, neighbour)
         runs = [r for s, e in anonymous_mappings() for r in resident_runs(s, e) if r[0] <= data.value < r[1]]
-        assert runs and runs[0][1] - runs[0][0] >= size + neighbour  # the old match by the run's length fails
+        assert runs, "the buffer's resident pages were not found"
+        if runs[0][1] - runs[0][0] < size + neighbour:
+            # The kernel kept the two mappings apart (it merges adjacent anonymous mappings only when it can):
+            # the longer run this test is about did not arise (seen once in CI, 2026-12-01).
+            pytest.skip("the kernel did not merge the neighbour into the buffer's mapping")
         released = release_kv_buffers(before, [round(size / MiB, 2)], "test")
         assert len(released) == 1
         r0, r1 = released[0].released
