@@ -77,6 +77,14 @@ def passes(run: Run) -> list[dict[str, Any]]:
     return [{"pass": name, "changes": changes} for name, changes in run.applied]
 
 
+def timeline_and_passes(run: Run) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``timeline(run)`` and ``passes(run)`` with one decompression: a run's record shows both."""
+    packed = _unpacked(run)
+    if packed is not None:
+        return packed["nodes"], packed.get("passes", [])
+    return timeline(run), passes(run)
+
+
 def graph_and_dot(run: Run) -> tuple[dict[str, Any], str]:
     """The run's graph as JSON and as DOT; KeyError for a run whose details were dropped."""
     packed = _unpacked(run)

@@ -19,7 +19,7 @@ from headrace.daemon.services import daemon
 from headrace.graph.collection_refs import UnknownCollection
 from headrace.graph.events import EventReader, RunEvent
 from headrace.graph.executor import Run
-from headrace.graph.run_history import graph_and_dot, passes, timeline
+from headrace.graph.run_history import graph_and_dot, timeline, timeline_and_passes
 from headrace.graph.service import WorkflowService, seconds
 from headrace.graph.workflow import UnknownWorkflow, WorkflowInputError
 
@@ -31,11 +31,12 @@ def _service(request: Request) -> WorkflowService:
 
 
 def run_json(run: Run) -> dict[str, Any]:
+    nodes, passes = timeline_and_passes(run)
     return {
         "id": run.id, "object": "workflow.run", "workflow": run.workflow, "status": run.status,
         "result": _jsonable(run.result), "error": run.error, "created": int(run.created),
-        "seconds": round(seconds(run), 6), "nodes": timeline(run),
-        "passes": passes(run),
+        "seconds": round(seconds(run), 6), "nodes": nodes,
+        "passes": passes,
         "details_dropped": run.details_dropped,
     }
 
