@@ -44,7 +44,7 @@ class Daemon:
         """
         async with anyio.create_task_group() as engines:
             await engines.start(self.pool.run)
-            await engines.start(heap.trim_every, self.config.memory.trim_seconds)
+            await engines.start(heap.trim_every, self.config.memory.trim_seconds, self.metrics.malloc_trim_seconds.observe)
             async with self.workflows, anyio.create_task_group() as sessions:
                 await sessions.start(self.sessions.run)  # the sessions' runs, and their expiry
                 yield self

@@ -100,6 +100,11 @@ class Metrics:
         self.engine_evictions = Counter(
             "headrace_engine_evictions", "Engines unloaded to make room for another.", ["engine"], registry=r
         )
+        # A trim takes each arena's lock in turn: allocations on other threads wait that long.
+        self.malloc_trim_seconds = Histogram(
+            "headrace_malloc_trim_seconds", "Time one periodic malloc_trim took ([memory] trim_seconds).",
+            registry=r, buckets=LATENCY_BUCKETS,
+        )
         self.engine_load_seconds = Histogram(
             "headrace_engine_load_seconds", "Time one engine load took.", ["engine"], registry=r,
             buckets=LATENCY_BUCKETS,
