@@ -122,14 +122,56 @@ async def test_a_batch_runs_on_a_thread_that_ends_with_it(tmp_path):
 def test_pack_keeps_sequences_apart():
     from headrace.plugins.engines.retrieval.packing import pack
 
-    batch = pack([[1, 2, 3], [4, 5], [6, 7, 8, 9]], row_tokens=6, dtype=torch.float32)
+    (batch,) = pack([[1, 2, 3], [4, 5], [6, 7, 8, 9]], row_tokens=6, dtype=torch.float32, width_multiple=1)
     # First fit, longest first: [6..9] + [4, 5] share a row, [1, 2, 3] gets its own.
-    assert batch.spans == [(1, 0, 3), (0, 4, 2), (0, 0, 4)]
+    assert batch.members == [2, 1, 0]
+    assert batch.spans == [(0, 0, 4), (0, 4, 2), (1, 0, 3)]
     assert batch.input_ids[0].tolist() == [6, 7, 8, 9, 4, 5]
     assert batch.position_ids[0].tolist() == [0, 1, 2, 3, 0, 1]
     allowed = batch.attention_mask[0, 0] == 0
     assert allowed[0, :4].all() and not allowed[0, 4:].any()
     assert allowed[5, 4:].all() and not allowed[5, :4].any()
+
+
+def test_pack_makes_few_shapes_and_holds_every_sequence_once():
+    """Widths rounded up to the multiple and rows in power-of-two batches: whatever the lengths, the model
+    sees a bounded set of input shapes (each new one costs oneDNN memory and a kernel build)."""
+    import random
+
+    from headrace.plugins.engines.retrieval.packing import pack
+
+    rng, shapes = random.Random(0), set()
+    for _ in range(300):
+        sequences = [[7] * rng.randint(2, 200) for _ in range(rng.randint(1, 32))]
+        batches = pack(sequences, row_tokens=128, dtype=torch.float32, width_multiple=16)
+        assert sorted(i for b in batches for i in b.members) == list(range(len(sequences)))
+        for b in batches:
+            rows, width = b.input_ids.shape
+            assert width % 16 == 0 and rows & (rows - 1) == 0
+            shapes.add((rows, width))
+            for i, (r, start, n) in zip(b.members, b.spans):
+                assert n == len(sequences[i]) and start + n <= width
+                assert (b.attention_mask[r, 0, start:start + n, start:start + n] == 0).all()
+    assert len(shapes) <= 6 * 13  # 1..32 rows: 6 group sizes; widths 16..208: 13
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_the_model_sees_few_shapes_however_long_the_texts(tmp_path):
+    import random
+
+    engine = st_embed.factory(EngineSpec(name="emb", plugin="sentence-transformers"), make_env(tmp_path, []))
+    rng, words, shapes = random.Random(1), "rivers mills wheels water carries the to a".split(), set()
+    async with running(engine):
+        model = engine._model[0].auto_model
+        forward = model.forward
+        model.forward = lambda input_ids, **kw: (shapes.add(tuple(input_ids.shape)), forward(input_ids, **kw))[1]
+        for _ in range(60):
+            texts = [" ".join(rng.choices(words, k=rng.randint(1, 150))) for _ in range(rng.randint(1, 12))]
+            vectors = await engine.embed(texts)
+            assert vectors.shape == (len(texts), 384)
+    assert engine._packed and all(width % 16 == 0 and rows & (rows - 1) == 0 for rows, width in shapes)
+    assert len(shapes) <= 4 * 10  # 1-12 rows: groups of 1, 2, 4, 8; widths 16..160
 
 
 @pytest.mark.slow

@@ -4,7 +4,8 @@ Options: ``batch_size`` (encode batch size, default 32), ``device`` (default
 "cpu"), ``threads`` (torch intra-op threads; process-wide, so set it once),
 ``dtype`` ("auto" default: bfloat16 where the device has bf16 kernels, else
 float32; or "float32", "bfloat16"), ``pack_tokens`` (row length for
-padding-free batches, default 128; 0 turns packing off).
+padding-free batches, default 128; 0 turns packing off), ``pack_width_multiple``
+(a packed batch's width rounded up to this, default 16; 1: exact widths).
 
 A model made of a BERT-style transformer, mean pooling and normalisation (as
 all-MiniLM-L6-v2 is) runs padding-free: see ``packing.py``. Any other model goes
@@ -26,7 +27,7 @@ import torch
 
 from headrace.plugins.engines.models.loading import AUTO, parse_dtype
 from headrace.plugins.engines.models.paths import resolve_model
-from headrace.plugins.engines.retrieval.packing import mean_pool, pack
+from headrace.plugins.engines.retrieval.packing import WIDTH_MULTIPLE, mean_pool, pack
 from headrace.plugins.engines.retrieval.own_thread import run_in_own_thread
 from headrace.plugins.hookspecs import hookimpl
 from headrace.plugins.protocols import EngineEnv, EngineSpec
@@ -50,6 +51,10 @@ class SentenceTransformerEmbedder:
         self._dtype = parse_dtype(str(spec.options.get("dtype", AUTO)), f"engines.{spec.name}.options.dtype",
                                   self._device)
         self._pack_tokens = int(spec.options.get("pack_tokens", 128))
+        self._pack_width_multiple = int(spec.options.get("pack_width_multiple", WIDTH_MULTIPLE))
+        if self._pack_width_multiple < 1:
+            raise ValueError(f"engines.{spec.name}.options.pack_width_multiple must be >= 1, "
+                             f"got {self._pack_width_multiple}")
         self._packed = False
         threads = spec.options.get("threads")
         self._threads = int(threads) if threads else None
@@ -156,19 +161,21 @@ class SentenceTransformerEmbedder:
     def _encode_packed(self, model: Any, texts: list[str]) -> torch.Tensor:
         transformer = model[0]
         ids = transformer.tokenizer(texts, truncation=True, max_length=model.max_seq_length)["input_ids"]
-        out = []
+        vectors: list[torch.Tensor | None] = [None] * len(ids)
         with torch.inference_mode():
             for start in range(0, len(ids), self._batch_size):
-                batch = pack(ids[start : start + self._batch_size], self._pack_tokens, self._dtype)
-                hidden = transformer.auto_model(
-                    input_ids=batch.input_ids.to(self._device),
-                    position_ids=batch.position_ids.to(self._device),
-                    attention_mask=batch.attention_mask.to(self._device),
-                    token_type_ids=torch.zeros_like(batch.input_ids).to(self._device),
-                ).last_hidden_state
-                out.append(mean_pool(hidden, batch.spans))
+                for batch in pack(ids[start : start + self._batch_size], self._pack_tokens, self._dtype,
+                                  self._pack_width_multiple):
+                    hidden = transformer.auto_model(
+                        input_ids=batch.input_ids.to(self._device),
+                        position_ids=batch.position_ids.to(self._device),
+                        attention_mask=batch.attention_mask.to(self._device),
+                        token_type_ids=torch.zeros_like(batch.input_ids).to(self._device),
+                    ).last_hidden_state
+                    for i, vector in zip(batch.members, mean_pool(hidden, batch.spans)):
+                        vectors[start + i] = vector
         # Outside inference_mode, so an ordinary tensor: handed on as it is (the store reads this memory).
-        return torch.nn.functional.normalize(torch.cat(out), dim=-1)
+        return torch.nn.functional.normalize(torch.stack(vectors), dim=-1)
 
 
 def _packable(model: Any) -> bool:
