@@ -8,7 +8,8 @@ renders it). Per query, on one engine (``--engine``: llama-cpp or torch; the def
 
 - ``full``: the prompt prefilled whole in a partition of its own (nothing reused): the reference;
 - ``placed``: the same tokens with the chunks placed (each chunk's KV computed alone beforehand, as an ingest does:
-  not timed), each chunk's first ``place_recompute_tokens`` recomputed in place.
+  not timed), each chunk's first ``place_recompute_tokens`` recomputed in place; on torch, ``--select`` also
+  recomputes ``--select-ratio`` of the other placed tokens, chosen by deviation or relevance (``place_select``).
 
 TTFT is the prefill call's time, started on an idle engine: when it returns, the context holds the prompt and its next-token distribution
 (the first token is sampled from it). Quality: the full prefill's own greedy answer (``--answer-tokens``) scored
@@ -117,6 +118,10 @@ def main() -> None:
     p.add_argument("--recompute", type=int, default=16, help="place_recompute_tokens")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--engine", choices=["llama-cpp", "torch"], default="llama-cpp")
+    p.add_argument("--select", choices=["first", "deviation", "relevance"], default="first",
+                   help="torch: place_select (first: the first tokens alone)")
+    p.add_argument("--select-ratio", type=float, default=0.15, help="torch: place_select_ratio")
+    p.add_argument("--select-layer", type=int, default=1, help="torch: place_select_layer")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path)
     args = p.parse_args()
@@ -125,9 +130,12 @@ def main() -> None:
     options = {"threads": args.threads, "max_context_tokens": longest, "kv_host_mib": 4096, "kv_disk_mib": 0,
                "place_documents": True, "place_recompute_tokens": args.recompute}
     if args.engine == "llama-cpp":
+        if args.select != "first":
+            p.error("--select: only the torch engine chooses tokens to recompute")
         options.update(n_seq_max=4, prefix_cache_sequences=2)
     else:
-        options.update(max_batch_size=4)
+        options.update(max_batch_size=4, place_select=args.select, place_select_ratio=args.select_ratio,
+                       place_select_layer=args.select_layer)
     spec = EngineSpec(name="smollm2", plugin=args.engine, options=options)
     results = []
     with tempfile.TemporaryDirectory() as data:
@@ -144,7 +152,8 @@ def main() -> None:
                 tg.cancel_scope.cancel()
 
         anyio.run(scenario)
-    print(f"\nCPU: {cpu_name()}, {args.threads} threads; engine {args.engine}; recompute {args.recompute}")
+    selected = f"; select {args.select} {args.select_ratio} on layer {args.select_layer}" if args.select != "first" else ""
+    print(f"\nCPU: {cpu_name()}, {args.threads} threads; engine {args.engine}; recompute {args.recompute}{selected}")
     print("| chunks | prompt tokens | placed | TTFT full ms | TTFT placed ms | speed-up | mean KL | p99 KL | top-1 |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:

@@ -64,6 +64,9 @@ class QAOptions:
     questions: int = 0  # 0: all
     tokens: int = 32
     recompute: int = 16  # ``placed``: each chunk's first tokens computed in place (place_recompute_tokens)
+    select: str = "first"  # ``placed`` on torch: how more tokens are chosen to compute again (place_select)
+    select_ratio: float = 0.15  # ... and their share of the placed tokens (place_select_ratio)
+    select_layer: int = 1  # ... on which layer they are chosen (place_select_layer)
 
     def check(self) -> None:
         bad = [m for m in self.modes if m not in MODES]
@@ -71,6 +74,8 @@ class QAOptions:
             raise ValueError(f"--qa-modes: unknown {bad or 'none'}; choose from {', '.join(MODES)}")
         if self.questions < 0 or self.tokens < 1 or self.recompute < 0:
             raise ValueError("--qa-questions must be >= 0 (0: all), --qa-tokens >= 1 and --qa-recompute >= 0")
+        if not 0 <= self.select_ratio <= 1 or self.select_layer < 1:
+            raise ValueError("--qa-select-ratio must be from 0 to 1 and --qa-select-layer >= 1")
 
 
 def add_arguments(p: Any) -> None:
@@ -84,6 +89,15 @@ def add_arguments(p: Any) -> None:
                    help=f"{RAG_QA}: the longest answer decoded (default {d.tokens})")
     p.add_argument("--qa-recompute", type=int, default=d.recompute, metavar="N",
                    help=f"{RAG_QA}: placed: each chunk's first tokens computed in place (default {d.recompute})")
+    p.add_argument("--qa-select", choices=("first", "deviation", "relevance"), default=d.select,
+                   help=f"{RAG_QA}: placed, torch engine: how more tokens are chosen to compute again "
+                        f"(place_select; default {d.select})")
+    p.add_argument("--qa-select-ratio", type=float, default=d.select_ratio, metavar="R",
+                   help=f"{RAG_QA}: placed, torch engine: the share of placed tokens computed again "
+                        f"(place_select_ratio; default {d.select_ratio})")
+    p.add_argument("--qa-select-layer", type=int, default=d.select_layer, metavar="N",
+                   help=f"{RAG_QA}: placed, torch engine: the layer the tokens are chosen on "
+                        f"(place_select_layer; default {d.select_layer})")
 
 
 @dataclass(frozen=True)
@@ -194,10 +208,18 @@ async def qa_phase(config_path: Path, cache_dir: Path, opts: QAOptions, seed: in
     data = Path(os.environ.get("TMPDIR", "/tmp")) / f"headrace-rag-qa-{os.getpid()}"
     overrides = cold_overrides(cfg.plugin)
     if PLACED in opts.modes:  # the chunks' KV kept in the tiers; everything else in a partition of its own
-        if cfg.plugin != "llama-cpp":
-            raise ValueError(f"--qa-modes {PLACED}: only the llama-cpp engine places documents, not {cfg.plugin}")
-        overrides.update({"prefix_cache_tokens": None, "prefix_cache_sequences": None, "kv_host_mib": 2048,
-                          "kv_disk_mib": 0, "place_documents": True, "place_recompute_tokens": opts.recompute})
+        if cfg.plugin not in ("llama-cpp", "torch"):
+            raise ValueError(f"--qa-modes {PLACED}: only the llama-cpp and torch engines place documents, "
+                             f"not {cfg.plugin}")
+        overrides.update({"prefix_cache_tokens": None, "kv_host_mib": 2048, "kv_disk_mib": 0,
+                          "place_documents": True, "place_recompute_tokens": opts.recompute})
+        if cfg.plugin == "llama-cpp":
+            overrides["prefix_cache_sequences"] = None
+        elif opts.select != "first":
+            overrides.update({"place_select": opts.select, "place_select_ratio": opts.select_ratio,
+                              "place_select_layer": opts.select_layer})
+        if cfg.plugin != "torch" and opts.select != "first":
+            raise ValueError(f"--qa-select {opts.select}: only the torch engine chooses tokens to compute again")
     engine = make_engine(cfg.spec, data, cache_dir, **overrides)
     rows: dict[str, list[dict[str, Any]]] = {m: [] for m in opts.modes}
     placement: dict[str, Any] = {}  # the engine's placement counters, with ``placed``
@@ -293,7 +315,8 @@ def run_command(args: Any) -> int:
         print(f"headrace bench: {RAG_QA} runs alone, its engine in this process: drop "
               f"{' '.join(others) or '--url'}", file=sys.stderr)
         return 2
-    opts = QAOptions(list(args.qa_modes), args.qa_questions, args.qa_tokens, args.qa_recompute)
+    opts = QAOptions(list(args.qa_modes), args.qa_questions, args.qa_tokens, args.qa_recompute, args.qa_select,
+                     args.qa_select_ratio, args.qa_select_layer)
     try:
         opts.check()
     except ValueError as exc:
@@ -304,9 +327,12 @@ def run_command(args: Any) -> int:
     t0 = time.perf_counter()
     results = anyio.run(qa_phase, args.config, load_config(args.config).data.cache_path(), opts, args.seed,
                         lambda line: print(line, flush=True))
-    command = (f"headrace bench {RAG_QA} --qa-modes {' '.join(opts.modes)} --qa-tokens {opts.tokens}"
+    command = (f"headrace bench {RAG_QA} --config {args.config} --qa-modes {' '.join(opts.modes)} --qa-tokens {opts.tokens}"
                + (f" --qa-questions {opts.questions}" if opts.questions else "")
                + (f" --qa-recompute {opts.recompute}" if PLACED in opts.modes else "")
+               + (f" --qa-select {opts.select} --qa-select-ratio {opts.select_ratio}"
+                  f" --qa-select-layer {opts.select_layer}"
+                  if PLACED in opts.modes and opts.select != "first" else "")
                + (f" --seed {args.seed}" if args.seed else "") + f" --out {args.out}")
     results["meta"] = {"machine": machine(), "cpu": describe_cpu(), "cpu_cores": cpu.cores(), "time": started,
                        "elapsed_s": time.perf_counter() - t0, "command": command}

@@ -48,7 +48,7 @@ from headrace.plugins.engines.llm.prompt_scores import PromptScorer
 from headrace.plugins.engines.models.loading import AUTO, load_causal_lm, parse_dtype
 from headrace.plugins.engines.models.paths import resolve_model
 from headrace.plugins.engines.torch_engine import kv
-from headrace.plugins.engines.torch_engine.placement import TensorPlacer
+from headrace.plugins.engines.torch_engine.placement import Selection, TensorPlacer, selection_options
 from headrace.plugins.engines.torch_engine.tiers import TensorTiers, open_tensor_tiers
 from headrace.plugins.hookspecs import hookimpl
 from headrace.plugins.protocols import EngineEnv, EngineSpec
@@ -93,6 +93,7 @@ class TorchLLM(LLMFront):
             tier_dir=env.data_dir / "kv" / spec.name,
             tier_budgets=tuple(mebibytes(opts.pop(n, None), f"{key}.options.{n}") for n in ("kv_host_mib", "kv_disk_mib")),
             place=place_options(opts, f"{key}.options"),
+            place_selection=selection_options(opts, f"{key}.options"),
         )
         # Over the model's chat template: the front sets it on the tokenizer once loaded.
         core.chat_template = read_template(opts.pop("chat_template", None), f"{key}.options.chat_template")
@@ -112,10 +113,12 @@ class TorchCore(LLMCore):
                  threads: int, max_batch_size: int, max_context_tokens: int, max_prefill_tokens: int,
                  max_iteration_tokens: int = 2048, prefix_cache_tokens: int = 0,
                  pins: PinPolicy = PinPolicy(), tier_dir: Path | None = None,
-                 tier_budgets: tuple[int | None, int | None] = (0, 0), place: tuple[bool, int] = (False, 16)) -> None:
+                 tier_budgets: tuple[int | None, int | None] = (0, 0), place: tuple[bool, int] = (False, 16),
+                 place_selection: Selection = Selection()) -> None:
         super().__init__(name, max_context_tokens)
         # Documents placed at any position (``placement``): the option and each document's tokens recomputed.
         self.places_documents, self._place_first = place
+        self._place_selection = place_selection
         self._placer: TensorPlacer | None = None  # made by load(), with the tiers
         self._path, self._cache_dir, self._dtype, self._threads = path, cache_dir, dtype, threads
         self._observe_batch = observe_batch
@@ -161,6 +164,7 @@ class TorchCore(LLMCore):
                                             *self._tier_budgets, self.name)
         if self.places_documents:
             self._placer = TensorPlacer(self.model, self._tiers, name=self.name, recompute_first=self._place_first,
+                                        selection=self._place_selection,
                                         block=BLOCK, store=self._tiers.store if self._tiers is not None else None)
 
     @contextlib.contextmanager

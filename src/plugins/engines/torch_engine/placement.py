@@ -8,6 +8,15 @@ Here that is ONE forward pass: the placed documents' KV is the pass's past, thei
 each document's first tokens, the text between, the rest of the prompt) go in with their own positions and a 4D
 mask that lets each one see every position before its own. The context's KV is then put in position order.
 
+Besides each document's first tokens, a share of its other tokens can be computed again (``Selection``), chosen on
+one early layer (the check layer) where a pass of the layers before it over the whole prompt says what a full
+prefill would compute there (CacheBlend's selective recompute, on the torch engine only: llama.cpp's API runs
+whole forward passes):
+
+- ``deviation`` (CacheBlend): the tokens whose placed K differs most from the fresh one;
+- ``relevance`` (ProphetKV, A^3): the tokens the prompt's tail (what follows the last placed document, where the
+  answer starts) attends most on that layer.
+
 Only models whose every layer attends the whole context with plain RoPE: a sliding window (Gemma 3) would need
 its own mask per layer kind, and a scaled RoPE (YaRN...) is not a pure rotation. Others prefill, said once in
 the log.
@@ -20,6 +29,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import math
+
 import torch
 
 from headrace.plugins.engines.kvreuse.documents import DocumentPlacement, held_documents
@@ -27,6 +38,37 @@ from headrace.plugins.engines.torch_engine import kv
 from headrace.plugins.engines.torch_engine.tiers import TensorTiers
 
 log = logging.getLogger(__name__)
+
+FIRST, DEVIATION, RELEVANCE = "first", "deviation", "relevance"
+SELECTIONS = (FIRST, DEVIATION, RELEVANCE)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which placed tokens are computed again beyond each document's first ones: none (``first``, EPIC's repair
+    alone), or ``ratio`` of them chosen ``by`` deviation or relevance on the check ``layer``."""
+
+    by: str = FIRST
+    ratio: float = 0.15
+    layer: int = 1
+
+
+def selection_options(opts: dict[str, Any], key: str) -> Selection:
+    """``place_select`` (first), ``place_select_ratio`` (0.15) and ``place_select_layer`` (1), popped from ``opts``."""
+    by = opts.pop("place_select", FIRST)
+    if by not in SELECTIONS:
+        raise ValueError(f"{key}.place_select: must be one of {', '.join(SELECTIONS)}, not {by!r}")
+    ratio = opts.pop("place_select_ratio", 0.15)
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
+        raise ValueError(f"{key}.place_select_ratio: must be a number from 0 to 1, not {ratio!r}")
+    layer = opts.pop("place_select_layer", 1)
+    if isinstance(layer, bool) or not isinstance(layer, int) or layer < 1:
+        raise ValueError(f"{key}.place_select_layer: must be an integer >= 1, not {layer!r}")
+    return Selection(by, float(ratio), layer)
+
+
+class _Reached(Exception):
+    """Ends the check pass at the check layer's attention: the layers after it are not needed."""
 
 
 @dataclass
@@ -58,8 +100,12 @@ def why_not(model: Any) -> str | None:
 class TensorPlacer(DocumentPlacement):
     model: Any
     tiers: TensorTiers | None
+    selection: Selection = Selection()
 
     def _refusal(self) -> str | None:
+        if self.selection.layer >= self.model.config.num_hidden_layers:
+            return (f"place_select_layer {self.selection.layer} is past the model's last layer "
+                    f"({self.model.config.num_hidden_layers - 1})")
         return why_not(self.model)
 
     def _keep(self, tokens: list[int], partition: str) -> None:
@@ -78,6 +124,50 @@ class TensorPlacer(DocumentPlacement):
             out.append(((k32 * cos + rotate_half(k32) * sin).to(k.dtype), v[:, :, :length]))
         return out
 
+    def _rotated(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+    def _check_layer(self, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Q and K (RoPE applied; float32, [heads, tokens, dim]) of every token of ``tokens`` on the check layer as a
+        full prefill computes them: the layers before it run over the whole prompt, the rest not at all."""
+        attention = self.model.model.layers[self.selection.layer].self_attn
+        seen: dict[str, Any] = {}
+
+        def reach(module: Any, args: tuple, kwargs: dict) -> None:
+            seen["hidden"] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            seen["rope"] = kwargs["position_embeddings"]
+            raise _Reached
+
+        hook = attention.register_forward_pre_hook(reach, with_kwargs=True)
+        try:
+            self.model.model(input_ids=torch.tensor([tokens]), use_cache=False)
+        except _Reached:
+            pass
+        finally:
+            hook.remove()
+        x, (cos, sin) = seen["hidden"], seen["rope"]
+        shape = (*x.shape[:-1], -1, attention.head_dim)
+        q, k = (proj(x).view(shape).transpose(1, 2).float() for proj in (attention.q_proj, attention.k_proj))
+        cos, sin = cos.float(), sin.float()
+        return self._rotated(q, cos, sin)[0], self._rotated(k, cos, sin)[0]
+
+    def _scores(self, tokens: Sequence[int], candidates: list[tuple[int, torch.Tensor, torch.Tensor]],
+                tail: int) -> torch.Tensor:
+        """One score per candidate token (``candidates``: each document's position, the indices in it that are
+        candidates, and its placed K on the check layer), the highest to be computed again; ``tail``: where the
+        tokens after the last placed document begin."""
+        q, k = self._check_layer(tokens)
+        if self.selection.by == DEVIATION:
+            return torch.cat([((k[:, position + index] - placed[0, :, index].float()) ** 2).sum(dim=(0, 2))
+                              for position, index, placed in candidates])
+        # Relevance: the attention of the tail's tokens (after the last placed document) on this layer, each
+        # document token's largest weight over the heads, averaged over those tokens.
+        k = k.repeat_interleave(q.shape[0] // k.shape[0], dim=0)
+        logits = q[:, tail:] @ k.transpose(1, 2) / math.sqrt(q.shape[-1])
+        later = torch.arange(k.shape[1])[None, :] > torch.arange(tail, len(tokens))[:, None]
+        weights = logits.masked_fill(later, float("-inf")).softmax(dim=-1).amax(dim=0).mean(dim=0)
+        return torch.cat([weights[position + index] for position, index, _ in candidates])
+
     def compose(self, tokens: Sequence[int], documents: Sequence[tuple[int, int]], partition: str) -> Placed | None:
         """``tokens`` with the leading run of documents the tiers hold placed, everything else computed in one
         forward pass; None when none is held (the caller prefills)."""
@@ -89,9 +179,7 @@ class TensorPlacer(DocumentPlacement):
         if not held:
             self.stats.fallbacks += 1
             return None
-        past: list[kv.LayerKV] = []
-        past_positions: list[torch.Tensor] = []
-        computed = torch.ones(len(tokens), dtype=torch.bool)
+        shifted: list[tuple[int, torch.Tensor, kv.LayerKV]] = []  # (position, placed indices, K/V) a document
         for doc in held:
             first = min(self.recompute_first, doc.length)
             if first == doc.length:
@@ -103,25 +191,52 @@ class TensorPlacer(DocumentPlacement):
                             self.name, exc)
                 self.stats.fallbacks += 1
                 return None
-            past.append([(k[:, :, first:], v[:, :, first:]) for k, v in self._shifted(layers, doc.length, doc.position)])
-            past_positions.append(torch.arange(doc.position + first, doc.position + doc.length))
-            computed[doc.position + first:doc.position + doc.length] = False
-        new_positions = torch.nonzero(computed).flatten()
+            shifted.append((doc.position, torch.arange(first, doc.length), self._shifted(layers, doc.length, doc.position)))
+        chosen = round(self.selection.ratio * sum(len(index) for _, index, _ in shifted))
+        if self.selection.by != FIRST and shifted and chosen:
+            scores = self._scores(tokens, [(p, index, layers[self.selection.layer][0]) for p, index, layers in shifted],
+                                  tail=held[-1].position + held[-1].length)
+            again = torch.zeros(len(scores), dtype=torch.bool)
+            again[torch.topk(scores, chosen).indices] = True
+            kept, offset = [], 0
+            for position, index, layers in shifted:
+                kept.append((position, index[~again[offset:offset + len(index)]], layers))
+                offset += len(index)
+            shifted = kept
+        # The context's KV in position order from the start: each document's shifted KV written where it stands,
+        # the computed tokens' slots masked out of the pass's past and filled from its output after (a gather of
+        # every cell into position order cost a fifth of a placement).
+        n = len(tokens)
+        placed_cells = torch.zeros(n, dtype=torch.bool)
+        for position, index, _ in shifted:
+            placed_cells[position + index] = True
+        new_positions = torch.nonzero(~placed_cells).flatten()
         ids = torch.tensor(tokens)[new_positions]
-        if past:
-            cache = kv.to_cache([(torch.cat([p[i][0] for p in past], dim=2), torch.cat([p[i][1] for p in past], dim=2))
-                                 for i in range(len(past[0]))])
-            kv_positions = torch.cat([*past_positions, new_positions])
+        buffer: kv.LayerKV = []
+        if shifted:
+            for i, (k0, v0) in enumerate(shifted[0][2]):
+                k, v = k0.new_zeros((*k0.shape[:2], n, k0.shape[3])), v0.new_zeros((*v0.shape[:2], n, v0.shape[3]))
+                for position, _, layers in shifted:
+                    length = layers[i][0].shape[2]
+                    k[:, :, position:position + length] = layers[i][0]
+                    v[:, :, position:position + length] = layers[i][1]
+                buffer.append((k, v))
+            cache = kv.to_cache(buffer)
+            # Each computed token sees every placed cell and computed token up to its own position.
+            allowed = torch.cat([(torch.arange(n)[None, :] <= new_positions[:, None]) & placed_cells[None, :],
+                                 new_positions[None, :] <= new_positions[:, None]], dim=1)
         else:
-            cache, kv_positions = kv.DynamicCache(), new_positions
+            cache, allowed = kv.DynamicCache(), new_positions[None, :] <= new_positions[:, None]
         dtype = self.model.dtype
-        # Each computed token sees every position up to its own: placed cells and computed tokens alike.
-        allowed = kv_positions[None, :] <= new_positions[:, None]
         mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
         out = self.model(input_ids=ids[None], position_ids=new_positions[None], past_key_values=cache,
                          attention_mask=mask, use_cache=True, logits_to_keep=1)
-        order = torch.argsort(kv_positions)
-        layers = [(k.index_select(2, order), v.index_select(2, order)) for k, v in kv.layers_of(out.past_key_values)]
+        layers = kv.layers_of(out.past_key_values)
+        if buffer:
+            for (k, v), (k_out, v_out) in zip(buffer, layers):
+                k.index_copy_(2, new_positions, k_out[:, :, n:])
+                v.index_copy_(2, new_positions, v_out[:, :, n:])
+            layers = buffer
         placed = len(tokens) - len(new_positions)
         self.stats.placements += 1
         self.stats.placed_tokens += placed
