@@ -93,6 +93,17 @@ async def forget(engine) -> None:
     await engine.set_prefix_caching(True)
 
 
+async def full_then_placed(engine) -> tuple[int, np.ndarray, np.ndarray, dict]:
+    """The RAG prompt prefilled whole, then (caches emptied, its documents prepared) with its documents placed: (tokens
+    placed, the full prefill's greedy answer scored on each context, the engine's stats)."""
+    tokens, spans, docs = rag_prompt(engine)
+    _, ref, answer = await answer_rows(engine, tokens)
+    await forget(engine)
+    await engine.prepare_documents(docs)
+    placed, rows, _ = await answer_rows(engine, tokens, spans, answer=answer)
+    return placed, ref, rows, dict(engine.stats())
+
+
 def kl(ref: np.ndarray, other: np.ndarray) -> float:
     """Mean KL(ref || other) over rows of log-probabilities, in nats."""
     return float(np.mean(np.sum(np.exp(ref) * (ref - other), axis=-1)))
@@ -124,17 +135,8 @@ def test_a_placed_prompt_is_close_to_a_full_prefill_and_counts_its_placed_tokens
 
 def test_with_every_token_recomputed_a_placement_equals_a_full_prefill(kind, tmp_path):
     engine = engine_for(kind, tmp_path, place_recompute_tokens=100_000)
-
-    async def scenario():
-        tokens, spans, docs = rag_prompt(engine)
-        _, ref, answer = await answer_rows(engine, tokens)
-        await forget(engine)
-        await engine.prepare_documents(docs)
-        placed, rows, _ = await answer_rows(engine, tokens, spans, answer=answer)
-        return placed, ref, rows, dict(engine.stats())
-
     with running(engine) as portal:
-        placed, ref, rows, stats = portal.call(scenario)
+        placed, ref, rows, stats = portal.call(full_then_placed, engine)
     # Composed in the placement context and handed over, nothing restored: the numbers of a full prefill, up to the
     # floor of a prompt computed in other pieces (another context's batch split and cell layout).
     assert stats["placement_placements"] == 1 and placed == 0
@@ -219,18 +221,11 @@ def test_tokens_chosen_on_the_check_layer_are_computed_again_and_bring_the_promp
     first_only = engine_for("torch", tmp_path / "first")
     selecting = engine_for("torch", tmp_path / "selecting", place_select=by, place_select_ratio=0.5)
 
-    async def compose(engine):
-        tokens, spans, docs = rag_prompt(engine)
-        _, ref, answer = await answer_rows(engine, tokens)
-        await forget(engine)
-        await engine.prepare_documents(docs)
-        placed, rows, _ = await answer_rows(engine, tokens, spans, answer=answer)
-        return placed, kl(ref, rows), dict(engine.stats())
-
     with running(first_only) as portal:
-        placed_first, kl_first, first = portal.call(compose, first_only)
+        placed_first, ref_first, rows_first, first = portal.call(full_then_placed, first_only)
     with running(selecting) as portal:
-        placed_chosen, kl_chosen, chosen = portal.call(compose, selecting)
+        placed_chosen, ref_chosen, rows_chosen, chosen = portal.call(full_then_placed, selecting)
+    kl_first, kl_chosen = kl(ref_first, rows_first), kl(ref_chosen, rows_chosen)
     # Half of what the first-tokens repair places is computed again instead.
     again = round(0.5 * placed_first)
     assert placed_chosen == chosen["placement_placed_tokens"] == placed_first - again
@@ -242,17 +237,8 @@ def test_tokens_chosen_on_the_check_layer_are_computed_again_and_bring_the_promp
 
 def test_with_every_placed_token_chosen_a_placement_equals_a_full_prefill(tmp_path):
     engine = engine_for("torch", tmp_path, place_select="deviation", place_select_ratio=1.0)
-
-    async def scenario():
-        tokens, spans, docs = rag_prompt(engine)
-        _, ref, answer = await answer_rows(engine, tokens)
-        await forget(engine)
-        await engine.prepare_documents(docs)
-        placed, rows, _ = await answer_rows(engine, tokens, spans, answer=answer)
-        return placed, ref, rows, dict(engine.stats())
-
     with running(engine) as portal:
-        placed, ref, rows, stats = portal.call(scenario)
+        placed, ref, rows, stats = portal.call(full_then_placed, engine)
     assert stats["placement_placements"] == 1 and placed == 0
     assert kl(ref, rows) < 0.01 and (ref.argmax(-1) == rows.argmax(-1)).all()
 

@@ -92,8 +92,7 @@ class TorchLLM(LLMFront):
             pins=pin_policy(opts, f"{key}.options", cache_tokens),
             tier_dir=env.data_dir / "kv" / spec.name,
             tier_budgets=tuple(mebibytes(opts.pop(n, None), f"{key}.options.{n}") for n in ("kv_host_mib", "kv_disk_mib")),
-            place=place_options(opts, f"{key}.options"),
-            place_selection=selection_options(opts, f"{key}.options"),
+            place=(*place_options(opts, f"{key}.options"), selection_options(opts, f"{key}.options")),
         )
         # Over the model's chat template: the front sets it on the tokenizer once loaded.
         core.chat_template = read_template(opts.pop("chat_template", None), f"{key}.options.chat_template")
@@ -113,12 +112,10 @@ class TorchCore(LLMCore):
                  threads: int, max_batch_size: int, max_context_tokens: int, max_prefill_tokens: int,
                  max_iteration_tokens: int = 2048, prefix_cache_tokens: int = 0,
                  pins: PinPolicy = PinPolicy(), tier_dir: Path | None = None,
-                 tier_budgets: tuple[int | None, int | None] = (0, 0), place: tuple[bool, int] = (False, 16),
-                 place_selection: Selection = Selection()) -> None:
+                 tier_budgets: tuple[int | None, int | None] = (0, 0), place: tuple[bool, int, Selection] = (False, 16, Selection())) -> None:
         super().__init__(name, max_context_tokens)
         # Documents placed at any position (``placement``): the option and each document's tokens recomputed.
-        self.places_documents, self._place_first = place
-        self._place_selection = place_selection
+        self.places_documents, self._place_first, self._place_selection = place
         self._placer: TensorPlacer | None = None  # made by load(), with the tiers
         self._path, self._cache_dir, self._dtype, self._threads = path, cache_dir, dtype, threads
         self._observe_batch = observe_batch

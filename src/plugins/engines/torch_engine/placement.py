@@ -25,11 +25,10 @@ the log.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
-
-import math
 
 import torch
 
@@ -85,6 +84,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` ([batch, heads, tokens, dim]) rotated by RoPE's ``cos`` and ``sin`` ([batch, tokens, dim])."""
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+
 def why_not(model: Any) -> str | None:
     """Why ``model``'s KV cannot be shifted to a new position (None: it can)."""
     config = model.config
@@ -113,19 +117,14 @@ class TensorPlacer(DocumentPlacement):
         out = self.model(input_ids=torch.tensor([tokens]), use_cache=True, logits_to_keep=1)
         self.tiers.save(kv.layers_of(out.past_key_values), tokens, partition)
 
-    def _shifted(self, layers: kv.LayerKV, length: int, delta: int) -> kv.LayerKV:
-        """``layers`` (positions [0, length) of a document computed alone) with K rotated ``delta`` positions on."""
-        k0 = layers[0][0]
-        cos, sin = self.model.model.rotary_emb(k0, torch.full((1, length), delta))
-        cos, sin = cos[:, None].to(torch.float32), sin[:, None].to(torch.float32)
-        out = []
-        for k, v in layers:
-            k32 = k[:, :, :length].to(torch.float32)
-            out.append(((k32 * cos + rotate_half(k32) * sin).to(k.dtype), v[:, :, :length]))
-        return out
-
-    def _rotated(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return x * cos[:, None] + rotate_half(x) * sin[:, None]
+    def _place(self, context: kv.LayerKV, layers: kv.LayerKV, length: int, delta: int) -> None:
+        """``layers`` (positions [0, length) of a document computed alone) written into ``context`` at ``delta``,
+        K rotated ``delta`` positions on."""
+        cos, sin = self.model.model.rotary_emb(layers[0][0], torch.full((1, length), delta))
+        cos, sin = cos.float(), sin.float()
+        for (k_to, v_to), (k, v) in zip(context, layers):
+            k_to[:, :, delta:delta + length] = rotated(k[:, :, :length].float(), cos, sin)
+            v_to[:, :, delta:delta + length] = v[:, :, :length]
 
     def _check_layer(self, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Q and K (RoPE applied; float32, [heads, tokens, dim]) of every token of ``tokens`` on the check layer as a
@@ -149,24 +148,24 @@ class TensorPlacer(DocumentPlacement):
         shape = (*x.shape[:-1], -1, attention.head_dim)
         q, k = (proj(x).view(shape).transpose(1, 2).float() for proj in (attention.q_proj, attention.k_proj))
         cos, sin = cos.float(), sin.float()
-        return self._rotated(q, cos, sin)[0], self._rotated(k, cos, sin)[0]
+        return rotated(q, cos, sin)[0], rotated(k, cos, sin)[0]
 
-    def _scores(self, tokens: Sequence[int], candidates: list[tuple[int, torch.Tensor, torch.Tensor]],
+    def _scores(self, tokens: Sequence[int], candidates: list[tuple[int, torch.Tensor]], placed_k: torch.Tensor,
                 tail: int) -> torch.Tensor:
-        """One score per candidate token (``candidates``: each document's position, the indices in it that are
-        candidates, and its placed K on the check layer), the highest to be computed again; ``tail``: where the
-        tokens after the last placed document begin."""
+        """One score per candidate token (``candidates``: each document's position and the indices in it that are
+        candidates; ``placed_k``: the composed context's K on the check layer), the highest to be computed again;
+        ``tail``: where the tokens after the last placed document begin."""
         q, k = self._check_layer(tokens)
         if self.selection.by == DEVIATION:
-            return torch.cat([((k[:, position + index] - placed[0, :, index].float()) ** 2).sum(dim=(0, 2))
-                              for position, index, placed in candidates])
+            return torch.cat([((k[:, position + index] - placed_k[0, :, position + index].float()) ** 2).sum(dim=(0, 2))
+                              for position, index in candidates])
         # Relevance: the attention of the tail's tokens (after the last placed document) on this layer, each
         # document token's largest weight over the heads, averaged over those tokens.
         k = k.repeat_interleave(q.shape[0] // k.shape[0], dim=0)
         logits = q[:, tail:] @ k.transpose(1, 2) / math.sqrt(q.shape[-1])
         later = torch.arange(k.shape[1])[None, :] > torch.arange(tail, len(tokens))[:, None]
         weights = logits.masked_fill(later, float("-inf")).softmax(dim=-1).amax(dim=0).mean(dim=0)
-        return torch.cat([weights[position + index] for position, index, _ in candidates])
+        return torch.cat([weights[position + index] for position, index in candidates])
 
     def compose(self, tokens: Sequence[int], documents: Sequence[tuple[int, int]], partition: str) -> Placed | None:
         """``tokens`` with the leading run of documents the tiers hold placed, everything else computed in one
@@ -179,7 +178,12 @@ class TensorPlacer(DocumentPlacement):
         if not held:
             self.stats.fallbacks += 1
             return None
-        shifted: list[tuple[int, torch.Tensor, kv.LayerKV]] = []  # (position, placed indices, K/V) a document
+        # The context's KV in position order from the start: each document's shifted KV written where it stands,
+        # the computed tokens' slots masked out of the pass's past and filled from its output after (a gather of
+        # every cell into position order cost a fifth of a placement).
+        n = len(tokens)
+        context: kv.LayerKV = []
+        spans: list[tuple[int, torch.Tensor]] = []  # (position, the indices placed) a document
         for doc in held:
             first = min(self.recompute_first, doc.length)
             if first == doc.length:
@@ -191,52 +195,45 @@ class TensorPlacer(DocumentPlacement):
                             self.name, exc)
                 self.stats.fallbacks += 1
                 return None
-            shifted.append((doc.position, torch.arange(first, doc.length), self._shifted(layers, doc.length, doc.position)))
-        chosen = round(self.selection.ratio * sum(len(index) for _, index, _ in shifted))
-        if self.selection.by != FIRST and shifted and chosen:
-            scores = self._scores(tokens, [(p, index, layers[self.selection.layer][0]) for p, index, layers in shifted],
+            if not context:
+                context = [(k.new_zeros((*k.shape[:2], n, k.shape[3])), v.new_zeros((*v.shape[:2], n, v.shape[3])))
+                           for k, v in layers]
+            self._place(context, layers, doc.length, doc.position)
+            spans.append((doc.position, torch.arange(first, doc.length)))
+        chosen = round(self.selection.ratio * sum(len(index) for _, index in spans))
+        if self.selection.by != FIRST and spans and chosen:
+            scores = self._scores(tokens, spans, context[self.selection.layer][0],
                                   tail=held[-1].position + held[-1].length)
             again = torch.zeros(len(scores), dtype=torch.bool)
             again[torch.topk(scores, chosen).indices] = True
             kept, offset = [], 0
-            for position, index, layers in shifted:
-                kept.append((position, index[~again[offset:offset + len(index)]], layers))
+            for position, index in spans:
+                kept.append((position, index[~again[offset:offset + len(index)]]))
                 offset += len(index)
-            shifted = kept
-        # The context's KV in position order from the start: each document's shifted KV written where it stands,
-        # the computed tokens' slots masked out of the pass's past and filled from its output after (a gather of
-        # every cell into position order cost a fifth of a placement).
-        n = len(tokens)
+            spans = kept
         placed_cells = torch.zeros(n, dtype=torch.bool)
-        for position, index, _ in shifted:
+        for position, index in spans:
             placed_cells[position + index] = True
         new_positions = torch.nonzero(~placed_cells).flatten()
         ids = torch.tensor(tokens)[new_positions]
-        buffer: kv.LayerKV = []
-        if shifted:
-            for i, (k0, v0) in enumerate(shifted[0][2]):
-                k, v = k0.new_zeros((*k0.shape[:2], n, k0.shape[3])), v0.new_zeros((*v0.shape[:2], n, v0.shape[3]))
-                for position, _, layers in shifted:
-                    length = layers[i][0].shape[2]
-                    k[:, :, position:position + length] = layers[i][0]
-                    v[:, :, position:position + length] = layers[i][1]
-                buffer.append((k, v))
-            cache = kv.to_cache(buffer)
-            # Each computed token sees every placed cell and computed token up to its own position.
+        # Each computed token sees every computed token up to its own position and, past them, every placed cell.
+        allowed = new_positions[None, :] <= new_positions[:, None]
+        if context:
+            cache = kv.to_cache(context)
             allowed = torch.cat([(torch.arange(n)[None, :] <= new_positions[:, None]) & placed_cells[None, :],
-                                 new_positions[None, :] <= new_positions[:, None]], dim=1)
+                                 allowed], dim=1)
         else:
-            cache, allowed = kv.DynamicCache(), new_positions[None, :] <= new_positions[:, None]
+            cache = kv.DynamicCache()
         dtype = self.model.dtype
         mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
         out = self.model(input_ids=ids[None], position_ids=new_positions[None], past_key_values=cache,
                          attention_mask=mask, use_cache=True, logits_to_keep=1)
         layers = kv.layers_of(out.past_key_values)
-        if buffer:
-            for (k, v), (k_out, v_out) in zip(buffer, layers):
+        if context:
+            for (k, v), (k_out, v_out) in zip(context, layers):
                 k.index_copy_(2, new_positions, k_out[:, :, n:])
                 v.index_copy_(2, new_positions, v_out[:, :, n:])
-            layers = buffer
+            layers = context
         placed = len(tokens) - len(new_positions)
         self.stats.placements += 1
         self.stats.placed_tokens += placed
