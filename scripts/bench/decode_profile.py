@@ -3,7 +3,7 @@
 ``peers.py``'s decode workload runs at 1, 4 and 16 streams.
 
     python scripts/bench/decode_profile.py [--config configs/default.toml] [--streams 1 4 16] [--seconds 20]
-                                           [--out bench-results/decode-profile.json] [--tiny]
+                                           [--out bench-results/decode-profile.json] [--stream-interval N] [--tiny]
 
 The daemon is ``headrace serve`` on the config's LLM alone (``peers.py``'s ``llm_only``), a fresh data dir. Per
 stream count, a client keeps that many streamed ``/v1/completions`` requests in flight (``peers.py``'s chat
@@ -198,6 +198,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--out", type=Path, default=ROOT / "bench-results" / "decode-profile.json")
     ap.add_argument("--keep-raw", type=Path, help="keep py-spy's raw samples (spy-<streams>.txt) in this folder")
+    ap.add_argument("--stream-interval", type=int, default=None,
+                    help="the LLM's stream_interval option (tokens a delta; the config's own if not given)")
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args()
     if args.tiny:
@@ -212,6 +214,8 @@ def main() -> None:
         tmp = Path(tmp_s)
         spec = llm_only(headrace_spec(sys.executable, args.config), tmp)
         llm = spec_llm(args.config)
+        if args.stream_interval is not None:
+            with_stream_interval(Path(spec.argv[spec.argv.index("--config") + 1]), args.stream_interval)
         with running(spec, tmp, 900) as (base, pids, _):
             for streams in args.streams:
                 lv = anyio.run(level, base, pids[0], streams, args.seconds, args.max_tokens, work, tmp,
@@ -220,12 +224,26 @@ def main() -> None:
                 print(f"{streams} streams: {lv['decode_tok_s']} tok/s; engine {lv['engine_share']}; "
                       f"event loop {lv['event_loop_share']}; CPU {lv['cpu_s_total']} s over {lv['wall_s']} s",
                       flush=True)
-    res = {"tiny": args.tiny, "config": str(args.config.relative_to(ROOT) if args.config.is_relative_to(ROOT)
+    res = {"tiny": args.tiny, "stream_interval": args.stream_interval, "config": str(args.config.relative_to(ROOT) if args.config.is_relative_to(ROOT)
                                             else args.config),
            "seconds": args.seconds, "max_tokens": args.max_tokens, "levels": levels}
     write_results(res, args.out, t_start)
     report(res)
     print(f"\nwrote {args.out}")
+
+
+def with_stream_interval(config: Path, interval: int) -> None:
+    """``config`` (``llm_only``'s: the LLM's entry last, its options table last in it) with the LLM's
+    ``stream_interval`` set."""
+    import tomllib
+
+    text = config.read_text()
+    if "stream_interval" in text:
+        raise SystemExit(f"{config} sets stream_interval already: leave --stream-interval out")
+    config.write_text(text.rstrip("\n") + f"\nstream_interval = {interval}\n")
+    entry = tomllib.loads(config.read_text())["engines"][-1]
+    if entry.get("options", {}).get("stream_interval") != interval:
+        raise SystemExit(f"{config}: the LLM's options are not the last table; set stream_interval in the config")
 
 
 def spec_llm(config: Path) -> str:

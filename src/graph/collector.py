@@ -24,13 +24,6 @@ class ChoiceDelta:
     delta: TokenDelta
 
 
-def merged(first: TokenDelta, then: TokenDelta) -> TokenDelta:
-    return TokenDelta(text=first.text + then.text, token_ids=[*first.token_ids, *then.token_ids],
-                      finish_reason=then.finish_reason or first.finish_reason,
-                      logprobs=first.logprobs + then.logprobs,
-                      cached_tokens=first.cached_tokens + then.cached_tokens)
-
-
 class ChoiceCollector:
     def __init__(self) -> None:
         self._pending: dict[int, TokenDelta] = {}  # by choice, in the order each first got output
@@ -41,7 +34,7 @@ class ChoiceCollector:
         if self._closed:
             return  # the reader is gone (or the run ended): nobody will take it
         held = self._pending.get(index)
-        self._pending[index] = delta if held is None else merged(held, delta)
+        self._pending[index] = delta if held is None else held.then(delta)
         self._changed.set()
 
     def close(self) -> None:

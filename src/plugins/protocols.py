@@ -222,6 +222,14 @@ class TokenDelta:
     # engine that does not say. ``las`` counts a program's service as the tokens computed, not the ones sent.
     cached_tokens: int = 0
 
+    def then(self, later: TokenDelta) -> TokenDelta:
+        """This delta and the ``later`` one of the same stream as one (text appended, ids and logprobs extended,
+        the latest finish reason kept)."""
+        return TokenDelta(text=self.text + later.text, token_ids=[*self.token_ids, *later.token_ids],
+                          finish_reason=later.finish_reason or self.finish_reason,
+                          logprobs=self.logprobs + later.logprobs,
+                          cached_tokens=self.cached_tokens + later.cached_tokens)
+
 
 Priority = int
 """Which LLM work an engine runs first when it cannot run everything at once: lower first, ties in

@@ -53,6 +53,8 @@ def test_unknown_and_bad_options_are_errors(tmp_path):
         LlamaCppLLM(engine_spec(quantize="Q3"), make_env(tmp_path))
     with pytest.raises(ValueError, match="n_seq_max: must be a positive integer"):
         LlamaCppLLM(engine_spec(n_seq_max=0), make_env(tmp_path))
+    with pytest.raises(ValueError, match=r"engines.smollm2.options.stream_interval: must be a positive integer, not 0"):
+        LlamaCppLLM(engine_spec(stream_interval=0), make_env(tmp_path))
     with pytest.raises(ValueError, match="preempt_max_pause_seconds: must be a number >= 0"):
         LlamaCppLLM(engine_spec(preempt_max_pause_seconds=-1), make_env(tmp_path))
     # Fewer batch tokens than sequences: llama.cpp would abort the process at load (GGML_ASSERT).

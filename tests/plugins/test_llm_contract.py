@@ -428,6 +428,32 @@ def test_logprobs_are_one_per_token_ranked(llm):
     assert all(d.logprobs == () for d in portal.call(deltas, SamplingParams(max_tokens=2, temperature=0)))
 
 
+def test_stream_interval_sends_a_rows_tokens_in_deltas_of_that_many_first_and_last_at_once(llm):
+    core = getattr(llm.engine, "core", None)
+    if core is None or not hasattr(core, "stream_interval"):
+        pytest.skip(f"{llm.name} streams as its own engine does")
+    portal, engine = llm.portal, llm.engine
+    question = chat(engine, "Name a colour.")
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=1 if llm.logprobs else None)
+
+    async def deltas():
+        with anyio.fail_after(LONG_ENOUGH):
+            return [d async for d in engine.generate(question, params)]
+
+    each = portal.call(deltas)
+    core.stream_interval = 4
+    try:
+        grouped = portal.call(deltas)
+    finally:
+        core.stream_interval = 1
+    assert [len(d.token_ids) for d in each] == [1] * 10
+    assert [len(d.token_ids) for d in grouped] == [1, 4, 4, 1]
+    assert [t for d in grouped for t in d.token_ids] == [t for d in each for t in d.token_ids]
+    assert "".join(d.text for d in grouped) == "".join(d.text for d in each)
+    assert [lp.token_id for d in grouped for lp in d.logprobs] == [lp.token_id for d in each for lp in d.logprobs]
+    assert [d.finish_reason for d in grouped] == [None, None, None, "length"]
+
+
 def test_a_json_schema_constrains_the_output(llm):
     portal, engine = llm.portal, llm.engine
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},

@@ -78,7 +78,7 @@ class LlamaCppCore(LlamaSequences, LLMCore):
         self._swa_option, self.window, self.swa_full = o.swa_full, 0, True  # swa: set by load()
         self._place, self._placer = (o.place_documents, o.place_recompute_tokens), None  # placement
         self.places_documents = o.place_documents
-        super().__init__(spec.name, o.max_context_tokens)
+        super().__init__(spec.name, o.max_context_tokens, o.stream_interval)
         self.chat_template = o.chat_template  # the front sets it on the tokenizer once loaded
         self.model_file: Path | None = None  # what llama.cpp loaded (the converted copy)
         self._model: Any = None

@@ -66,6 +66,7 @@ class LlamaCppOptions:
     # placed document's first tokens computed again in place (EPIC).
     place_documents: bool = False
     place_recompute_tokens: int = 16
+    stream_interval: int = 1  # a row's tokens sent in deltas of this many (``LLMCore.stream_interval``)
 
     @property
     def sequences(self) -> int:
@@ -103,6 +104,7 @@ def parse_options(spec: EngineSpec) -> LlamaCppOptions:
     if not isinstance(swa_full, bool) and swa_full != "auto":
         raise ValueError(f"{key}.swa_full: must be true, false or \"auto\", not {swa_full!r}")
     place_documents, recompute = place_options(opts, key)
+    stream_interval = positive(opts.pop("stream_interval", 1), f"{key}.stream_interval")
     if opts:
         raise ValueError(f"{key}: unknown option(s) {sorted(opts)}")
     if quantize != "none" and quantize not in QUANT_TYPES:
@@ -119,4 +121,4 @@ def parse_options(spec: EngineSpec) -> LlamaCppOptions:
     return LlamaCppOptions(path, threads, kv_unified, max_contexts, max_batch_tokens, cache_tokens, cache_sequences,
                            pins, float(wait), float(max_pause), quantize, max_context_tokens, n_ctx,
                            kv_host_bytes, kv_disk_bytes, chat_template, None if swa_full == "auto" else swa_full,
-                           place_documents, recompute)
+                           place_documents, recompute, stream_interval)

@@ -76,6 +76,7 @@ class Row:
     paused_for: float = 0.0  # seconds paused before that, in all
     keep_context: bool = False  # its request may come back repeating it all (``Decode.keep_context``)
     history: History = NO_HISTORY  # what its penalties and min_tokens read (its settings all off: nothing)
+    held: TokenDelta | None = None  # tokens not sent yet (``stream_interval``)
 
 
 class LLMCore(ABC):
@@ -108,9 +109,12 @@ class LLMCore(ABC):
     prefix_cache_tokens = 0
     _pins: PinPolicy | None = None
 
-    def __init__(self, name: str, max_context_tokens: int) -> None:
+    def __init__(self, name: str, max_context_tokens: int, stream_interval: int = 1) -> None:
         self.name = name
         self.max_context_tokens = max_context_tokens
+        # vLLM's and SGLang's ``stream_interval``: a row's tokens go out in deltas of this many (its first and last
+        # at once), so the event loop wakes, frames and writes once per that many tokens, not per token.
+        self.stream_interval = stream_interval
         # Set by load():
         self.tokenizer: Any = None  # an HF tokenizer: encode, apply_chat_template, decode
         self.vocab_size = 0
@@ -332,8 +336,13 @@ class LLMCore(ABC):
             elif r.produced >= r.params.max_tokens or r.length + 1 >= self.max_context_tokens:
                 text, finish = text + r.detok.flush(), "length"
         r.pending = token
-        out.deltas.append((r.send, TokenDelta(text=text, token_ids=[token], finish_reason=finish,
-                                                      logprobs=logprobs), finish is not None))
+        delta = TokenDelta(text=text, token_ids=[token], finish_reason=finish, logprobs=logprobs)
+        if r.held is not None:
+            delta, r.held = r.held.then(delta), None
+        if finish is None and r.produced > 1 and len(delta.token_ids) < self.stream_interval:
+            r.held = delta
+            return False
+        out.deltas.append((r.send, delta, finish is not None))
         if finish is not None:
             self.row_finished(r)
         return finish is not None

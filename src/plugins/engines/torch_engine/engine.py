@@ -47,6 +47,7 @@ from headrace.plugins.engines.llm.messages import Decode, EngineError, Logits, O
 from headrace.plugins.engines.llm.prompt_scores import PromptScorer
 from headrace.plugins.engines.models.loading import AUTO, load_causal_lm, parse_dtype
 from headrace.plugins.engines.models.paths import resolve_model
+from headrace.plugins.engines.options import positive
 from headrace.plugins.engines.torch_engine import kv
 from headrace.plugins.engines.torch_engine.placement import Selection, TensorPlacer, selection_options
 from headrace.plugins.engines.torch_engine.tiers import TensorTiers, open_tensor_tiers
@@ -96,6 +97,7 @@ class TorchLLM(LLMFront):
         )
         # Over the model's chat template: the front sets it on the tokenizer once loaded.
         core.chat_template = read_template(opts.pop("chat_template", None), f"{key}.options.chat_template")
+        core.stream_interval = positive(opts.pop("stream_interval", 1), f"{key}.options.stream_interval")
         if opts:
             raise ValueError(f"{key}.options: unknown option(s) {sorted(opts)}")
         super().__init__(spec.name, core)
