@@ -18,11 +18,12 @@ SCRIPT = ROOT / "scripts" / "bench" / "decode_profile.py"
 
 def test_tiny_run_splits_every_level_s_samples(tmp_path):
     out = tmp_path / "profile.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--out", str(out)], capture_output=True, text=True,
-                          cwd=ROOT, timeout=600)
+    # --stream-interval: the LLM's option written into the daemon's config (the script checks it landed there).
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--stream-interval", "2", "--out", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     res = json.loads(out.read_text())
-    assert res["tiny"] is True and [lv["streams"] for lv in res["levels"]] == [1, 2]
+    assert res["tiny"] is True and res["stream_interval"] == 2 and [lv["streams"] for lv in res["levels"]] == [1, 2]
     for lv in res["levels"]:
         assert lv["decode_tok_s"] > 0 and lv["cpu_s_total"] > 0
         share = lv["engine_share"]
