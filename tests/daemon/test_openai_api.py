@@ -151,22 +151,32 @@ def test_rerank_ranks_by_the_judges_own_scores(server):
     """The route's order is the judge's: its own scores for the same pairs, best first, cut at top_n. Whether the
     135M judge ranks well is a benchmark's question (scripts/bench/rerank_order.py: it depends on the documents'
     length and the prompt's order), not this test's."""
-    docs = ["Bananas are a yellow fruit.", "Paris is the capital and largest city of France.",
-            "The stock market fell on Monday."]
+    docs = ["Bananas are a yellow fruit.", "The capital of France is Paris.",
+            "The stock market fell on Monday.", "France is a country in Europe.",
+            "What is the capital of France? The capital of France is Paris.", "zq xv jk wp"]
     query = "What is the capital of France?"
     r = httpx.post(f"{server.base_url}/v1/rerank", headers={"Authorization": f"Bearer {API_KEY}"},
-                   json={"model": RERANK, "query": query, "documents": docs, "top_n": 2}, timeout=60)
+                   json={"model": RERANK, "query": query, "documents": docs, "top_n": 3}, timeout=60)
     assert r.status_code == 200, r.text
     results = r.json()["results"]
     judge = server.app.state.services.daemon.pool.resolve(RERANK).engine
     own = server.portal.call(judge.score, query, docs).tolist()
-    best = sorted(range(len(docs)), key=lambda i: -own[i])[:2]
-    assert [x["index"] for x in results] == best
-    assert [x["document"]["text"] for x in results] == [docs[i] for i in best]
+    returned = [x["index"] for x in results]
+    scores = [x["relevance_score"] for x in results]
+    assert len(set(returned)) == 3 and [x["document"]["text"] for x in results] == [docs[i] for i in returned]
+    assert scores == sorted(scores, reverse=True)  # best first, by the scores it returns
     # To rounding: either call may reuse prompts the shared daemon's cache holds from earlier tests (scores go
     # through the prefix cache), and KV restored from another batch's shape rounds differently (0.023 apart in
-    # one CI run, 2026-12-02); the order above is the route's contract.
-    assert [x["relevance_score"] for x in results] == pytest.approx([own[i] for i in best], abs=0.05)
+    # one CI run, 2026-12-02). This judge scores some of these documents closer than that (0.002 apart in another),
+    # so the order is checked wherever its own scores are further apart than the rounding: there the route must
+    # agree, for the documents it returned and for the one it cut.
+    assert scores == pytest.approx([own[i] for i in returned], abs=0.05)
+    rounding = 0.03
+    cut = [i for i in range(len(docs)) if i not in returned]
+    for a, i in enumerate(returned):
+        for j in returned[a + 1:] + cut:  # each returned document against those after it and those cut
+            assert own[i] > own[j] - rounding, (returned, own)
+    assert max(own) - min(own) > 2 * rounding  # so some pair is ordered for real: the assertion above can fail
 
 
 def test_unknown_model_is_404(client):

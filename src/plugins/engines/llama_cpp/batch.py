@@ -240,6 +240,8 @@ def plan(rows: list[Row], prefills: deque[Fill], scoring: ScoringQueue, budget: 
     parts: list[Part] = []
     if rows:
         parts.append(Part("decode", rows=list(rows), count=len(rows)))
+    if not prefills and not scoring:  # the steady decode
+        return parts
     budget -= len(rows)
     scoring_first = bool(scoring) and (not prefills or scoring.jobs[0].cmd.priority < prefills[0].prefill.priority)
     prefill_budget = budget // 2 if scoring and not scoring_first else budget

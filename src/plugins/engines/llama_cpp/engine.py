@@ -38,8 +38,8 @@ from headrace.plugins.engines.kvreuse.documents import PLACED
 from headrace.plugins.engines.kvreuse.prefix_cache import PrefixCache, PrefixCacheStats, cache_stats
 from headrace.plugins.engines.llama_cpp.batch import (DecodeFailed, Fill, Part, ScoringQueue, batch_entries,
                                                       common_length, plan, write_batch)
-from headrace.plugins.engines.llama_cpp.files import (ProbeModel, llama, load_tokenizer, model_footprint_bytes,
-                                                      quantized_model)
+from headrace.plugins.engines.llama_cpp.files import (ProbeModel, float_rows, llama, load_tokenizer,
+                                                      model_footprint_bytes, quantized_model)
 from headrace.plugins.engines.llama_cpp.options import SCORE_SEQUENCES, parse_options
 from headrace.plugins.engines.llama_cpp.placement import Composed
 from headrace.plugins.engines.llama_cpp.sequences import ContextSequence, LlamaSequences
@@ -174,6 +174,8 @@ class LlamaCppCore(LlamaSequences, LLMCore):
         may be held (contexts a run keeps between its prefill and its decode): a prefill then waits
         for one to be freed, as a request waits for KV blocks in vLLM, rather than failing; after
         ``context_wait_seconds`` it fails with a clear error."""
+        if not self._blocked:  # every step calls this: nothing to sort or admit
+            return
         now = time.monotonic()
         # The most urgent first (lowest priority; stable, so oldest first among equals).
         self._blocked = deque(sorted(self._blocked, key=lambda e: e[1].priority))
@@ -416,6 +418,8 @@ class LlamaCppCore(LlamaSequences, LLMCore):
         """Pause preemptive rows that hold more urgent preemptive work back (a decode waiting for one of
         ``_admit``'s ``max_batch_tokens // 2`` row slots, a prefill wanting the tokens the rows take), resume
         those that no longer do (``preemption``)."""
+        if not (self._prefills or self._waiting or self._paused):  # the steady decode: nothing to weigh
+            return
         wants = [Want(f.prefill.priority, 0, f.remaining) for f in self._prefills
                  if f.prefill is not None and f.prefill.preemptive]
         wants += [Want(r.priority, 1, 1) for r in self._waiting if r.preemptive]
@@ -425,8 +429,10 @@ class LlamaCppCore(LlamaSequences, LLMCore):
     def _plan(self) -> list[Part]:
         """This iteration's batch (batch.plan), prefills and scoring jobs in the policy's order: the
         most urgent first, stable among equals."""
-        self._prefills = deque(sorted(self._prefills, key=lambda f: f.prefill.priority))
-        self._scoring.prune_and_sort()
+        if len(self._prefills) > 1:
+            self._prefills = deque(sorted(self._prefills, key=lambda f: f.prefill.priority))
+        if self._scoring:
+            self._scoring.prune_and_sort()
         return plan(self._rows, self._prefills, self._scoring, self.max_batch_tokens)
 
     def _run(self, parts: list[Part], out: Outbox) -> None:
@@ -484,8 +490,9 @@ class LlamaCppCore(LlamaSequences, LLMCore):
             self.token_counts[part.kind] += part.count
         if outputs:
             # All requested rows, in batch order; copied, as the next decode reuses the buffer.
-            buffer = np.ctypeslib.as_array(lc.llama_get_logits(self._ctx), shape=(outputs, self._n_vocab))
-            logits = buffer[np.argsort(out_rank)]  # back to part order (a copy: the buffer is reused)
+            buffer = float_rows(lc.llama_get_logits(self._ctx), outputs, self._n_vocab)
+            # back to part order (a copy: the buffer is reused); one row, as one stream decodes, needs no reorder
+            logits = buffer.copy() if outputs == 1 else buffer[np.argsort(out_rank)]
         else:
             logits = np.empty((0, self._n_vocab), dtype=np.float32)
         for kind in ("decode", "prefill", "score"):

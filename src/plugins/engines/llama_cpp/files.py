@@ -5,12 +5,15 @@ tokenizer read from the GGUF once. The engine itself is in ``engine``."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import re
 import threading
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from headrace.plugins.engines.kvreuse.kv_store import payload_buffer
 from headrace.plugins.engines.llama_cpp.cpu import (ProbeModel, chosen_variant, cpu_backend_loaded, library_dir,
@@ -166,3 +169,16 @@ def set_sequence_state(ctx: Any, seq: int, state: bytearray) -> int:
     another layout or no room)."""
     return llama().llama_state_seq_set_data_ext(ctx, (ctypes.c_uint8 * len(state)).from_buffer(state), len(state),
                                                 seq, 0)
+
+
+@functools.lru_cache(maxsize=64)
+def _floats(n: int) -> Any:
+    return ctypes.c_float * n
+
+
+def float_rows(pointer: Any, rows: int, width: int) -> np.ndarray:
+    """A view of llama.cpp's ``rows`` x ``width`` floats at ``pointer`` (its logits), valid until its next decode.
+    ``np.ctypeslib.as_array`` builds a ctypes array type on every call: 38 us a decode step, right after
+    ``llama_decode`` (issue 51, AMD EPYC); the type is made once per size here."""
+    address = ctypes.cast(pointer, ctypes.c_void_p).value
+    return np.frombuffer(_floats(rows * width).from_address(address), dtype=np.float32).reshape(rows, width)

@@ -54,6 +54,7 @@ from anyio.from_thread import BlockingPortal
 from headrace.plugins.engines.llm import chat
 from headrace.plugins.engines.llm.chat import ChatMessages, ToolSpecs
 from headrace.plugins.engines.llm.core import LLMCore
+from headrace.plugins.engines.llm.inbox import LoopInbox
 from headrace.plugins.engines.llm.messages import (CacheControl, Command, Decode, EngineError, EngineFailed, Heartbeat,
                                                    Logits, Outbox, Pin, Prefill, PrepareDocuments, Reply, Stop,
                                                    TokenStream, deliver_on_loop)
@@ -84,7 +85,7 @@ class LLMFront:
         self.core = core
         self._commands: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
         self._portal: BlockingPortal | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None  # where the worker's outboxes are delivered
+        self._inbox: LoopInbox[Outbox] | None = None  # the worker's outboxes, on their way to the event loop
         self._ctx_ids = itertools.count()
         self._live: set[ContextId] = set()  # contexts not yet freed, as the event loop sees them
         # Every request awaiting the worker, so that its death answers them all.
@@ -116,7 +117,7 @@ class LLMFront:
         worker_ended = anyio.Event()
         load_error: list[BaseException] = []  # also the EngineFailed that stopped the worker, if one did
         async with BlockingPortal() as portal:
-            self._portal, self._loop = portal, asyncio.get_running_loop()
+            self._portal, self._inbox = portal, LoopInbox(asyncio.get_running_loop(), deliver_on_loop)
             worker = threading.Thread(
                 target=self._worker_main, args=(portal, loaded, worker_ended, load_error), name=f"headrace-{self.name}",
                 daemon=True,
@@ -133,7 +134,8 @@ class LLMFront:
                 self._commands.put(None)
                 with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(worker.join)
-                self._portal = self._loop = None
+                self._inbox.close()  # every outbox the worker put, delivered before anything fails
+                self._portal = self._inbox = None
                 self._fail_outstanding()
                 # Cancelled (shutdown, or the daemon evicting us) or failed: the model's memory goes;
                 # the next run() loads it again.
@@ -543,18 +545,13 @@ class LLMFront:
 
         Not a blocking portal call: waiting for the loop to take each outbox put a thread handoff
         and whatever the loop was busy with (streaming the last tokens out) between every two
-        decode steps. Callbacks run in the order they were scheduled, so deltas stay in order, and
-        every outbox is delivered before the loop sees the worker end (``run`` joins it after)."""
+        decode steps. Nor ``call_soon_threadsafe``, whose wake-up gives the GIL to the loop until it
+        has run all it had (``inbox``). Outboxes are delivered in order, and every one before the
+        loop fails what is left (``run`` closes the inbox once the worker is joined)."""
         if not out.deltas and not out.replies:
             return True
-        loop = self._loop
-        if loop is None:
-            return False
-        try:
-            loop.call_soon_threadsafe(deliver_on_loop, out)
-        except RuntimeError:  # the event loop is closed
-            return False
-        return True
+        inbox = self._inbox
+        return inbox is not None and inbox.put(out)
 
     def _fail_outstanding(self) -> None:
         """On the event loop, once the worker has stopped: answer every request still waiting on it."""
