@@ -73,8 +73,9 @@ def prompt(tokenizer, k: int) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-async def engine_round(engine, clock: DecodeClock, prompts: list[list[int]], params: SamplingParams) -> float:
-    """µs outside llama_decode per decode step, from the round's first token to its last."""
+async def engine_round(engine, clock: DecodeClock, prompts: list[list[int]],
+                       params: SamplingParams) -> tuple[float, int]:
+    """µs outside llama_decode per decode step, from the round's first token to its last; the steps timed."""
     first: list[float] = []
 
     async def one(tokens: list[int]) -> None:
@@ -88,7 +89,7 @@ async def engine_round(engine, clock: DecodeClock, prompts: list[list[int]], par
         for tokens in prompts:
             tg.start_soon(one, tokens)
     wall = perf_counter() - first[0]
-    return (wall - clock.seconds) / max(clock.calls, 1) * 1e6
+    return (wall - clock.seconds) / max(clock.calls, 1) * 1e6, clock.calls
 
 
 def last_logits(ctx, n_vocab: int) -> np.ndarray:
@@ -99,7 +100,7 @@ def last_logits(ctx, n_vocab: int) -> np.ndarray:
                          .contents, dtype=np.float32)
 
 
-def direct_round(direct: Direct, clock: DecodeClock, tokens: list[int], n: int, n_vocab: int) -> float:
+def direct_round(direct: Direct, clock: DecodeClock, tokens: list[int], n: int, n_vocab: int) -> tuple[float, int]:
     lc = llama()
     decode_side_by_side(direct.ctx, direct.batch, [(0, tokens, 0)], direct.n_batch, logits_of=0)
     pos = len(tokens)
@@ -112,7 +113,7 @@ def direct_round(direct: Direct, clock: DecodeClock, tokens: list[int], n: int, 
         token = int(last_logits(direct.ctx, n_vocab).argmax())
     wall = perf_counter() - start
     lc.llama_memory_seq_rm(lc.llama_get_memory(direct.ctx), 0, -1, -1)
-    return (wall - clock.seconds) / max(clock.calls, 1) * 1e6
+    return (wall - clock.seconds) / max(clock.calls, 1) * 1e6, clock.calls
 
 
 def main() -> None:
@@ -127,7 +128,7 @@ def main() -> None:
                  if e["plugin"] == "llama-cpp")
     params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
     clock = DecodeClock()
-    engine_us, direct_us = [], []
+    engine_us, direct_us, engine_steps, direct_steps = [], [], [], []
     with tempfile.TemporaryDirectory(prefix="headrace-step-overhead-") as tmp, contextlib.ExitStack() as stack:
         stack.callback(clock.close)
         env = EngineEnv(data_dir=Path(tmp), cache_dir=CACHE, lookup=lambda _: None)
@@ -145,17 +146,19 @@ def main() -> None:
         for r in range(args.requests + 1):  # the first round warms both up, untimed
             prompts = [prompt(tokenizer, k + i) for i in range(args.streams)]
             k += args.streams
-            us = portal.call(engine_round, engine, clock, prompts, params)
+            us, steps = portal.call(engine_round, engine, clock, prompts, params)
             if args.streams == 1:
-                d = direct_round(direct, clock, prompt(tokenizer, k), args.tokens, n_vocab)
+                d, d_steps = direct_round(direct, clock, prompt(tokenizer, k), args.tokens, n_vocab)
                 k += 1
                 if r:
                     direct_us.append(d)
+                    direct_steps.append(d_steps)
             if r:
                 engine_us.append(us)
+                engine_steps.append(steps)
     res = {"streams": args.streams, "tokens": args.tokens, "requests": args.requests,
            "engine_us_per_step": engine_us, "engine_median_us": statistics.median(engine_us),
-           "direct_us_per_step": direct_us, "direct_median_us": statistics.median(direct_us) if direct_us else None}
+           "engine_steps": engine_steps, "direct_steps": direct_steps, "direct_us_per_step": direct_us, "direct_median_us": statistics.median(direct_us) if direct_us else None}
     write_results(res, args.out, t_start)
     print(f"outside llama_decode a decode step, {args.streams} stream(s), {args.tokens} tokens, "
           f"{args.requests} rounds: engine median {res['engine_median_us']:.0f} us"
