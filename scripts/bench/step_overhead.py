@@ -22,7 +22,6 @@ import ctypes
 import statistics
 import sys
 import tempfile
-import tomllib
 from pathlib import Path
 from time import perf_counter
 
@@ -32,7 +31,7 @@ from anyio.from_thread import start_blocking_portal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import write_results  # noqa: E402 (beside this script)
-from peers import CACHE, ROOT  # noqa: E402
+from peers import CACHE, ROOT, llm_entry  # noqa: E402
 from ttft_streams import Direct  # noqa: E402
 
 from headrace.plugins.engines.llama_cpp.engine import LlamaCppLLM  # noqa: E402
@@ -124,8 +123,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "bench-results" / "step-overhead.json")
     args = ap.parse_args()
     t_start = perf_counter()
-    entry = next(e for e in tomllib.loads((ROOT / "configs" / "llama-cpp.toml").read_text())["engines"]
-                 if e["plugin"] == "llama-cpp")
+    entry = llm_entry(ROOT / "configs" / "llama-cpp.toml")
     params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
     clock = DecodeClock()
     engine_us, direct_us, engine_steps, direct_steps = [], [], [], []

@@ -27,7 +27,6 @@ import contextlib
 import statistics
 import sys
 import tempfile
-import tomllib
 from pathlib import Path
 from time import perf_counter
 
@@ -35,7 +34,7 @@ from anyio.from_thread import start_blocking_portal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import write_results  # noqa: E402 (beside this script)
-from peers import CACHE, ROOT, workload  # noqa: E402
+from peers import CACHE, ROOT, llm_entry, workload  # noqa: E402
 
 from headrace.plugins.engines.llama_cpp.engine import LlamaCppLLM  # noqa: E402
 from headrace.plugins.engines.llama_cpp.files import llama  # noqa: E402
@@ -101,8 +100,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "bench-results" / "ttft-streams.json")
     args = ap.parse_args()
     t_start = perf_counter()
-    entry = next(e for e in tomllib.loads((ROOT / "configs" / "llama-cpp.toml").read_text())["engines"]
-                 if e["plugin"] == "llama-cpp")
+    entry = llm_entry(ROOT / "configs" / "llama-cpp.toml")
     work = workload(argparse.Namespace(ttft_reps=args.calls, long_tokens=1000, prefill_streams=1, rounds=0,
                                        prefill_tokens=32))
     times: dict[str, list[float]] = {}

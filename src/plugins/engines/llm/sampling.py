@@ -232,15 +232,13 @@ class Detokenizer:
         self.ids.append(token_id)
         if self._stream is not None:
             self.text += self._stream.step(self._backend, token_id) or ""
-            if len(self.ids) == self.min_tokens:
-                self._stops_from = len(self.text)
-            return self._take()
-        prefix = self._decode(self.ids[self._prefix_offset : self._read_offset])
-        full = self._decode(self.ids[self._prefix_offset :])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            self.text += full[len(prefix) :]
-            self._prefix_offset = self._read_offset
-            self._read_offset = len(self.ids)
+        else:
+            prefix = self._decode(self.ids[self._prefix_offset : self._read_offset])
+            full = self._decode(self.ids[self._prefix_offset :])
+            if len(full) > len(prefix) and not full.endswith("\ufffd"):
+                self.text += full[len(prefix) :]
+                self._prefix_offset = self._read_offset
+                self._read_offset = len(self.ids)
         if len(self.ids) == self.min_tokens:
             self._stops_from = len(self.text)
         return self._take()
