@@ -89,7 +89,7 @@ MODES: dict[str, ModeSpec] = {
     # Question first, each chunk's KV computed alone at ingest and placed where the prompt puts it (issue 49).
     "placed": ModeSpec({**TIERS_ON, "place_documents": True}, {**QUESTION_FIRST, "place_documents": True},
                        chunk_kv=True, rerank_options=QUERY_FIRST_RERANK),
-    # The helper daemon: embeddings and rerank only (the rerank as chunk-kv's: the peer's prompts are context first).
+    # The helper daemon: embeddings and tokenizing only (its judge, document first, is asked of llama-server).
     PEER: ModeSpec({"kv_host_mib": 0, "kv_disk_mib": 0}, rerank_options=DOCUMENT_FIRST_RERANK),
 }
 RESTART_MODES = ("tiers-context-first", "tiers")  # the restart phase runs the first of these the run has

@@ -11,9 +11,13 @@ own template rendered with ``PromptTemplate`` and tokenized by the helper daemon
 (``POST /tokenize``), and those token ids are the prompt llama-server gets: both servers see the same tokens.
 
 Retrieval is the LlamaIndex baseline's way (client-side cosine search over the daemon's embeddings of the same
-chunks, ``chunk_text`` at the workflows' defaults); embeddings and (advanced_rag) the rerank come from a
-helper headrace daemon started from the same config with its tiers off, which runs no LLM call of the
-pipeline itself (its LLM scores the rerank, as headrace's own advanced_rag does). llama-server's binary is
+chunks, ``chunk_text`` at the workflows' defaults); embeddings and tokenizing come from a helper headrace daemon
+started from the same config with its tiers off, which runs no LLM call of the pipeline itself. advanced_rag's
+rerank is headrace's ``llm-rerank`` judge asked of llama-server (``PeerJudge``): the same chat per candidate
+(document first, cut to the same token budgets), one token's top logprobs each, scored by the logit margin of
+"yes" over "no" as the engine scores it. So every LLM call of the peer's pipeline is llama-server's, through its
+caches, and no second LLM shares its cores (the helper's judge did, until 2026-12-02: two processes' ggml
+threads on two cores, under which the peer fell behind at any rate measured). llama-server's binary is
 ``scripts/build-llama-server``'s and it is started by ``scripts/bench/peers.py`` (the GGUF, threads, slots and
 CPU variant it gives llama-server), with the two cache flags added. Its calls are streamed with
 ``timings_per_token``: tokens prefilled are its ``timings.prompt_n`` (prompt tokens not taken from its cache).
@@ -44,6 +48,8 @@ from headrace.graph.ops import chunk_text
 from headrace.graph.parsers import LineParser
 from headrace.graph.prompts import PromptTemplate
 from headrace.graph.workflows import common, rag
+from headrace.plugins.engines.retrieval.rerankers import (MAX_DOC_TOKENS, MAX_QUERY_TOKENS, NO_VARIANTS, YES_VARIANTS,
+                                                          judge_messages, truncation)
 
 CACHE_FLAGS = ["--cache-ram", "8192", "--cache-reuse", "256"]
 WORKFLOWS = {"naive_rag": rag.NAIVE, "advanced_rag": rag.ADVANCED}
@@ -103,9 +109,10 @@ class PeerPipeline:
     """naive_rag and advanced_rag driven from the client: the LLM calls to llama-server, the rest to the helper."""
 
     def __init__(self, helper: Daemon, retriever: Retriever, server: httpx.AsyncClient, body_extra: dict[str, Any],
-                 llm: str, reranker: str | None) -> None:
+                 llm: str) -> None:
         self.helper, self.retriever, self.server, self.extra = helper, retriever, server, body_extra
-        self.llm, self.reranker = llm, reranker
+        self.llm = llm
+        self.judge = PeerJudge(self)
 
     async def run(self, workflow: str, question: str, config: dict[str, Any], record: Any) -> None:
         inputs, config = client_validate("the llama-server peer", WORKFLOWS, workflow, {"question": question},
@@ -167,10 +174,7 @@ class PeerPipeline:
         contexts = [self.retriever.chunks[i] for i in found[-1]]
         candidates = [self.retriever.chunks[i] for row in found[:-1] for i in row]
         pool = list(dict.fromkeys([*contexts, *candidates]))
-        body = await self.helper._json("POST", "/v1/rerank", json={
-            "model": self.reranker, "query": question, "documents": pool, "top_n": config["top_n"],
-            "return_documents": False})
-        top = [pool[r["index"]] for r in body["results"]]
+        top = await self.judge.top(question, pool, config["top_n"], record)
         return (top + [""] * config["top_n"])[:config["top_n"]]
 
     async def _gather(self, prompts: list[str], max_tokens: int, record: Any, t0: float, final: bool) -> list[str]:
@@ -184,14 +188,19 @@ class PeerPipeline:
                 tg.start_soon(one, i)
         return out
 
+    async def tokens(self, text: str | None = None, messages: list[dict[str, str]] | None = None) -> list[int]:
+        """The helper's tokenizer: a chat (headrace's chat template, the assistant turn opened) or a bare text."""
+        body = ({"messages": messages, "add_generation_prompt": True} if messages is not None
+                else {"prompt": text, "add_special_tokens": False})
+        return (await self.helper._json("POST", "/tokenize", json={"model": self.llm, **body}))["tokens"]
+
     async def call(self, text: str, max_tokens: int, record: Any, t0: float, final: bool,
                    lines: int | None = None) -> Any:
         """One LLM call: the prompt as headrace's chat template tokenizes it, streamed from the server's
         ``/v1/completions`` (llama-server's; any OpenAI-compatible one). The answer stripped (or, with ``lines``,
         the first that many parsed lines, the stream closed after them). Tokens prefilled: the server's
         ``timings.prompt_n`` where it sends timings, else the whole prompt."""
-        tokens = (await self.helper._json("POST", "/tokenize", json={
-            "model": self.llm, "messages": [{"role": "user", "content": text}], "add_generation_prompt": True}))["tokens"]
+        tokens = await self.tokens(messages=[{"role": "user", "content": text}])
         body = {"model": self.llm, "prompt": tokens, "max_tokens": max_tokens, "temperature": 0, "stream": True,
                 **self.extra}
         parts, timings = [], None
@@ -221,6 +230,72 @@ class PeerPipeline:
         return "".join(parts).strip()
 
 
+class PeerJudge:
+    """``llm-rerank``'s judge asked of the peer's server: each candidate's chat (document first, as the helper's
+    config and headrace's default have it) prompted with ``max_tokens`` 1 and ``logprobs`` 20, scored
+    logsumexp(yes variants) - logsumexp(no variants) over the variants among the top 20 (a side with none there is
+    put at the 20th's logprob, a bound). The engine takes the same margin over every variant's logit; the top 20 of
+    a 49k vocabulary hold the judge's answers. Reads llama-server's logprobs (``content[0].top_logprobs``) and the
+    OpenAI completions' (``top_logprobs[0]``, headrace's)."""
+
+    TOP = 20
+
+    def __init__(self, pipeline: PeerPipeline) -> None:
+        self.pipeline = pipeline
+
+    async def top(self, query: str, documents: list[str], top_n: int, record: Any) -> list[str]:
+        query = await self.cut(query, MAX_QUERY_TOKENS)
+        scores = [0.0] * len(documents)
+
+        async def one(i: int) -> None:
+            doc = await self.cut(documents[i], MAX_DOC_TOKENS)
+            scores[i] = await self.score(judge_messages(query, doc, True), record)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(documents)):
+                tg.start_soon(one, i)
+        order = sorted(range(len(documents)), key=lambda i: -scores[i])  # stable: ties keep the pool's order
+        return [documents[i] for i in order[:top_n]]
+
+    async def cut(self, text: str, max_tokens: int) -> str:
+        steps = truncation(text, max_tokens)
+        probe = next(steps)
+        try:
+            while True:
+                probe = steps.send(len(await self.pipeline.tokens(probe)))
+        except StopIteration as done:
+            return done.value
+
+    async def score(self, messages: list[dict[str, str]], record: Any) -> float:
+        pipeline = self.pipeline
+        tokens = await pipeline.tokens(messages=messages)
+        body = {**pipeline.extra, "model": pipeline.llm, "prompt": tokens, "max_tokens": 1, "temperature": 0,
+                "logprobs": self.TOP, "stream": False}
+        response = await pipeline.server.post("/v1/completions", json=body)
+        if response.status_code != 200:
+            raise BenchError(f"the judge's call: HTTP {response.status_code}: {response.text[:300]!r}")
+        out = response.json()
+        timings = out.get("timings") or {}
+        record.prompt_tokens += len(tokens)
+        record.prefilled_tokens += int(timings["prompt_n"]) if "prompt_n" in timings else len(tokens)
+        return judge_margin(out["choices"][0]["logprobs"])
+
+
+def judge_margin(logprobs: dict[str, Any]) -> float:
+    """log P(yes) - log P(no) from one token's top logprobs, in llama-server's shape or OpenAI completions'."""
+    if "content" in logprobs:
+        top = {t["token"]: t["logprob"] for t in logprobs["content"][0]["top_logprobs"]}
+    else:
+        top = logprobs["top_logprobs"][0]
+    floor = min(top.values())
+
+    def pooled(words: tuple[str, ...]) -> float:
+        found = [top[w] for w in words if w in top]
+        return float(np.logaddexp.reduce(found)) if found else floor
+
+    return pooled(YES_VARIANTS) - pooled(NO_VARIANTS)
+
+
 def llama_server_built() -> str | None:
     """Why the peer cannot run here, or None: its binary is built once by scripts/build-llama-server."""
     script = REPO / "scripts" / "build-llama-server"
@@ -240,7 +315,7 @@ def peers_script() -> Any:
 
 
 async def peer_mode(bench: Any, workflow: str) -> dict[str, Any]:
-    """The workflow against llama-server, with a helper daemon for embeddings and rerank."""
+    """The workflow against llama-server, with a helper daemon for embeddings and tokenizing."""
     from headrace.bench.rag_repeat import PEER, Target, workflow_config
 
     missing = llama_server_built()
@@ -260,9 +335,6 @@ async def peer_mode(bench: Any, workflow: str) -> dict[str, Any]:
             bench.retrieval = await popularity(bench, helper)
         kinds = await helper.models()
         llm = next(m for m, k in kinds.items() if k == "llm")
-        reranker = next((m for m, k in kinds.items() if k == "rerank"), None)
-        if workflow == "advanced_rag" and reranker is None:
-            raise BenchError("advanced_rag's peer reranks with the helper daemon's reranker: the config has none")
         run_dir = bench.work / f"{PEER}-{workflow}-server"
         run_dir.mkdir()
         try:
@@ -273,7 +345,7 @@ async def peer_mode(bench: Any, workflow: str) -> dict[str, Any]:
                                              limits=limits) as server:
                     # Its prompt cache on (its default, said), and its timings on every streamed chunk.
                     extra = {**spec.body_extra, "cache_prompt": True, "timings_per_token": True}
-                    pipeline = PeerPipeline(helper, bench.retriever, server, extra, llm, reranker)
+                    pipeline = PeerPipeline(helper, bench.retriever, server, extra, llm)
                     out = await bench.measure(PEER, workflow, Target(helper, workflow,
                                                                      workflow_config(PEER, bench.opts), pipeline),
                                               None)
@@ -282,4 +354,4 @@ async def peer_mode(bench: Any, workflow: str) -> dict[str, Any]:
     return {**out, "argv": argv, "settings": pair.settings}
 
 
-__all__ = ["PeerPipeline", "Retriever", "peer_mode", "popularity", "llama_server_built"]
+__all__ = ["PeerJudge", "PeerPipeline", "judge_margin", "Retriever", "peer_mode", "popularity", "llama_server_built"]

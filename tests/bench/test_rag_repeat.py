@@ -4,6 +4,7 @@ flags, and a smoke run against the session's daemon whose report holds together 
 from __future__ import annotations
 
 import json
+import math
 import tomllib
 from collections import Counter
 from types import SimpleNamespace
@@ -157,11 +158,11 @@ async def test_the_peer_pipeline_sends_headrace_s_own_prompts_and_gets_its_answe
         async with httpx.AsyncClient(base_url=server.base_url, timeout=120,
                                      headers={"Authorization": f"Bearer {API_KEY}"}) as http:
             one = Answer(0)
-            peer = Recording(helper, retriever, http, {}, "smollm2", None)
+            peer = Recording(helper, retriever, http, {}, "smollm2")
             await peer.run("naive_rag", question, {"max_tokens": 8, "top_k": 1}, one)
             (prompt,) = peer.prompts
             tree = Answer(1)
-            await PeerPipeline(helper, retriever, http, {}, "smollm2", None).run("naive_rag", question,
+            await PeerPipeline(helper, retriever, http, {}, "smollm2").run("naive_rag", question,
                                                                                  {"max_tokens": 8}, tree)
             prompt_ids = (await helper._json("POST", "/tokenize", json={
                 "model": "smollm2", "messages": [{"role": "user", "content": prompt}],
@@ -182,3 +183,66 @@ async def test_the_peer_pipeline_sends_headrace_s_own_prompts_and_gets_its_answe
     assert 0 < tree.ttft_s <= tree.latency_s and tree.answer
     # headrace sends no llama.cpp timings: every prompt token counts as prefilled, over 3 leaves and a combine.
     assert tree.prefilled_tokens == tree.prompt_tokens > 4 * 20
+
+
+def test_the_judge_margin_reads_both_servers_logprobs():
+    """llama-server's ``content[0].top_logprobs`` and OpenAI completions' ``top_logprobs[0]`` give one margin:
+    the yes variants pooled against the no variants; a side absent from the top is put at the lowest shown."""
+    from headrace.bench.rag_repeat_peer import judge_margin
+
+    top = {"Yes": -0.5, " yes": -2.0, "No": -1.5, "The": -4.0}
+    pooled_yes = math.log(math.exp(-0.5) + math.exp(-2.0))
+    assert judge_margin({"top_logprobs": [top]}) == pytest.approx(pooled_yes + 1.5)
+    llama = {"content": [{"id": 1, "token": "Yes", "logprob": -0.5,
+                          "top_logprobs": [{"id": i, "token": t, "logprob": v} for i, (t, v) in enumerate(top.items())]}]}
+    assert judge_margin(llama) == pytest.approx(pooled_yes + 1.5)
+    assert judge_margin({"top_logprobs": [{"Yes": -0.1, "The": -3.0}]}) == pytest.approx(2.9)
+
+
+JUDGED = [
+    "The statistics.mean function returns the sample arithmetic mean of data, which can be a sequence or iterable.",
+    "Tomatoes grow best in warm weather with plenty of sun; water them deeply once or twice a week.",
+    "statistics.median returns the median (middle value) of numeric data, using the common mean of two middle values."
+    + " Numbers are sorted first." * 150,  # past the judge's 384 tokens: cut as the engine cuts it
+]
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_the_peer_s_judge_scores_as_headrace_s_reranker(server):
+    """``PeerJudge`` asked of headrace's own /v1/completions: the margins its llm-rerank gives on /v1/rerank (the
+    same chats, cut to the same budgets), the top documents in their order, every prompt token counted."""
+    import httpx
+
+    from headrace.bench.client import Daemon
+    from headrace.bench.rag_repeat import Answer
+    from headrace.bench.rag_repeat_peer import PeerPipeline
+
+    query = "What does statistics.mean return?"
+    helper = Daemon(server.base_url, API_KEY)
+    try:
+        ranked = await helper._json("POST", "/v1/rerank", json={"model": "smollm2-rerank", "query": query,
+                                                                 "documents": JUDGED})
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120,
+                                     headers={"Authorization": f"Bearer {API_KEY}"}) as http:
+            peer = PeerPipeline(helper, None, http, {}, "smollm2")
+            record = Answer(0)
+            cut = [await peer.judge.cut(d, 384) for d in JUDGED]
+            from headrace.plugins.engines.retrieval.rerankers import judge_messages
+            margins = [await peer.judge.score(judge_messages(query, d, True), record) for d in cut]
+            top = await peer.judge.top(query, JUDGED, 2, record)
+    finally:
+        await helper.aclose()
+    assert cut[:2] == JUDGED[:2] and JUDGED[2].startswith(cut[2]) and len(cut[2]) < len(JUDGED[2]) // 2
+    served = {r["index"]: r["relevance_score"] for r in ranked["results"]}
+    expected = [math.log(served[i]) - math.log1p(-served[i]) for i in range(len(JUDGED))]
+    # Batched on one side and alone on the other, the prefills round apart a little (NEAR_TIE_NATS above).
+    assert max(abs(m - e) for m, e in zip(margins, expected)) < 0.3, (margins, expected)
+    # top() scores the three again side by side: its order is the margins' wherever they stand apart.
+    order = sorted(range(len(JUDGED)), key=lambda i: -margins[i])
+    assert len(top) == 2 and set(top) <= set(JUDGED)
+    if margins[order[0]] - margins[order[1]] > 0.6:
+        assert top[0] == JUDGED[order[0]]
+    if margins[order[1]] - margins[order[2]] > 0.6:
+        assert JUDGED[order[2]] not in top
+    assert record.prompt_tokens > 2 * 40 and record.prefilled_tokens == record.prompt_tokens

@@ -27,7 +27,7 @@ which is how the daemon's batch scheduler hands them several requests at once.
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Any, Generator, Sequence
 
 import anyio
 import torch
@@ -113,6 +113,8 @@ SYSTEM_PROMPT = (
 # meaning, not the spelling.
 YES_VARIANTS = ("yes", "Yes", " yes", " Yes")
 NO_VARIANTS = ("no", "No", " no", " No")
+# The defaults of the options max_doc_tokens and max_query_tokens: what of each text the judge reads.
+MAX_DOC_TOKENS, MAX_QUERY_TOKENS = 384, 128
 
 
 class LLMReranker:
@@ -126,10 +128,10 @@ class LLMReranker:
         self._llm_name = str(spec.options.get("llm") or "")
         if not self._llm_name:
             raise ValueError(f"engines.{spec.name}.options.llm is required: name the LLM engine that judges relevance.")
-        self._max_doc_tokens = int(spec.options.get("max_doc_tokens", 384))
+        self._max_doc_tokens = int(spec.options.get("max_doc_tokens", MAX_DOC_TOKENS))
         if self._max_doc_tokens < 1:
             raise ValueError(f"engines.{spec.name}.options.max_doc_tokens must be >= 1")
-        self._max_query_tokens = int(spec.options.get("max_query_tokens", 128))
+        self._max_query_tokens = int(spec.options.get("max_query_tokens", MAX_QUERY_TOKENS))
         if self._max_query_tokens < 1:
             raise ValueError(f"engines.{spec.name}.options.max_query_tokens must be >= 1")
         self._document_first = spec.options.get("document_first", True)
@@ -260,17 +262,29 @@ def single_token_ids(llm: Any, words: Sequence[str]) -> list[int]:
 
 
 def truncate_to_tokens(llm: Any, text: str, max_tokens: int) -> str:
-    """The longest prefix of ``text`` (cut at a character) within ``max_tokens``.
+    """The longest prefix of ``text`` (cut at a character) within ``max_tokens`` of ``llm.encode``."""
+    steps = truncation(text, max_tokens)
+    probe = next(steps)
+    try:
+        while True:
+            probe = steps.send(len(llm.encode(probe)))
+    except StopIteration as done:
+        return done.value
+
+
+def truncation(text: str, max_tokens: int) -> Generator[str, int, str]:
+    """``truncate_to_tokens``'s search, for any tokenizer: it yields each text whose token count it needs and is
+    sent that count back; it returns the cut text. (A client that tokenizes over HTTP drives it the same way.)
 
     The LLM protocol has no detokenizer, so cut characters instead: start from
     the proportional guess and shrink until the prefix fits.
     """
-    n = len(llm.encode(text))
+    n = yield text
     if n <= max_tokens:
         return text
     cut = len(text) * max_tokens // n
     while cut > 0:
-        n = len(llm.encode(text[:cut]))
+        n = yield text[:cut]
         if n <= max_tokens:
             return text[:cut]
         cut = min(cut - 1, cut * max_tokens // n)
