@@ -21,6 +21,10 @@ Modes:
 - ``placed``: those tokens with the chunks placed from KV computed alone beforehand (the llama-cpp engine's
   ``place_documents``: restored, shifted, each chunk's first 16 tokens recomputed in place), scored against
   ``question-first`` and, for the placement alone, ``pieces``;
+- ``pieces-context-first`` / ``placed-context-first``: the same two with the contexts before the question (the
+  workflows' default layout): a placed chunk then lacks its attention to the chunks before it, never to the
+  question, which comes after and is computed in place; ``placed-context-first`` is scored against
+  ``pieces-context-first``;
 - ``leaf-question-first`` / ``leaf-context-first``: ``naive_rag``'s tree leaf (its default synthesis: one prompt
   per context, then a combine that sees no context), over the answer's chunk alone, in either order: the
   leaves' layout scored apart from the one-shot's, each against ``leaf-question-first``.
@@ -44,11 +48,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 RAG_QA = "rag-qa"  # the benchmark's name on the ``headrace bench`` command line
-MODES = ("question-first", "context-first", "canonical", "pieces", "placed", "leaf-question-first",
-         "leaf-context-first")
+MODES = ("question-first", "context-first", "canonical", "pieces", "placed", "pieces-context-first",
+         "placed-context-first", "leaf-question-first", "leaf-context-first")
 PLACED, PIECES = "placed", "pieces"
+PLACED_CF, PIECES_CF = "placed-context-first", "pieces-context-first"
+PLACED_MODES, PIECES_MODES = (PLACED, PLACED_CF), (PIECES, PIECES_CF)
 PLACED_PARTITION = "rag-qa-placed"
-DEFAULT_MODES = tuple(m for m in MODES if m not in (PIECES, PLACED))  # placement needs its own engine options
+DEFAULT_MODES = tuple(m for m in MODES if m not in (*PIECES_MODES, *PLACED_MODES))  # placement: its own options
 LEAF = "leaf-"  # a leaf mode's prefix: scored against leaf-question-first
 # Pure-Python modules beside the corpus's whose docstrings give more "Return X." questions (those that have any).
 EXTRA_MODULES = ("posixpath", "ipaddress", "secrets", "platform", "sysconfig", "traceback", "locale", "codecs",
@@ -144,7 +150,7 @@ def render(prompt: QAPrompt, mode: str, frame: tuple[str, str]) -> str:
         values = {"question": prompt.item.question, "context": prompt.contexts[prompt.home]}
         return head + PromptTemplate(template).render(values) + tail
     contexts = list(prompt.contexts)
-    if mode in (PIECES, PLACED):  # marks where each chunk goes: tokenized alone (``tokenize_documents``)
+    if mode in (*PIECES_MODES, *PLACED_MODES):  # marks where each chunk goes: tokenized alone (``tokenize_documents``)
         from headrace.graph.prompts import document_marks
         contexts = document_marks(contexts)
     if mode == "canonical":
@@ -207,9 +213,10 @@ async def qa_phase(config_path: Path, cache_dir: Path, opts: QAOptions, seed: in
         prompts = prompts[: opts.questions]
     data = Path(os.environ.get("TMPDIR", "/tmp")) / f"headrace-rag-qa-{os.getpid()}"
     overrides = cold_overrides(cfg.plugin)
-    if PLACED in opts.modes:  # the chunks' KV kept in the tiers; everything else in a partition of its own
+    placing = any(m in PLACED_MODES for m in opts.modes)
+    if placing:  # the chunks' KV kept in the tiers; everything else in a partition of its own
         if cfg.plugin not in ("llama-cpp", "torch"):
-            raise ValueError(f"--qa-modes {PLACED}: only the llama-cpp and torch engines place documents, "
+            raise ValueError(f"--qa-modes {PLACED} / {PLACED_CF}: only the llama-cpp and torch engines place documents, "
                              f"not {cfg.plugin}")
         overrides.update({"prefix_cache_tokens": None, "kv_host_mib": 2048, "kv_disk_mib": 0,
                           "place_documents": True, "place_recompute_tokens": opts.recompute})
@@ -230,15 +237,15 @@ async def qa_phase(config_path: Path, cache_dir: Path, opts: QAOptions, seed: in
         for i, p in enumerate(prompts, 1):
             for mode in opts.modes:
                 prefill: dict[str, Any] = {}
-                if mode in (PIECES, PLACED):
+                if mode in (*PIECES_MODES, *PLACED_MODES):
                     tokens, spans = tokenize_documents(engine, render(p, mode, frame), list(p.contexts))
                 else:
                     tokens = list(engine.prompt_tokens(render(p, mode, frame)))
-                if mode == PLACED:  # the chunks computed beforehand, as an ingest does (not timed)
+                if mode in PLACED_MODES:  # the chunks computed beforehand, as an ingest does (not timed)
                     await engine.prepare_documents([tokens[s:s + n] for s, n in spans],
                                                    cache_partition=PLACED_PARTITION)
                     prefill = {"documents": spans, "cache_partition": PLACED_PARTITION}
-                elif PLACED in opts.modes:
+                elif placing:
                     prefill = {"cache_partition": f"rag-qa-{mode}-{i}"}
                 text, seconds = await answer(engine, tokens, opts.tokens, **prefill)
                 said = answer_text(text)
@@ -249,7 +256,7 @@ async def qa_phase(config_path: Path, cache_dir: Path, opts: QAOptions, seed: in
         placement.update({k: v for k, v in engine.stats().items() if k.startswith("placement_")})
 
     log(f"{cfg.label}: {len(prompts)} questions x {len(opts.modes)} modes, "
-        + ("placed chunks kept in the KV tiers, nothing else reused" if PLACED in opts.modes else "prefix cache off"))
+        + ("placed chunks kept in the KV tiers, nothing else reused" if placing else "prefix cache off"))
     try:
         await serving(engine, scenario)
     finally:
@@ -272,8 +279,9 @@ async def qa_phase(config_path: Path, cache_dir: Path, opts: QAOptions, seed: in
 def baseline(mode: str, modes: list[str]) -> str:
     """The mode ``mode`` is compared with: its family's question-first layout where it was run, else the first."""
     own = "leaf-question-first" if mode.startswith(LEAF) else "question-first"
-    if mode == PLACED and PIECES in modes:  # the placement's own effect: the same tokens, prefilled whole
-        own = PIECES
+    pieces = dict(zip(PLACED_MODES, PIECES_MODES)).get(mode)
+    if pieces in modes:  # the placement's own effect: the same tokens, prefilled whole
+        own = pieces
     return own if own in modes else modes[0]
 
 
@@ -327,12 +335,13 @@ def run_command(args: Any) -> int:
     t0 = time.perf_counter()
     results = anyio.run(qa_phase, args.config, load_config(args.config).data.cache_path(), opts, args.seed,
                         lambda line: print(line, flush=True))
+    placing = any(m in PLACED_MODES for m in opts.modes)
     command = (f"headrace bench {RAG_QA} --config {args.config} --qa-modes {' '.join(opts.modes)} --qa-tokens {opts.tokens}"
                + (f" --qa-questions {opts.questions}" if opts.questions else "")
-               + (f" --qa-recompute {opts.recompute}" if PLACED in opts.modes else "")
+               + (f" --qa-recompute {opts.recompute}" if placing else "")
                + (f" --qa-select {opts.select} --qa-select-ratio {opts.select_ratio}"
                   f" --qa-select-layer {opts.select_layer}"
-                  if PLACED in opts.modes and opts.select != "first" else "")
+                  if placing and opts.select != "first" else "")
                + (f" --seed {args.seed}" if args.seed else "") + f" --out {args.out}")
     results["meta"] = {"machine": machine(), "cpu": describe_cpu(), "cpu_cores": cpu.cores(), "time": started,
                        "elapsed_s": time.perf_counter() - t0, "command": command}

@@ -27,6 +27,8 @@ def test_each_question_has_its_answer_in_one_of_its_chunks_at_a_seeded_place():
 
 
 def test_the_layouts_differ_only_in_order():
+    from headrace.graph.prompts import document_marks
+
     p = qa_prompts()[0]
     frame = ("<head>", "<tail>")
     first, context_first, canonical = (render(p, m, frame) for m in ("question-first", "context-first", "canonical"))
@@ -34,6 +36,11 @@ def test_the_layouts_differ_only_in_order():
     assert context_first.index(p.item.question) > max(context_first.index(c) for c in p.contexts)
     assert sorted(first.split()) == sorted(context_first.split()) == sorted(canonical.split())
     assert all(t.startswith("<head>") and t.endswith("<tail>") for t in (first, context_first, canonical))
+    # The pieces' layouts: each chunk's mark (tokenized alone there), the question before or after them.
+    pieces, pieces_cf = (render(p, m, frame) for m in ("pieces", "pieces-context-first"))
+    marks = document_marks(list(p.contexts))
+    assert pieces.index(p.item.question) < pieces.index(marks[0])
+    assert pieces_cf.index(p.item.question) > max(pieces_cf.index(m) for m in marks)
     # A leaf: the answer's chunk alone, in either order.
     leaf_first, leaf_context = (render(p, m, frame) for m in ("leaf-question-first", "leaf-context-first"))
     home = p.contexts[p.home]
@@ -76,13 +83,15 @@ def test_a_placed_run_scores_the_placement_against_the_same_tokens_prefilled(tmp
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/setup builds it)")
     out = tmp_path / "qa"
     result = in_process(main, "bench", "rag-qa", "--qa-questions", "2", "--qa-tokens", "6",
-                        "--qa-modes", "question-first", "pieces", "placed", "--out", str(out))
+                        "--qa-modes", "question-first", "pieces", "placed", "pieces-context-first",
+                        "placed-context-first", "--out", str(out))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     summary = {r["mode"]: r for r in results["summary"]}
     assert summary["placed"]["f1_vs"] == "pieces" and summary["pieces"]["f1_vs"] == "question-first"
-    # Every placed prompt restored its three chunks' blocks past their first 16 tokens.
+    assert summary["placed-context-first"]["f1_vs"] == "pieces-context-first"
+    # Every placed prompt (2 questions, both layouts) restored its three chunks' blocks past their first 16 tokens.
     placement = results["placement"]
-    assert placement["placement_placements"] == 2 and placement["placement_fallbacks"] == 0
-    assert placement["placement_placed_tokens"] > 2 * 3 * 64, placement
+    assert placement["placement_placements"] == 4 and placement["placement_fallbacks"] == 0
+    assert placement["placement_placed_tokens"] > 4 * 3 * 64, placement
     assert "placed chunks from the KV tiers" in (out / "results.md").read_text()
