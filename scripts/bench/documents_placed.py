@@ -2,7 +2,8 @@
 whose retrieved chunks are placed from KV computed at ingest, against a full prefill of the same tokens.
 
 Each query is naive_rag's one-shot synthesis in its question-first layout (the question before the contexts, so
-no chunk is an exact prefix) over ``--chunks`` chunks of ~500 tokens of standard-library docstrings, each chunk
+no chunk is an exact prefix; ``--layout context-first``: the workflows' default, the contexts before the question,
+every chunk still placed) over ``--chunks`` chunks of ~500 tokens of standard-library docstrings, each chunk
 tokenized alone where it stands (``graph.prompts.tokenize_documents``, as a workflow with ``place_documents``
 renders it). Per query, on one engine (``--engine``: llama-cpp or torch; the default model and weights, ``place_documents`` on):
 
@@ -35,7 +36,7 @@ import anyio
 from headrace.bench.corpus import MODULES, _sections
 from headrace.graph.ops import chunk_text
 from headrace.graph.prompts import PromptTemplate, chat_frame, document_marks, tokenize_documents
-from headrace.graph.workflows.common import ONE_SHOT
+from headrace.graph.workflows.common import ONE_SHOT, one_shot_context_first
 from headrace.plugins.engines.llama_cpp.engine import LlamaCppLLM
 from headrace.plugins.engines.llama_cpp.files import default_cache_dir
 from headrace.plugins.engines.torch_engine.engine import TorchLLM
@@ -46,6 +47,7 @@ from headrace.quality.qa import returns_items
 from benchlib import cpu_name  # beside this script
 
 CHUNK_TOKENS = (430, 570)  # "~500 tokens"
+TEMPLATES = {"question-first": ONE_SHOT, "context-first": one_shot_context_first.prompt}
 # Each clock starts on an idle engine: a context freed just before leaves work on the engine thread (its deferred
 # prefix-cache copy: ~150 ms at 4,000 tokens on the Xeon) that would otherwise land in the next prefill's time.
 IDLE_S = 1.0
@@ -65,14 +67,15 @@ def chunks_and_questions(engine, seed: int) -> tuple[list[str], list[str]]:
     return texts, questions
 
 
-async def measure(engine, n_chunks: int, queries: int, answer_tokens: int, seed: int) -> dict:
+async def measure(engine, n_chunks: int, queries: int, answer_tokens: int, seed: int,
+                  layout: str = "question-first") -> dict:
     head, tail = chat_frame(engine, None)
     texts, questions = await anyio.to_thread.run_sync(chunks_and_questions, engine, seed)
     rng = random.Random(seed + n_chunks)
     rows = []
     for q in range(queries):
         chosen = rng.sample(texts, n_chunks)
-        marked = head + PromptTemplate(ONE_SHOT).render(
+        marked = head + PromptTemplate(TEMPLATES[layout]).render(
             {"question": questions[q % len(questions)], "contexts": document_marks(chosen)}) + tail
         tokens, spans = tokenize_documents(engine, marked, chosen)
         await engine.prepare_documents([tokens[s:s + n] for s, n in spans], cache_partition="placed")
@@ -122,6 +125,8 @@ def main() -> None:
                    help="torch: place_select (first: the first tokens alone)")
     p.add_argument("--select-ratio", type=float, default=0.15, help="torch: place_select_ratio")
     p.add_argument("--select-layer", type=int, default=1, help="torch: place_select_layer")
+    p.add_argument("--layout", choices=list(TEMPLATES), default="question-first",
+                   help="the one-shot template: the question before the chunks, or after them")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path)
     args = p.parse_args()
@@ -148,12 +153,13 @@ def main() -> None:
                 await engine.prefill(warm := engine.new_context_id(), engine.encode("Warm up. " * 64))
                 await engine.free(warm)
                 for n in args.chunks:
-                    results.append(await measure(engine, n, args.queries, args.answer_tokens, args.seed))
+                    results.append(await measure(engine, n, args.queries, args.answer_tokens, args.seed, args.layout))
                 tg.cancel_scope.cancel()
 
         anyio.run(scenario)
     selected = f"; select {args.select} {args.select_ratio} on layer {args.select_layer}" if args.select != "first" else ""
-    print(f"\nCPU: {cpu_name()}, {args.threads} threads; engine {args.engine}; recompute {args.recompute}{selected}")
+    print(f"\nCPU: {cpu_name()}, {args.threads} threads; engine {args.engine}; recompute {args.recompute}{selected}; "
+          f"{args.layout}")
     print("| chunks | prompt tokens | placed | TTFT full ms | TTFT placed ms | speed-up | mean KL | p99 KL | top-1 |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
