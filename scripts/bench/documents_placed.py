@@ -36,7 +36,7 @@ import anyio
 from headrace.bench.corpus import MODULES, _sections
 from headrace.graph.ops import chunk_text
 from headrace.graph.prompts import PromptTemplate, chat_frame, document_marks, tokenize_documents
-from headrace.graph.workflows.common import ONE_SHOT, one_shot_context_first
+from headrace.graph.workflows.common import STEPS
 from headrace.plugins.engines.llama_cpp.engine import LlamaCppLLM
 from headrace.plugins.engines.llama_cpp.files import default_cache_dir
 from headrace.plugins.engines.torch_engine.engine import TorchLLM
@@ -47,7 +47,8 @@ from headrace.quality.qa import returns_items
 from benchlib import cpu_name  # beside this script
 
 CHUNK_TOKENS = (430, 570)  # "~500 tokens"
-TEMPLATES = {"question-first": ONE_SHOT, "context-first": one_shot_context_first.prompt}
+# naive_rag's one-shot synthesis in each layout (``STEPS`` by context_first).
+TEMPLATES = {"question-first": STEPS[False][2].prompt, "context-first": STEPS[True][2].prompt}
 # Each clock starts on an idle engine: a context freed just before leaves work on the engine thread (its deferred
 # prefix-cache copy: ~150 ms at 4,000 tokens on the Xeon) that would otherwise land in the next prefill's time.
 IDLE_S = 1.0

@@ -53,8 +53,9 @@ MODES = ("question-first", "context-first", "canonical", "pieces", "placed", "pi
 PLACED, PIECES = "placed", "pieces"
 PLACED_CF, PIECES_CF = "placed-context-first", "pieces-context-first"
 PLACED_MODES, PIECES_MODES = (PLACED, PLACED_CF), (PIECES, PIECES_CF)
+TOKENIZED_ALONE = (*PIECES_MODES, *PLACED_MODES)  # each chunk tokenized alone where it stands
 PLACED_PARTITION = "rag-qa-placed"
-DEFAULT_MODES = tuple(m for m in MODES if m not in (*PIECES_MODES, *PLACED_MODES))  # placement: its own options
+DEFAULT_MODES = tuple(m for m in MODES if m not in TOKENIZED_ALONE)  # placement: its own options
 LEAF = "leaf-"  # a leaf mode's prefix: scored against leaf-question-first
 # Pure-Python modules beside the corpus's whose docstrings give more "Return X." questions (those that have any).
 EXTRA_MODULES = ("posixpath", "ipaddress", "secrets", "platform", "sysconfig", "traceback", "locale", "codecs",
@@ -73,6 +74,11 @@ class QAOptions:
     select: str = "first"  # ``placed`` on torch: how more tokens are chosen to compute again (place_select)
     select_ratio: float = 0.15  # ... and their share of the placed tokens (place_select_ratio)
     select_layer: int = 1  # ... on which layer they are chosen (place_select_layer)
+
+    @property
+    def placing(self) -> bool:
+        """Some mode places chunks: the engine runs with ``place_documents`` and the KV tiers."""
+        return any(m in PLACED_MODES for m in self.modes)
 
     def check(self) -> None:
         bad = [m for m in self.modes if m not in MODES]
@@ -150,7 +156,7 @@ def render(prompt: QAPrompt, mode: str, frame: tuple[str, str]) -> str:
         values = {"question": prompt.item.question, "context": prompt.contexts[prompt.home]}
         return head + PromptTemplate(template).render(values) + tail
     contexts = list(prompt.contexts)
-    if mode in (*PIECES_MODES, *PLACED_MODES):  # marks where each chunk goes: tokenized alone (``tokenize_documents``)
+    if mode in TOKENIZED_ALONE:  # marks where each chunk goes: tokenized alone (``tokenize_documents``)
         from headrace.graph.prompts import document_marks
         contexts = document_marks(contexts)
     if mode == "canonical":
@@ -213,7 +219,7 @@ async def qa_phase(config_path: Path, cache_dir: Path, opts: QAOptions, seed: in
         prompts = prompts[: opts.questions]
     data = Path(os.environ.get("TMPDIR", "/tmp")) / f"headrace-rag-qa-{os.getpid()}"
     overrides = cold_overrides(cfg.plugin)
-    placing = any(m in PLACED_MODES for m in opts.modes)
+    placing = opts.placing
     if placing:  # the chunks' KV kept in the tiers; everything else in a partition of its own
         if cfg.plugin not in ("llama-cpp", "torch"):
             raise ValueError(f"--qa-modes {PLACED} / {PLACED_CF}: only the llama-cpp and torch engines place documents, "
@@ -237,7 +243,7 @@ async def qa_phase(config_path: Path, cache_dir: Path, opts: QAOptions, seed: in
         for i, p in enumerate(prompts, 1):
             for mode in opts.modes:
                 prefill: dict[str, Any] = {}
-                if mode in (*PIECES_MODES, *PLACED_MODES):
+                if mode in TOKENIZED_ALONE:
                     tokens, spans = tokenize_documents(engine, render(p, mode, frame), list(p.contexts))
                 else:
                     tokens = list(engine.prompt_tokens(render(p, mode, frame)))
@@ -335,7 +341,7 @@ def run_command(args: Any) -> int:
     t0 = time.perf_counter()
     results = anyio.run(qa_phase, args.config, load_config(args.config).data.cache_path(), opts, args.seed,
                         lambda line: print(line, flush=True))
-    placing = any(m in PLACED_MODES for m in opts.modes)
+    placing = opts.placing
     command = (f"headrace bench {RAG_QA} --config {args.config} --qa-modes {' '.join(opts.modes)} --qa-tokens {opts.tokens}"
                + (f" --qa-questions {opts.questions}" if opts.questions else "")
                + (f" --qa-recompute {opts.recompute}" if placing else "")
