@@ -54,14 +54,21 @@ class HeadraceIngress:
                            for k, v in start.headers)
 
         async def rest():
+            ended = False
             try:
                 async for chunk in stream:
                     yield chunk
+                ended = True
             except REPLICA_FAILED as exc:
                 log.warning("%s %s: its replica failed mid-answer: %s", request.method, request.url.path, exc)
                 if event_stream:  # the status is sent already: the error goes in the stream, as the daemon's do
                     error = APIError(503, "the replica serving this stream died", code="replica_failed")
                     yield f"data: {json.dumps(error.body())}\n\n".encode()
+            finally:
+                # Closed early (the client went away): cancel the replica's call now, not when Ray gets to the
+                # request's children (a run a disconnect should cancel once ran to its end: CI, 2026-12-02).
+                if not ended:
+                    stream.cancel()
 
         response = StreamingResponse(rest(), status_code=start.status)
         response.raw_headers = list(start.headers)
