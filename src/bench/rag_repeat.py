@@ -19,6 +19,8 @@ through the prefix cache and tiers, ``llm-rerank``'s ``document_first``) in the 
   is an exact prefix of every later prompt that retrieves it;
 - ``chunk-kv``: as ``tiers-context-first``, and the collection's ``chunk_kv`` on: every chunk prefilled when it
   is ingested (the ingest's time and tokens reported), so a chunk's first retrieval is a hit too;
+- ``placed-context-first``: as ``chunk-kv``, on an engine with ``place_documents`` (the defaults since issue 49):
+  each chunk's KV also computed alone at ingest, so the chunks after a prompt's first are placed, not prefilled;
 - ``placed``: the question first, the tiers, ``chunk_kv`` on an engine with ``place_documents``: each chunk's KV
   computed alone at ingest and placed wherever a prompt puts it, its first 16 tokens recomputed (close to a
   full prefill, not equal: the report's same-answer share says how close);
@@ -80,15 +82,23 @@ QUESTION_FIRST = {"context_first": False}  # the baselines' order, whatever the 
 # The LLM reranker's prompts in the mode's order too: the query first (each candidate computed for every query), or
 # the document first, scored through the prefix cache and tiers (a candidate scored once is restored after).
 QUERY_FIRST_RERANK, DOCUMENT_FIRST_RERANK = {"document_first": False}, {"document_first": True}
+PLACE_OFF, PLACE_ON = {"place_documents": False}, {"place_documents": True}  # the engine's, and the workflow's
 MODES: dict[str, ModeSpec] = {
-    ENGINE_CACHE: ModeSpec({"kv_host_mib": 0, "kv_disk_mib": 0}, QUESTION_FIRST, rerank_options=QUERY_FIRST_RERANK),
-    "tiers": ModeSpec(TIERS_ON, QUESTION_FIRST, rerank_options=QUERY_FIRST_RERANK),
-    "tiers-context-first": ModeSpec(TIERS_ON, {"context_first": True}, rerank_options=DOCUMENT_FIRST_RERANK),
+    ENGINE_CACHE: ModeSpec({"kv_host_mib": 0, "kv_disk_mib": 0, **PLACE_OFF}, QUESTION_FIRST,
+                           rerank_options=QUERY_FIRST_RERANK),
+    "tiers": ModeSpec({**TIERS_ON, **PLACE_OFF}, QUESTION_FIRST, rerank_options=QUERY_FIRST_RERANK),
+    "tiers-context-first": ModeSpec({**TIERS_ON, **PLACE_OFF}, {"context_first": True, **PLACE_OFF},
+                                    rerank_options=DOCUMENT_FIRST_RERANK),
     # Each chunk prefilled at ingest behind the chunk-first prompts, so even its first retrieval is a hit.
-    "chunk-kv": ModeSpec(TIERS_ON, {"context_first": True}, chunk_kv=True, rerank_options=DOCUMENT_FIRST_RERANK),
+    "chunk-kv": ModeSpec({**TIERS_ON, **PLACE_OFF}, {"context_first": True, **PLACE_OFF}, chunk_kv=True,
+                         rerank_options=DOCUMENT_FIRST_RERANK),
+    # The defaults since issue 49: as chunk-kv, and each chunk's KV also computed alone at ingest, so a prompt's
+    # chunks after its first are placed rather than prefilled.
+    "placed-context-first": ModeSpec({**TIERS_ON, **PLACE_ON}, {"context_first": True, **PLACE_ON}, chunk_kv=True,
+                                     rerank_options=DOCUMENT_FIRST_RERANK),
     # Question first, each chunk's KV computed alone at ingest and placed where the prompt puts it (issue 49).
-    "placed": ModeSpec({**TIERS_ON, "place_documents": True}, {**QUESTION_FIRST, "place_documents": True},
-                       chunk_kv=True, rerank_options=QUERY_FIRST_RERANK),
+    "placed": ModeSpec({**TIERS_ON, **PLACE_ON}, {**QUESTION_FIRST, **PLACE_ON}, chunk_kv=True,
+                       rerank_options=QUERY_FIRST_RERANK),
     # The helper daemon: embeddings and tokenizing only (its judge, document first, is asked of llama-server).
     PEER: ModeSpec({"kv_host_mib": 0, "kv_disk_mib": 0}, rerank_options=DOCUMENT_FIRST_RERANK),
 }

@@ -78,8 +78,7 @@ def test_baselines_validate_config_as_headrace_does():
 
     _, config = llamaindex.validate("advanced_rag", {"question": "q", "documents": ["d"]}, {})
     assert config == {"chunk_size": 256, "chunk_overlap": 30, "max_tokens": 96, "n_queries": 3,
-                      "k_per_query": 16, "top_n": 3, "synthesis": "refine", "context_first": True,
-                      "place_documents": False}
+                      "k_per_query": 16, "top_n": 3, "synthesis": "refine", "context_first": True}  # placement unset
     with pytest.raises(ValueError, match="config.place_documents"):
         llamaindex.validate("advanced_rag", {"question": "q", "documents": ["d"]}, {"place_documents": True})
     with pytest.raises(ValueError, match="config.top_kk"):

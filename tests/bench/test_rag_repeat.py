@@ -43,14 +43,17 @@ def test_each_mode_is_the_config_with_its_llm_options(tmp_path):
     llm = next(e for e in off["engines"] if e["plugin"] == "llama-cpp")
     assert llm["options"]["kv_host_mib"] == 0 and llm["options"]["kv_disk_mib"] == 0
     # Everything else as written, every engine and table kept.
-    llm["options"] = {k: v for k, v in llm["options"].items() if k not in ("kv_host_mib", "kv_disk_mib")}
+    assert llm["options"]["place_documents"] is False  # the baseline places nothing, whatever the default
+    llm["options"] = {k: v for k, v in llm["options"].items()
+                      if k not in ("kv_host_mib", "kv_disk_mib", "place_documents")}
     assert off == original
     # A tier the config turned off is on (its default size) in a tiers mode.
     (tmp_path / "off.toml").write_text((tmp_path / "a.toml").read_text())
     on = tomllib.loads(mode_config(tmp_path / "off.toml", MODES["tiers"].engine_options, tmp_path / "b.toml")
                        .read_text())
     assert "kv_host_mib" not in next(e for e in on["engines"] if e["plugin"] == "llama-cpp")["options"]
-    assert MODES["tiers-context-first"].workflow_config == {"context_first": True}
+    assert MODES["tiers-context-first"].workflow_config == {"context_first": True, "place_documents": False}
+    assert MODES["placed-context-first"].workflow_config == {"context_first": True, "place_documents": True}
     # The reranker's own options where a mode sets them: only the llm-rerank engine's.
     judged = tomllib.loads(mode_config(base, MODES["chunk-kv"].engine_options, tmp_path / "c.toml",
                                        MODES["chunk-kv"].rerank_options).read_text())

@@ -1,7 +1,8 @@
 """Documents placed at any position, through the daemon (issue 49, part 2): a collection ingested on an engine with
 ``place_documents`` computes each chunk's KV alone, and naive_rag's one-shot synthesis with ``place_documents``
 (question first, so no chunk is an exact prefix) places them: the first query already reuses them (counted by
-``headrace_prompt_cached_tokens_total``), another key's query does not, and a run without the key prefills."""
+``headrace_prompt_cached_tokens_total``), another key's query does not, and a run without the key prefills. With
+the context first (the default), a run places every chunk after the first unless its config says not to."""
 
 from __future__ import annotations
 
@@ -27,8 +28,7 @@ plugin = "llama-cpp"
 [engines.options]
 threads = 2
 n_seq_max = 8
-place_documents = true
-kv_disk_mib = 0
+kv_disk_mib = 0  # place_documents: the engine's default
 
 [[engines]]
 name = "all-minilm-l6-v2"
@@ -103,3 +103,18 @@ def test_chunks_computed_for_one_key_are_not_placed_for_another(placing):
     least = min(len(engine.encode(t)) for t in texts)
     assert run_cached(placing, OTHER_API_KEY, theirs["name"], place_documents=True) < least
     assert run_cached(placing, API_KEY, mine["name"], place_documents=True) >= 3 * (least // 16 * 16 - 16) - 1
+
+
+def test_a_context_first_run_places_its_chunks_unless_told_not_to(placing):
+    texts = documents(f"weir {uuid.uuid4().hex[:6]}")
+    made = collection(placing, API_KEY, texts)
+    engine = placing.app.state.services.daemon.pool.resolve(LLM).engine
+    doc_tokens = [len(engine.encode(t)) for t in texts]
+    context_first = {**ONE_SHOT, "context_first": True}
+    # The workflows' defaults: the first chunk is an exact prefix (computed behind the head at ingest), the others
+    # placed. First, since a placed prompt is cached apart and an exact prompt never reuses it.
+    placed = run_cached(placing, API_KEY, made["name"], **context_first)
+    assert placed >= sum(n // 16 * 16 - 16 for n in doc_tokens) - 1, (placed, doc_tokens)
+    # Told not to place: only the head and the first chunk are reused, the others prefilled.
+    unplaced = run_cached(placing, API_KEY, made["name"], **context_first, place_documents=False)
+    assert unplaced < max(doc_tokens) + min(doc_tokens), (unplaced, doc_tokens)

@@ -22,10 +22,11 @@ PLACED = "placed\0"
 NO_TIERS = "it keeps no KV tiers (prefix cache off, or kv_host_mib and kv_disk_mib 0)"
 
 
-def place_options(opts: dict[str, Any], key: str) -> tuple[bool, int]:
-    """An engine's ``place_documents`` (false: documents prefilled like any token) and ``place_recompute_tokens``
+def place_options(opts: dict[str, Any], key: str, default: bool) -> tuple[bool, int]:
+    """An engine's ``place_documents`` (false: documents prefilled like any token;
+    ``default`` where unset: the engine's measured choice) and ``place_recompute_tokens``
     (16: each placed document's first tokens computed again in place, EPIC's repair), popped from ``opts``."""
-    place = opts.pop("place_documents", False)
+    place = opts.pop("place_documents", default)
     if not isinstance(place, bool):
         raise ValueError(f"{key}.place_documents: must be true or false, not {place!r}")
     first = opts.pop("place_recompute_tokens", 16)

@@ -93,7 +93,8 @@ class TorchLLM(LLMFront):
             pins=pin_policy(opts, f"{key}.options", cache_tokens),
             tier_dir=env.data_dir / "kv" / spec.name,
             tier_budgets=tuple(mebibytes(opts.pop(n, None), f"{key}.options.{n}") for n in ("kv_host_mib", "kv_disk_mib")),
-            place=(*place_options(opts, f"{key}.options"), selection_options(opts, f"{key}.options")),
+            # Placement opt-in here: torch's selective recompute is not yet scored in the context-first layout.
+            place=(*place_options(opts, f"{key}.options", False), selection_options(opts, f"{key}.options")),
         )
         # Over the model's chat template: the front sets it on the tokenizer once loaded.
         core.chat_template = read_template(opts.pop("chat_template", None), f"{key}.options.chat_template")
